@@ -1,0 +1,27 @@
+// Operator schemas of the remat library and the (empty) Python module remat._C.
+// Implementations register per dispatch key in the <block>_cpu.cpp / <block>_cuda.cpp files;
+// fake (meta) implementations for torch.compile live in python/remat/ops/.
+#include <Python.h>
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(remat, m) {
+  // Norm blocks. x, residual, dy, dh: [rows, cols] with unit column stride. h is x + residual
+  // rounded to x's type when residual is given, else an empty tensor (the saved input is then x).
+  // mean and rstd are fp32 [rows]. dw / db are empty when there is no weight / bias.
+  m.def("rms_norm_fwd(Tensor x, Tensor? weight, Tensor? residual, float eps)"
+        " -> (Tensor y, Tensor h, Tensor rstd)");
+  m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps)"
+        " -> (Tensor y, Tensor h, Tensor mean, Tensor rstd)");
+  m.def("rms_norm_bwd(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor rstd)"
+        " -> (Tensor dx, Tensor dw)");
+  m.def("layer_norm_bwd(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor mean,"
+        " Tensor rstd, bool has_bias) -> (Tensor dx, Tensor dw, Tensor db)");
+}
+
+// The module carries no functions: importing it runs the registrations above, and Python calls
+// the operators through torch.ops.remat.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,1 @@
+"""autograd Functions, one file per block; each documents its recompute contract."""

@@ -1,0 +1,88 @@
+"""RMSNorm and LayerNorm (optionally fused with the residual add) as autograd Functions.
+
+Recompute contract (DESIGN.md section 2), checked byte for byte in tests/test_memory.py:
+
+- saved: the norm input (x, or h = x + residual when a residual is fused), fp32 rstd [rows] and,
+  for LayerNorm, fp32 mean [rows]; the weight is saved too but is a parameter and lives anyway.
+- recomputed in the backward kernel: x_hat = (h - mean) * rstd, never stored.
+
+Inputs are already 2-D [rows, cols] with unit column stride (remat.functional reshapes them).
+"""
+
+import torch
+
+from remat.ops.norm import ops_for
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = h * rstd * weight with h = x (+ residual). Returns y, or (y, h) with a residual."""
+
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps, backend):
+        ops = ops_for(backend)
+        y, h, rstd = ops.rms_norm_fwd(x, weight, residual, eps)
+        norm_input = h if residual is not None else x
+        ctx.save_for_backward(norm_input, weight, rstd)
+        ctx.backend = backend
+        ctx.has_residual = residual is not None
+        if ctx.has_residual:
+            return y, h
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        norm_input, weight, rstd = ctx.saved_tensors
+        ops = ops_for(ctx.backend)
+        dx, dw = ops.rms_norm_bwd(_unit_col(dy), _unit_col(dh), norm_input, weight, rstd)
+        return (
+            dx,
+            dw if weight is not None and ctx.needs_input_grad[1] else None,
+            dx if ctx.has_residual and ctx.needs_input_grad[2] else None,
+            None,
+            None,
+        )
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """y = (h - mean) * rstd * weight + bias with h = x (+ residual). Returns y, or (y, h)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, backend):
+        ops = ops_for(backend)
+        y, h, mean, rstd = ops.layer_norm_fwd(x, weight, bias, residual, eps)
+        norm_input = h if residual is not None else x
+        ctx.save_for_backward(norm_input, weight, mean, rstd)
+        ctx.backend = backend
+        ctx.has_bias = bias is not None
+        ctx.has_residual = residual is not None
+        if ctx.has_residual:
+            return y, h
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        norm_input, weight, mean, rstd = ctx.saved_tensors
+        ops = ops_for(ctx.backend)
+        dx, dw, db = ops.layer_norm_bwd(
+            _unit_col(dy), _unit_col(dh), norm_input, weight, mean, rstd, ctx.has_bias
+        )
+        return (
+            dx,
+            dw if weight is not None and ctx.needs_input_grad[1] else None,
+            db if ctx.has_bias and ctx.needs_input_grad[2] else None,
+            dx if ctx.has_residual and ctx.needs_input_grad[3] else None,
+            None,
+            None,
+        )
+
+
+def _unit_col(grad):
+    """Incoming gradients can be any strided (or expanded) tensor; the kernels take unit column
+    stride and any row stride. An empty gradient can keep any strides, so it is rebuilt."""
+    if grad is None:
+        return None
+    if grad.numel() == 0:
+        return grad.new_zeros(grad.shape)
+    if grad.shape[1] <= 1 or grad.stride(1) == 1:
+        return grad
+    return grad.contiguous()

@@ -1,0 +1,137 @@
+"""Which implementation runs: the choice of backend.
+
+Backends:
+- ``"cuda"``: the extension's CUDA C++ kernels, for CUDA tensors.
+- ``"cpp"``: the extension's C++ CPU kernels (OpenMP), for CPU tensors.
+- ``"triton"``: the Triton kernels, for CUDA tensors; on CPU tensors only when the Triton
+  interpreter is on (``TRITON_INTERPRET=1`` before Triton is imported), which is for testing.
+- ``"torch"``: plain PyTorch implementations of the same recompute contracts, on any device.
+
+Choice: the explicit ``backend=`` argument, else the innermost :func:`use_backend` context, else
+the ``REMAT_BACKEND`` environment variable, else the default: on a CUDA tensor ``cuda`` if the
+extension was built with CUDA, else ``triton`` if Triton is installed, else ``torch``; on a CPU
+tensor ``cpp`` if the extension is built, else ``torch``. A backend that was asked for and cannot
+run raises :class:`BackendUnavailableError` saying why; nothing falls back silently.
+"""
+
+import contextlib
+import functools
+import importlib.util
+import os
+import threading
+
+import torch
+
+from remat import _extension
+
+BACKENDS = ("cuda", "cpp", "triton", "torch")
+
+_state = threading.local()
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run the given tensors here."""
+
+
+def _check_name(name, source):
+    if name not in BACKENDS:
+        raise ValueError(f"{source} must be one of {BACKENDS} or None, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name):
+    """Run remat operators in this block with backend ``name`` (one of :data:`BACKENDS`),
+    unless a call passes ``backend=`` itself. Contexts nest; the innermost wins."""
+    _check_name(name, "use_backend(name)")
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(name)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+@functools.cache
+def triton_available():
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreted():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def requested_backend(explicit=None):
+    """The backend asked for by argument, context or environment, or None for the default."""
+    if explicit is not None:
+        return _check_name(explicit, "backend")
+    stack = getattr(_state, "stack", None)
+    if stack:
+        return stack[-1]
+    from_env = os.environ.get("REMAT_BACKEND")
+    if from_env:
+        return _check_name(from_env, "the REMAT_BACKEND environment variable")
+    return None
+
+
+def default_backend(device):
+    if device.type == "cuda":
+        if _extension.WITH_CUDA:
+            return "cuda"
+        return "triton" if triton_available() else "torch"
+    if device.type == "cpu" and _extension.LOADED:
+        return "cpp"
+    return "torch"
+
+
+def unavailable_reason(name, device):
+    """Why backend ``name`` cannot run tensors on ``device``, or None if it can."""
+    if name == "torch":
+        return None
+    if name in ("cuda", "cpp") and not _extension.LOADED:
+        return (
+            f"the compiled extension remat._C is not importable ({_extension.LOAD_ERROR}); "
+            "build it with `pip install --no-build-isolation -e .` (see README)"
+        )
+    if name == "cuda":
+        if device.type != "cuda":
+            return f"it runs CUDA tensors and the input is on {device}; use backend='cpp' on the CPU"
+        if not _extension.WITH_CUDA:
+            return "remat._C was built without CUDA kernels (no CUDA toolkit, or REMAT_SKIP_CUDA_BUILD=1)"
+        return None
+    if name == "cpp":
+        if device.type != "cpu":
+            return f"it runs CPU tensors and the input is on {device}; use backend='cuda'"
+        return None
+    if name == "triton":
+        if not triton_available():
+            return "Triton is not installed"
+        if device.type == "cuda":
+            return None
+        if device.type == "cpu" and triton_interpreted():
+            return None
+        return (
+            f"Triton runs CUDA tensors and the input is on {device} "
+            "(CPU tensors only under TRITON_INTERPRET=1, for testing)"
+        )
+    return f"unknown backend {name!r}"
+
+
+@torch.compiler.assume_constant_result
+def _resolve(explicit, device_type):
+    device = torch.device(device_type)
+    name = requested_backend(explicit)
+    if name is None:
+        return default_backend(device)
+    reason = unavailable_reason(name, device)
+    if reason is not None:
+        raise BackendUnavailableError(f"remat backend {name!r} cannot run here: {reason}")
+    return name
+
+
+def resolve_backend(explicit, tensor):
+    """The backend that runs an operator on ``tensor``; raises BackendUnavailableError if the
+    backend that was asked for cannot run it."""
+    return _resolve(explicit, tensor.device.type)

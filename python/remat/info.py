@@ -1,0 +1,49 @@
+"""What this installation of remat can run: ``remat.info()`` and ``python -m remat info``."""
+
+import torch
+
+from remat import _extension, backend
+
+OPS = ("rms_norm", "layer_norm")
+
+
+def info_dict():
+    """A dict describing the extension build, Triton, the GPU and the default backends."""
+    gpu = torch.cuda.is_available()
+    triton_version = None
+    if backend.triton_available():
+        import triton
+
+        triton_version = triton.__version__
+    default_cpu = backend.default_backend(torch.device("cpu"))
+    default_gpu = backend.default_backend(torch.device("cuda")) if gpu else None
+    return {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "extension_built": _extension.LOADED,
+        "extension_error": _extension.LOAD_ERROR,
+        "extension_cuda_kernels": _extension.WITH_CUDA,
+        "cuda_archs": _extension.CUDA_ARCHS,
+        "triton": triton_version,
+        "triton_interpreter": backend.triton_interpreted(),
+        "gpu": torch.cuda.get_device_name(0) if gpu else None,
+        "requested_backend": backend.requested_backend(),
+        "default_backend": {op: {"cpu": default_cpu, "cuda": default_gpu} for op in OPS},
+    }
+
+
+def info(file=None):
+    """Print what is available: extension built or not, CUDA archs compiled, Triton version, GPU
+    present, and which backend each op would use on CPU and CUDA tensors."""
+    d = info_dict()
+    lines = [
+        f"torch                 {d['torch']} (CUDA {d['torch_cuda']})",
+        f"extension remat._C    {'built' if d['extension_built'] else 'not built: ' + str(d['extension_error'])}",
+        f"CUDA kernels          {'compiled for archs ' + d['cuda_archs'] if d['extension_cuda_kernels'] else 'not compiled'}",
+        f"Triton                {d['triton'] or 'not installed'}{' (interpreter on)' if d['triton_interpreter'] else ''}",
+        f"GPU                   {d['gpu'] or 'none'}",
+        f"REMAT_BACKEND/context {d['requested_backend'] or 'not set'}",
+    ]
+    for op, choice in d["default_backend"].items():
+        lines.append(f"{op:<21} default backend: cpu -> {choice['cpu']}, cuda -> {choice['cuda'] or 'n/a (no GPU)'}")
+    print("\n".join(lines), file=file)
