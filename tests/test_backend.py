@@ -1,0 +1,81 @@
+"""Backend choice: argument > use_backend context > REMAT_BACKEND > default."""
+
+import pytest
+import torch
+
+import remat
+from remat import _extension, backend
+from remat.ops import norm as norm_ops
+
+
+@pytest.fixture
+def record_backend(monkeypatch):
+    """Record which backend's ops the autograd Functions were given."""
+    used = []
+    real = norm_ops.ops_for
+
+    def spy(name):
+        used.append(name)
+        return real(name)
+
+    monkeypatch.setattr("remat.autograd.norm.ops_for", spy)
+    return used
+
+
+def test_default_on_cpu(record_backend, monkeypatch):
+    monkeypatch.delenv("REMAT_BACKEND", raising=False)
+    remat.rms_norm(torch.randn(2, 8), None)
+    assert record_backend == ["cpp" if _extension.LOADED else "torch"]
+
+
+def test_precedence(record_backend, monkeypatch):
+    x = torch.randn(2, 8)
+    monkeypatch.setenv("REMAT_BACKEND", "torch")
+    remat.rms_norm(x)
+    with remat.use_backend("cpp" if _extension.LOADED else "torch"):
+        remat.rms_norm(x)
+        with remat.use_backend("torch"):
+            remat.rms_norm(x)
+        remat.rms_norm(x, backend="torch")
+    expected_ctx = "cpp" if _extension.LOADED else "torch"
+    assert record_backend == ["torch", expected_ctx, "torch", "torch"]
+
+
+def test_use_backend_rejects_unknown_name():
+    with pytest.raises(ValueError, match="use_backend"):
+        with remat.use_backend("jax"):
+            pass
+
+
+def test_use_backend_restores_on_error():
+    with pytest.raises(KeyError):
+        with remat.use_backend("torch"):
+            raise KeyError
+    assert backend.requested_backend() in (None, *backend.BACKENDS)
+    assert getattr(backend._state, "stack", []) == []
+
+
+def test_default_choice_table():
+    """GPU tensors prefer the CUDA kernels, then Triton, then torch; CPU tensors the C++ kernels."""
+    cuda = torch.device("cuda")
+    expected = "cuda" if _extension.WITH_CUDA else ("triton" if backend.triton_available() else "torch")
+    assert backend.default_backend(cuda) == expected
+    assert backend.default_backend(torch.device("cpu")) == ("cpp" if _extension.LOADED else "torch")
+
+
+def test_info_reports(capsys):
+    remat.info()
+    out = capsys.readouterr().out
+    assert "extension remat._C" in out and "Triton" in out
+    assert ("built" in out) == _extension.LOADED or "not built" in out
+    d = remat.info.__globals__["info_dict"]()
+    assert d["extension_built"] == _extension.LOADED
+    assert d["default_backend"]["rms_norm"]["cpu"] == backend.default_backend(torch.device("cpu"))
+
+
+def test_python_m_remat_info():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "remat", "info"], capture_output=True, text=True, check=True)
+    assert "default backend" in out.stdout
