@@ -1,0 +1,1 @@
+"""Triton kernels and their host launchers, installed as remat.kernels."""
