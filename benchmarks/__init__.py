@@ -1,0 +1,1 @@
+"""Microbenchmarks of remat's blocks against stock PyTorch (`make bench`)."""

@@ -1,0 +1,192 @@
+"""RMSNorm and LayerNorm (alone and fused with the residual add): remat's backends against stock
+PyTorch eager, torch.compile, torch.utils.checkpoint and Liger-Kernel where installed.
+
+Byte counts (the GB/s column) are the minimum traffic of the fused contract, the same formula for
+every provider, so GB/s is effective bandwidth and the ratios between providers are time ratios:
+  forward:  read x (and residual), write y (and h), read weight/bias, write fp32 stats;
+  backward: read dy (and dh), read the saved input (x or h), write dx, read weight and stats;
+            the weight-gradient partials (fp32, a few rows of [*, hidden]) are not counted.
+"""
+
+import functools
+
+import torch
+import torch.utils.checkpoint
+
+import remat
+from remat import backend as backend_mod
+from remat.memory import saved_bytes
+
+from benchmarks.common import Progress, copy_bandwidth_gbps, environment_tags, measure
+
+
+def _stock(kind, with_residual):
+    def fn(x, weight, bias, residual):
+        h = x + residual if with_residual else x
+        if kind == "rms":
+            y = torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, 1e-6)
+        else:
+            y = torch.nn.functional.layer_norm(h, (h.shape[-1],), weight, bias, 1e-5)
+        return (y, h) if with_residual else y
+
+    return fn
+
+
+def _remat(kind, with_residual, name):
+    def fn(x, weight, bias, residual):
+        r = residual if with_residual else None
+        if kind == "rms":
+            return remat.rms_norm(x, weight, 1e-6, residual=r, backend=name)
+        return remat.layer_norm(x, weight, bias, 1e-5, residual=r, backend=name)
+
+    return fn
+
+
+def _liger(kind, with_residual, hidden, dtype, device):
+    """Liger-Kernel's norm modules, if the package is installed (None otherwise)."""
+    try:
+        from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+    except ImportError:
+        return None
+    module = (LigerRMSNorm(hidden, eps=1e-6) if kind == "rms" else LigerLayerNorm(hidden, eps=1e-5))
+    module = module.to(device=device, dtype=dtype)
+
+    def fn(x, weight, bias, residual):
+        h = x + residual if with_residual else x
+        y = module(h)
+        return (y, h) if with_residual else y
+
+    return fn
+
+
+def providers(kind, with_residual, hidden, dtype, device):
+    """(name, fn) for every provider that runs on this device."""
+    out = []
+    for name in backend_mod.BACKENDS:
+        if backend_mod.unavailable_reason(name, device) is None and not (name == "triton" and device.type == "cpu"):
+            out.append((f"remat-{name}", _remat(kind, with_residual, name)))
+    stock = _stock(kind, with_residual)
+    out.append(("torch", stock))
+    out.append(("torch.compile", torch.compile(stock, dynamic=False)))
+
+    def checkpointed(*args):
+        return torch.utils.checkpoint.checkpoint(stock, *args, use_reentrant=False)
+
+    out.append(("torch+checkpoint", checkpointed))
+    liger = _liger(kind, with_residual, hidden, dtype, device)
+    if liger is not None:
+        out.append(("liger", liger))
+    return out
+
+
+def traffic_bytes(rows, hidden, dtype, kind, with_residual):
+    e = rows * hidden * torch.tensor([], dtype=dtype).element_size()
+    params = hidden * torch.tensor([], dtype=dtype).element_size() * (1 if kind == "rms" else 2)
+    stats = rows * 4 * (1 if kind == "rms" else 2)
+    fwd = (4 if with_residual else 2) * e + params + stats
+    bwd = (4 if with_residual else 3) * e + params + stats
+    return {"forward": fwd, "backward": bwd, "full": fwd + bwd}
+
+
+def _inputs(rows, hidden, dtype, device, kind, with_residual):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(rows, hidden, generator=g, device=device).to(dtype).requires_grad_()
+    w = torch.randn(hidden, generator=g, device=device).to(dtype).requires_grad_()
+    b = torch.randn(hidden, generator=g, device=device).to(dtype).requires_grad_() if kind == "layer" else None
+    r = torch.randn(rows, hidden, generator=g, device=device).to(dtype).requires_grad_() if with_residual else None
+    dy = torch.randn(rows, hidden, generator=g, device=device).to(dtype)
+    return (x, w, b, r), dy
+
+
+def _outputs_and_grads(out, dy):
+    outs = list(out) if isinstance(out, tuple) else [out]
+    return outs, [dy] * len(outs)
+
+
+def bench_case(kind, with_residual, rows, hidden, dtype, device, budget_s, progress, copy_gbps):
+    args, dy = _inputs(rows, hidden, dtype, device, kind, with_residual)
+    leaves = [a for a in args if a is not None]
+    traffic = traffic_bytes(rows, hidden, dtype, kind, with_residual)
+    results = []
+    for name, fn in providers(kind, with_residual, hidden, dtype, device):
+        def forward():
+            with torch.no_grad():
+                fn(*args)
+
+        def backward(state):
+            outs, grads = state
+            torch.autograd.grad(outs, leaves, grads)
+
+        def setup_backward():
+            return _outputs_and_grads(fn(*args), dy)
+
+        def full():
+            outs, grads = _outputs_and_grads(fn(*args), dy)
+            torch.autograd.grad(outs, leaves, grads)
+
+        full()  # compiles where needed, outside the timing
+        saved = saved_bytes(fn, *args)
+        peak = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            full()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+        timings = {
+            "forward": measure(forward, device, budget_s=budget_s),
+            "backward": measure(backward, device, budget_s=budget_s, setup=setup_backward),
+            "full": measure(full, device, budget_s=budget_s),
+        }
+        for mode, (median, q20, q80) in timings.items():
+            gbps = traffic[mode] / (median * 1e-3) / 1e9
+            results.append({
+                "block": f"{'add+' if with_residual else ''}{kind}_norm",
+                "rows": rows,
+                "hidden": hidden,
+                "dtype": str(dtype).replace("torch.", ""),
+                "provider": name,
+                "mode": mode,
+                "median_ms": median,
+                "q20_ms": q20,
+                "q80_ms": q80,
+                "bytes": traffic[mode],
+                "gbps": gbps,
+                "copy_bw_fraction": gbps / copy_gbps,
+                "saved_bytes": saved,
+                "peak_mem_bytes": peak if peak is not None else "",
+            })
+        progress.step(f"{kind} {'+residual ' if with_residual else ''}{rows}x{hidden} {dtype} {name}")
+    eager = {r["mode"]: r["median_ms"] for r in results if r["provider"] == "torch"}
+    for r in results:
+        r["speedup_vs_eager"] = eager[r["mode"]] / r["median_ms"]
+    return results
+
+
+def run(device, quick=False):
+    """All norm cases for this device; returns the CSV rows (tagged with the environment)."""
+    if device.type == "cuda":
+        shapes = [(16384, 4096)] if quick else [(16384, 1024), (16384, 4096), (16384, 8192), (4096, 65536)]
+        dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
+        budget = 0.3 if quick else 1.0
+    else:
+        shapes = [(1024, 4096)] if not quick else [(256, 4096)]
+        dtypes = [torch.float32, torch.bfloat16]
+        budget = 0.4
+    cases = [(k, res, rows, hidden, dt) for (rows, hidden) in shapes for dt in dtypes
+             for k in ("rms", "layer") for res in (False, True)]
+    n_providers = len(providers("rms", False, 8, torch.float32, device))
+    progress = Progress(len(cases) * n_providers, "norm")
+    copy_gbps = copy_bandwidth_gbps(device)
+    tags = environment_tags()
+    rows_out = []
+    for kind, res, rows, hidden, dt in cases:
+        for r in bench_case(kind, res, rows, hidden, dt, device, budget, progress, copy_gbps):
+            rows_out.append({**r, "copy_gbps": copy_gbps, **tags})
+    return rows_out
+
+
+summary_columns = functools.partial(list, ["block", "rows", "hidden", "dtype", "provider", "mode", "median_ms",
+                                           "q20_ms", "q80_ms", "gbps", "copy_bw_fraction", "speedup_vs_eager",
+                                           "saved_bytes", "peak_mem_bytes"])

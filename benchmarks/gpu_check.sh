@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# `make gpu-check`: on a GPU machine with its own python3 and torch, no venv and no network.
+# Builds the extension for sm_90 in place, runs the gpu-marked tests and a short benchmark, and
+# writes logs and CSVs under $OUT (or gpu-out/). Exits non-zero if the build or a test failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+echo "== build (sm_90)"
+start=$(date +%s)
+if ! "$PY" -m pip install --no-index --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -n 40 "$OUT/build.log"
+  echo "build failed"
+  exit 1
+fi
+echo "built in $(( $(date +%s) - start ))s"
+"$PY" -m remat info | tee -a "$OUT/gpu.txt"
+
+echo "== gpu tests"
+timeout 300 "$PY" -m pytest -q -m gpu tests/test_gpu.py -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -n 30
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== benchmark"
+timeout 240 "$PY" -m benchmarks.run --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 70
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+exit $status

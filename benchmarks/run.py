@@ -1,0 +1,69 @@
+"""`make bench`: the microbenchmarks against stock PyTorch, on a GPU where there is one, else on
+the CPU. Prints a table, writes a CSV (and a PNG plot) under benchmarks/results/.
+
+    python -m benchmarks.run [--quick] [--device cpu|cuda] [--out DIR]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+from benchmarks import bench_norm
+from benchmarks.common import RESULTS_DIR, print_table, write_csv
+
+
+def plot(rows, path):
+    """Bar chart: full-step (forward+backward) speed relative to eager, per case and provider."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed; no plot", file=sys.stderr)
+        return None
+    full = [r for r in rows if r["mode"] == "full"]
+    cases = list(dict.fromkeys(f"{r['block']}\n{r['rows']}x{r['hidden']} {r['dtype']}" for r in full))
+    provs = list(dict.fromkeys(r["provider"] for r in full))
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(cases)), 4.5))
+    width = 0.8 / len(provs)
+    for i, p in enumerate(provs):
+        vals = []
+        for c in cases:
+            match = [r["speedup_vs_eager"] for r in full
+                     if r["provider"] == p and f"{r['block']}\n{r['rows']}x{r['hidden']} {r['dtype']}" == c]
+            vals.append(match[0] if match else 0)
+        ax.bar([k + i * width for k in range(len(cases))], vals, width, label=p)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(cases))])
+    ax.set_xticklabels(cases, fontsize=7)
+    ax.set_ylabel("forward+backward speed vs eager (x)")
+    ax.set_title(f"remat norms on {full[0]['device']}, commit {full[0]['commit']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one shape per block, short timing budget")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    parser.add_argument("--out", default=None, help=f"output folder (default {RESULTS_DIR})")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = bench_norm.run(device, quick=args.quick)
+    print_table(rows, bench_norm.summary_columns())
+    tag = "gpu" if device.type == "cuda" else "cpu"
+    name = f"norm-{tag}{'-quick' if args.quick else ''}.csv"
+    path = write_csv(rows, name, args.out)
+    png = plot(rows, os.path.splitext(path)[0] + ".png")
+    print(f"\nwrote {path}" + (f" and {png}" if png else ""))
+    copy = rows[0]["copy_gbps"]
+    print(f"device: {rows[0]['device']}; measured copy bandwidth {copy:.1f} GB/s; commit {rows[0]['commit']}")
+
+
+if __name__ == "__main__":
+    main()

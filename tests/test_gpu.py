@@ -1,0 +1,80 @@
+"""The CUDA and Triton kernels on a GPU (marked `gpu`; skipped where no GPU is present): the same
+float64-reference checks as on the CPU at real sizes, the vectorized and scalar paths, bitwise
+determinism, and the saved-bytes contract."""
+
+import pytest
+import torch
+
+import remat
+from remat import backend as backend_mod
+from remat.memory import saved_bytes
+
+from test_norm import check_against_reference, make_case, run_norm
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Narrow (warp per row), wide (block per row), past one 64K tile; odd widths take the scalar path.
+SHAPES = [((4099,), 1), ((3, 333), 7), ((1000,), 1000), ((64,), 4096), ((17,), 4099), ((2, 8), 8192),
+          ((3,), 70000), ((16384,), 4096)]
+VARIANTS = ["plain", "residual", "no_affine", "noncontiguous"]
+
+
+def gpu_backends():
+    device = torch.device("cuda")
+    return [b for b in ("cuda", "triton") if backend_mod.unavailable_reason(b, device) is None] if \
+        torch.cuda.is_available() else ["cuda", "triton"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("lead,n", SHAPES, ids=[f"{'x'.join(map(str, s))}x{n}" for s, n in SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", gpu_backends())
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_gpu_norm_matches_float64_reference(kind, backend, dtype, lead, n, variant):
+    check_against_reference(kind, lead, n, dtype, variant, backend, device="cuda")
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_misaligned_input_takes_scalar_path_correctly(backend, offset):
+    """A view starting one element into its storage is not 16-byte aligned: the kernels must
+    detect it and still be right."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(64 * 1024 + 1, generator=g, device="cuda").bfloat16()
+    x = base[offset:offset + 64 * 1024].view(64, 1024)
+    w = torch.randn(1024, generator=g, device="cuda").bfloat16()
+    got = remat.rms_norm(x, w, backend=backend)
+    want = remat.rms_norm(x.cpu(), w.cpu(), backend="torch")
+    torch.testing.assert_close(got.cpu(), want, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", gpu_backends())
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_gpu_gradients_bitwise_deterministic(kind, backend):
+    x, weight, bias, residual, dy, dh = make_case(kind, (4096,), 4096, torch.bfloat16, "residual", device="cuda")
+    fn = remat.rms_norm if kind == "rms" else remat.layer_norm
+    first = run_norm(fn, kind, x, weight, bias, residual, dy, dh, 1e-5, backend=backend)
+    second = run_norm(fn, kind, x, weight, bias, residual, dy, dh, 1e-5, backend=backend)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_saved_bytes_contract(backend):
+    x = torch.randn(8, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn_like(x, requires_grad=True)
+    w = torch.nn.Parameter(torch.ones(1024, device="cuda", dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.zeros(1024, device="cuda", dtype=torch.bfloat16))
+    rows = 8 * 512
+    assert saved_bytes(remat.rms_norm, x, w, residual=r, backend=backend) == rows * 1024 * 2 + rows * 4
+    assert saved_bytes(remat.layer_norm, x, w, b, residual=r, backend=backend) == rows * 1024 * 2 + rows * 8
+
+
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(lambda x, w: remat.rms_norm(x, w, backend=backend), fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), remat.rms_norm(x, w, backend=backend))
