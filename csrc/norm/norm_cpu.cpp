@@ -1,113 +1,293 @@
 // C++ CPU kernels of the norm blocks (OpenMP over rows through at::parallel_for), with the same
 // recompute contract as the CUDA and Triton kernels: the forward saves only its input (x, or
 // h = x + residual) and fp32 per-row statistics; the backward recomputes x_hat from them.
-#include <ATen/Dispatch.h>
+//
+// Each row is widened to an fp32 buffer, processed by plain loops over fp32 arrays, and narrowed
+// back. The loops are compiled twice (target_clones: x86-64-v3, i.e. AVX2+FMA+F16C, and baseline x86-64, chosen
+// at load time), so they vectorise on current CPUs and still run on old ones.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
 #include <tuple>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "common/math.h"
 #include "norm/norm_checks.h"
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define REMAT_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define REMAT_CPU_CLONES
+#endif
+
 namespace remat {
 namespace {
+
+enum class Storage { kFloat32, kFloat16, kBFloat16 };
+
+Storage storage_of(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return Storage::kFloat32;
+    case at::kHalf: return Storage::kFloat16;
+    case at::kBFloat16: return Storage::kBFloat16;
+    default: TORCH_CHECK(false, "remat norm kernels take float32, float16 or bfloat16, got ", type);
+  }
+}
+
+// dst[i] = float(src[i]).
+REMAT_CPU_CLONES void widen(const void* src, float* dst, int64_t n, Storage storage) {
+  if (storage == Storage::kFloat32) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if (storage == Storage::kFloat16) {
+    const _Float16* s = static_cast<const _Float16*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(s[i]) << 16);
+  }
+}
+
+uint16_t round_to_bf16(float value) {
+  uint32_t bits = std::bit_cast<uint32_t>(value);
+  bits = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : bits + 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The bf16 rounding with AVX2 (the compiler does not vectorise the 32->16-bit narrowing well):
+// round the bit pattern to nearest even, canonical NaN, pack 16 values per iteration.
+__attribute__((target("avx2"))) void narrow_bf16_avx2(const float* src, uint16_t* dst, int64_t n) {
+  const __m256i half_ulp = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  const __m256i quiet_nan = _mm256_set1_epi32(0x7FC00000);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i halves[2];
+    for (int half = 0; half < 2; ++half) {
+      const __m256 v = _mm256_loadu_ps(src + i + 8 * half);
+      const __m256i bits = _mm256_castps_si256(v);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+      __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(half_ulp, lsb));
+      rounded = _mm256_blendv_epi8(rounded, quiet_nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+      halves[half] = _mm256_srli_epi32(rounded, 16);
+    }
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves[0], halves[1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+  }
+  for (; i < n; ++i) dst[i] = round_to_bf16(src[i]);
+}
+
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+// dst[i] = src[i] rounded to nearest even in the storage type, as c10::Half / c10::BFloat16 do
+// (NaN becomes the canonical bf16 NaN 0x7FC0).
+REMAT_CPU_CLONES void narrow(const float* src, void* dst, int64_t n, Storage storage) {
+  if (storage == Storage::kFloat32) {
+    if (src != dst) std::memcpy(dst, src, n * sizeof(float));
+  } else if (storage == Storage::kFloat16) {
+    _Float16* d = static_cast<_Float16*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<_Float16>(src[i]);
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (kHaveAvx2) return narrow_bf16_avx2(src, d, n);
+#endif
+    for (int64_t i = 0; i < n; ++i) d[i] = round_to_bf16(src[i]);
+  }
+}
+
+// The row as fp32: src itself for fp32 storage, else widened into buffer.
+const float* as_float(const void* src, float* buffer, int64_t n, Storage storage) {
+  if (storage == Storage::kFloat32) return static_cast<const float*>(src);
+  widen(src, buffer, n, storage);
+  return buffer;
+}
+
+// Where a row's fp32 result goes: straight into the output for fp32 storage, else a buffer that
+// narrow() then rounds into the output.
+float* float_target(void* dst, float* buffer, Storage storage) {
+  return storage == Storage::kFloat32 ? static_cast<float*>(dst) : buffer;
+}
+
+// Row reductions keep 32 independent fp32 partial sums (four AVX2 registers, so the adds do not
+// wait on each other) and add them pairwise at the end: vectorised, more accurate than one
+// running sum, and in a fixed order, so deterministic for a given binary.
+constexpr int kLanes = 32;
+
+float reduce_lanes(float* lanes) {
+  for (int width = kLanes / 2; width >= 1; width /= 2)
+    for (int k = 0; k < width; ++k) lanes[k] += lanes[k + width];
+  return lanes[0];
+}
+
+REMAT_CPU_CLONES float sum(const float* __restrict__ v, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int k = 0; k < kLanes; ++k) lanes[k] += v[i + k];
+  for (int k = 0; i < n; ++i, ++k) lanes[k] += v[i];
+  return reduce_lanes(lanes);
+}
+
+REMAT_CPU_CLONES float sum_of_squares(const float* __restrict__ v, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int k = 0; k < kLanes; ++k) lanes[k] += v[i + k] * v[i + k];
+  for (int k = 0; i < n; ++i, ++k) lanes[k] += v[i] * v[i];
+  return reduce_lanes(lanes);
+}
+
+REMAT_CPU_CLONES float centered_sum_of_squares(const float* __restrict__ v, float mean, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int k = 0; k < kLanes; ++k) lanes[k] += (v[i + k] - mean) * (v[i + k] - mean);
+  for (int k = 0; i < n; ++i, ++k) lanes[k] += (v[i] - mean) * (v[i] - mean);
+  return reduce_lanes(lanes);
+}
+
+// out = (u - mean) * rstd * weight + bias; weight and bias may be null.
+REMAT_CPU_CLONES void normalize(const float* __restrict__ u, float mean, float rstd, const float* __restrict__ weight, const float* __restrict__ bias,
+                                float* __restrict__ out, int64_t n) {
+  if (weight && bias) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (u[i] - mean) * rstd * weight[i] + bias[i];
+  } else if (weight) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (u[i] - mean) * rstd * weight[i];
+  } else if (bias) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (u[i] - mean) * rstd + bias[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = (u[i] - mean) * rstd;
+  }
+}
+
+// Backward, first pass over a row: recomputes x_hat = (h - mean) * rstd and g = dy * weight (or
+// dy) in registers, accumulates dw += dy * x_hat and db += dy, and returns sum(g * x_hat) and
+// sum(g). Specialised so that each variant is one branch-free vectorised loop.
+template <bool kWeight, bool kDw, bool kDb>
+[[gnu::always_inline]] inline void reduce_pass(const float* __restrict__ h, const float* __restrict__ dy,
+                                               const float* __restrict__ weight, float mean, float rstd,
+                                               float* __restrict__ dw, float* __restrict__ db, float* sum_g_xhat,
+                                               float* sum_g, int64_t n) {
+  float total_g_xhat = 0.f, total_g = 0.f;
+#pragma omp simd reduction(+ : total_g_xhat, total_g)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x_hat = (h[i] - mean) * rstd;
+    const float g = kWeight ? dy[i] * weight[i] : dy[i];
+    total_g_xhat += g * x_hat;
+    total_g += g;
+    if constexpr (kDw) dw[i] += dy[i] * x_hat;
+    if constexpr (kDb) db[i] += dy[i];
+  }
+  *sum_g_xhat = total_g_xhat;
+  *sum_g = total_g;
+}
+
+REMAT_CPU_CLONES void backward_reduce(const float* h, const float* dy, const float* weight, float mean, float rstd,
+                                      float* dw, float* db, float* sum_g_xhat, float* sum_g, int64_t n) {
+  const int variant = (weight ? 4 : 0) | (dw ? 2 : 0) | (db ? 1 : 0);
+  switch (variant) {
+    case 0: return reduce_pass<false, false, false>(h, dy, weight, mean, rstd, dw, db, sum_g_xhat, sum_g, n);
+    case 1: return reduce_pass<false, false, true>(h, dy, weight, mean, rstd, dw, db, sum_g_xhat, sum_g, n);
+    case 2: return reduce_pass<false, true, false>(h, dy, weight, mean, rstd, dw, db, sum_g_xhat, sum_g, n);
+    case 3: return reduce_pass<false, true, true>(h, dy, weight, mean, rstd, dw, db, sum_g_xhat, sum_g, n);
+    case 4: return reduce_pass<true, false, false>(h, dy, weight, mean, rstd, dw, db, sum_g_xhat, sum_g, n);
+    case 5: return reduce_pass<true, false, true>(h, dy, weight, mean, rstd, dw, db, sum_g_xhat, sum_g, n);
+    case 6: return reduce_pass<true, true, false>(h, dy, weight, mean, rstd, dw, db, sum_g_xhat, sum_g, n);
+    default: return reduce_pass<true, true, true>(h, dy, weight, mean, rstd, dw, db, sum_g_xhat, sum_g, n);
+  }
+}
+
+// Backward, second pass: dx = rstd * (g - x_hat * mean_g_xhat - mean_g) (+ dh), with x_hat and g
+// recomputed again rather than stored by the first pass.
+template <bool kWeight, bool kDh>
+[[gnu::always_inline]] inline void dx_pass(const float* __restrict__ h, const float* __restrict__ dy,
+                                           const float* __restrict__ weight, const float* __restrict__ dh,
+                                           float mean, float rstd, float mean_g_xhat, float mean_g,
+                                           float* __restrict__ dx, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float x_hat = (h[i] - mean) * rstd;
+    const float g = kWeight ? dy[i] * weight[i] : dy[i];
+    const float grad = rstd * (g - x_hat * mean_g_xhat - mean_g);
+    dx[i] = kDh ? grad + dh[i] : grad;
+  }
+}
+
+REMAT_CPU_CLONES void backward_dx(const float* h, const float* dy, const float* weight, const float* dh, float mean,
+                                  float rstd, float mean_g_xhat, float mean_g, float* dx, int64_t n) {
+  const int variant = (weight ? 2 : 0) | (dh ? 1 : 0);
+  switch (variant) {
+    case 0: return dx_pass<false, false>(h, dy, weight, dh, mean, rstd, mean_g_xhat, mean_g, dx, n);
+    case 1: return dx_pass<false, true>(h, dy, weight, dh, mean, rstd, mean_g_xhat, mean_g, dx, n);
+    case 2: return dx_pass<true, false>(h, dy, weight, dh, mean, rstd, mean_g_xhat, mean_g, dx, n);
+    default: return dx_pass<true, true>(h, dy, weight, dh, mean, rstd, mean_g_xhat, mean_g, dx, n);
+  }
+}
 
 // Rows handled per parallel task: enough elements to amortise the task, few enough to balance.
 int64_t rows_per_task(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
 
-// Eight independent fp32 lanes: the loop vectorises, and the sum is more accurate than one
-// running fp32 accumulator.
-float lane_sum(const float* v, int64_t n) {
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 8; ++k) lanes[k] += v[i + k];
-  for (; i < n; ++i) lanes[i % 8] += v[i];
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-}
-
-float lane_sum_of_products(const float* a, const float* b, int64_t n) {
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 8; ++k) lanes[k] += a[i + k] * b[i + k];
-  for (; i < n; ++i) lanes[i % 8] += a[i] * b[i];
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-}
-
-float lane_sum_of_centered_squares(const float* v, float mean, int64_t n) {
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 8; ++k) {
-      const float d = v[i + k] - mean;
-      lanes[k] += d * d;
-    }
-  for (; i < n; ++i) {
-    const float d = v[i] - mean;
-    lanes[i % 8] += d * d;
+std::vector<float> widened_vector(const c10::optional<at::Tensor>& t, int64_t cols) {
+  std::vector<float> out(t ? cols : 0);
+  if (t) {
+    const at::Tensor c = t->contiguous();
+    widen(c.const_data_ptr(), out.data(), cols, storage_of(c.scalar_type()));
   }
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return out;
 }
 
-template <typename T>
-void load_row(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+const char* row_ptr(const at::Tensor& t, int64_t row, int64_t row_stride) {
+  return static_cast<const char*>(t.const_data_ptr()) + row * row_stride * t.element_size();
 }
 
-template <typename T>
-void norm_fwd_kernel(const at::Tensor& x, const at::Tensor* weight, const at::Tensor* bias,
-                     const at::Tensor* residual, float eps, bool is_rms, at::Tensor& y,
-                     at::Tensor& h, at::Tensor& mean, at::Tensor& rstd) {
+void norm_fwd_rows(const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+                   const c10::optional<at::Tensor>& residual, float eps, bool is_rms, at::Tensor& y, at::Tensor& h,
+                   at::Tensor& mean, at::Tensor& rstd) {
   const int64_t rows = x.size(0), cols = x.size(1);
-  const T* x_ptr = x.const_data_ptr<T>();
-  const T* res_ptr = residual ? residual->const_data_ptr<T>() : nullptr;
-  const int64_t x_stride = x.stride(0), res_stride = residual ? residual->stride(0) : 0;
-  std::vector<float> w_f(weight ? cols : 0), b_f(bias ? cols : 0);
-  if (weight) load_row(weight->contiguous().const_data_ptr<T>(), w_f.data(), cols);
-  if (bias) load_row(bias->contiguous().const_data_ptr<T>(), b_f.data(), cols);
-  T* y_ptr = y.data_ptr<T>();
-  T* h_ptr = residual ? h.data_ptr<T>() : nullptr;
+  const Storage storage = storage_of(x.scalar_type());
+  const int64_t elem = x.element_size();
+  const std::vector<float> w = widened_vector(weight, cols), b = widened_vector(bias, cols);
+  char* y_bytes = static_cast<char*>(y.data_ptr());
+  char* h_bytes = residual ? static_cast<char*>(h.data_ptr()) : nullptr;
   float* mean_ptr = is_rms ? nullptr : mean.data_ptr<float>();
   float* rstd_ptr = rstd.data_ptr<float>();
 
   at::parallel_for(0, rows, rows_per_task(cols), [&](int64_t begin, int64_t end) {
-    std::vector<float> u(cols);
+    std::vector<float> u_buffer(cols), out_buffer(cols);
     for (int64_t row = begin; row < end; ++row) {
-      const T* x_row = x_ptr + row * x_stride;
-      if (res_ptr) {
-        // h is rounded to T before the statistics, exactly as the backward will read it.
-        const T* r_row = res_ptr + row * res_stride;
-        T* h_row = h_ptr + row * cols;
-        for (int64_t c = 0; c < cols; ++c) {
-          const T rounded = static_cast<T>(static_cast<float>(x_row[c]) + static_cast<float>(r_row[c]));
-          h_row[c] = rounded;
-          u[c] = static_cast<float>(rounded);
-        }
-      } else {
-        load_row(x_row, u.data(), cols);
+      const float* u = as_float(row_ptr(x, row, x.stride(0)), u_buffer.data(), cols, storage);
+      if (residual) {
+        // h is rounded to the input type before the statistics, exactly as the backward reads it.
+        char* h_row = h_bytes + row * cols * elem;
+        const float* r = as_float(row_ptr(*residual, row, residual->stride(0)), out_buffer.data(), cols, storage);
+        float* sum_target = float_target(h_row, out_buffer.data(), storage);
+        for (int64_t c = 0; c < cols; ++c) sum_target[c] = u[c] + r[c];
+        narrow(sum_target, h_row, cols, storage);
+        u = as_float(h_row, u_buffer.data(), cols, storage);
       }
       float row_mean = 0.f, row_rstd;
       if (is_rms) {
-        row_rstd = rms_rstd(lane_sum_of_products(u.data(), u.data(), cols), cols, eps);
+        row_rstd = rms_rstd(sum_of_squares(u, cols), cols, eps);
       } else {
-        row_mean = lane_sum(u.data(), cols) / static_cast<float>(cols);
-        const float var = lane_sum_of_centered_squares(u.data(), row_mean, cols) / static_cast<float>(cols);
-        row_rstd = layer_norm_rstd(var, eps);
+        row_mean = sum(u, cols) / static_cast<float>(cols);
+        row_rstd = layer_norm_rstd(centered_sum_of_squares(u, row_mean, cols) / static_cast<float>(cols), eps);
         mean_ptr[row] = row_mean;
       }
       rstd_ptr[row] = row_rstd;
-      T* y_row = y_ptr + row * cols;
-      for (int64_t c = 0; c < cols; ++c) {
-        float v = (u[c] - row_mean) * row_rstd;
-        if (weight) v *= w_f[c];
-        if (bias) v += b_f[c];
-        y_row[c] = static_cast<T>(v);
-      }
+      char* y_row = y_bytes + row * cols * elem;
+      float* y = float_target(y_row, out_buffer.data(), storage);
+      normalize(u, row_mean, row_rstd, weight ? w.data() : nullptr, bias ? b.data() : nullptr, y, cols);
+      narrow(y, y_row, cols, storage);
     }
   });
 }
@@ -117,62 +297,54 @@ void norm_fwd_kernel(const at::Tensor& x, const at::Tensor* weight, const at::Te
 // order, so dw and db are bitwise identical whatever the thread count.
 int64_t num_row_chunks(int64_t rows) { return std::min<int64_t>(rows, 32); }
 
-template <typename T>
-void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor* dh, const at::Tensor& h,
-                     const at::Tensor* weight, const float* mean_ptr, const float* rstd_ptr,
-                     bool has_bias, bool is_rms, at::Tensor& dx, at::Tensor& dw, at::Tensor& db) {
+void norm_bwd_rows(const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
+                   const c10::optional<at::Tensor>& weight, const float* mean_ptr, const float* rstd_ptr,
+                   bool has_bias, at::Tensor& dx, at::Tensor& dw, at::Tensor& db) {
   const int64_t rows = h.size(0), cols = h.size(1);
-  const T* dy_ptr = dy.const_data_ptr<T>();
-  const T* dh_ptr = dh ? dh->const_data_ptr<T>() : nullptr;
-  const T* h_ptr = h.const_data_ptr<T>();
-  const int64_t dy_stride = dy.stride(0), dh_stride = dh ? dh->stride(0) : 0, h_stride = h.stride(0);
-  std::vector<float> w_f(weight ? cols : 0);
-  if (weight) load_row(weight->contiguous().const_data_ptr<T>(), w_f.data(), cols);
-  T* dx_ptr = dx.data_ptr<T>();
+  const Storage storage = storage_of(h.scalar_type());
+  const int64_t elem = h.element_size();
+  const std::vector<float> w = widened_vector(weight, cols);
+  char* dx_bytes = static_cast<char*>(dx.data_ptr());
   const int64_t chunks = num_row_chunks(rows);
   std::vector<float> dw_partial(weight ? chunks * cols : 0, 0.f);
   std::vector<float> db_partial(has_bias ? chunks * cols : 0, 0.f);
 
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    std::vector<float> x_hat(cols), g(cols), dy_f(cols);
+    std::vector<float> h_buffer(cols), dy_buffer(cols), dh_buffer(dh ? cols : 0), dx_buffer(cols);
     for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
       const int64_t row_begin = rows * chunk / chunks, row_end = rows * (chunk + 1) / chunks;
       float* dw_row = weight ? dw_partial.data() + chunk * cols : nullptr;
       float* db_row = has_bias ? db_partial.data() + chunk * cols : nullptr;
       for (int64_t row = row_begin; row < row_end; ++row) {
-        const float row_mean = is_rms ? 0.f : mean_ptr[row];
+        const float row_mean = mean_ptr ? mean_ptr[row] : 0.f;
         const float row_rstd = rstd_ptr[row];
-        const T* h_row = h_ptr + row * h_stride;
-        load_row(dy_ptr + row * dy_stride, dy_f.data(), cols);
-        for (int64_t c = 0; c < cols; ++c) {
-          x_hat[c] = (static_cast<float>(h_row[c]) - row_mean) * row_rstd;
-          g[c] = weight ? dy_f[c] * w_f[c] : dy_f[c];
-        }
+        const float* h_f = as_float(row_ptr(h, row, h.stride(0)), h_buffer.data(), cols, storage);
+        const float* dy_f = as_float(row_ptr(dy, row, dy.stride(0)), dy_buffer.data(), cols, storage);
+        const float* w_f = weight ? w.data() : nullptr;
+        float sum_g_xhat, sum_g;
+        backward_reduce(h_f, dy_f, w_f, row_mean, row_rstd, dw_row, db_row, &sum_g_xhat, &sum_g, cols);
         const float inv_cols = 1.f / static_cast<float>(cols);
-        const float mean_g_xhat = lane_sum_of_products(g.data(), x_hat.data(), cols) * inv_cols;
-        const float mean_g = is_rms ? 0.f : lane_sum(g.data(), cols) * inv_cols;
-        T* dx_row = dx_ptr + row * cols;
-        const T* dh_row = dh_ptr ? dh_ptr + row * dh_stride : nullptr;
-        for (int64_t c = 0; c < cols; ++c) {
-          float v = row_rstd * (g[c] - x_hat[c] * mean_g_xhat - mean_g);
-          if (dh_row) v += static_cast<float>(dh_row[c]);
-          dx_row[c] = static_cast<T>(v);
-        }
-        if (dw_row)
-          for (int64_t c = 0; c < cols; ++c) dw_row[c] += dy_f[c] * x_hat[c];
-        if (db_row)
-          for (int64_t c = 0; c < cols; ++c) db_row[c] += dy_f[c];
+        const float* dh_f = dh ? as_float(row_ptr(*dh, row, dh->stride(0)), dh_buffer.data(), cols, storage) : nullptr;
+        char* dx_row = dx_bytes + row * cols * elem;
+        float* dx_f = float_target(dx_row, dx_buffer.data(), storage);
+        backward_dx(h_f, dy_f, w_f, dh_f, row_mean, row_rstd, sum_g_xhat * inv_cols,
+                    mean_ptr ? sum_g * inv_cols : 0.f, dx_f, cols);
+        narrow(dx_f, dx_row, cols, storage);
       }
     }
   });
 
   auto reduce_chunks = [&](const std::vector<float>& partial, at::Tensor& out) {
-    T* out_ptr = out.data_ptr<T>();
-    at::parallel_for(0, cols, 1024, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        float total = 0.f;
-        for (int64_t chunk = 0; chunk < chunks; ++chunk) total += partial[chunk * cols + c];
-        out_ptr[c] = static_cast<T>(total);
+    char* out_bytes = static_cast<char*>(out.data_ptr());
+    constexpr int64_t kColumnBlock = 1024;
+    at::parallel_for(0, (cols + kColumnBlock - 1) / kColumnBlock, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> total(kColumnBlock);
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t c0 = block * kColumnBlock, n = std::min(kColumnBlock, cols - c0);
+        std::fill(total.begin(), total.end(), 0.f);
+        for (int64_t chunk = 0; chunk < chunks; ++chunk)
+          for (int64_t c = 0; c < n; ++c) total[c] += partial[chunk * cols + c0 + c];
+        narrow(total.data(), out_bytes + c0 * elem, n, storage);
       }
     });
   };
@@ -185,19 +357,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd_cpu(
     const c10::optional<at::Tensor>& residual, double eps, bool is_rms) {
   check_norm_fwd_args(x, weight, bias, residual, eps);
   TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor");
+  storage_of(x.scalar_type());
   const int64_t rows = x.size(0), cols = x.size(1);
   at::Tensor y = at::empty({rows, cols}, x.options());
   // Without a residual the saved input is x itself, and h is an empty placeholder.
   at::Tensor h = residual.has_value() ? at::empty({rows, cols}, x.options()) : at::empty({0}, x.options());
   at::Tensor mean = at::empty({is_rms ? 0 : rows}, x.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
-  if (rows > 0 && cols > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "norm_fwd_cpu", [&] {
-      norm_fwd_kernel<scalar_t>(x, weight ? &*weight : nullptr, bias ? &*bias : nullptr,
-                                residual ? &*residual : nullptr, static_cast<float>(eps), is_rms,
-                                y, h, mean, rstd);
-    });
-  }
+  if (rows > 0 && cols > 0) norm_fwd_rows(x, weight, bias, residual, static_cast<float>(eps), is_rms, y, h, mean, rstd);
   return {y, h, mean, rstd};
 }
 
@@ -208,20 +375,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd_cpu(
   check_norm_bwd_args(dy, dh, h, weight, rstd);
   if (!is_rms) check_stats(*mean, "mean", h);
   TORCH_CHECK(h.device().is_cpu(), "h must be a CPU tensor");
+  storage_of(h.scalar_type());
   const int64_t rows = h.size(0), cols = h.size(1);
   at::Tensor dx = at::empty({rows, cols}, h.options());
   at::Tensor dw = at::empty({weight.has_value() ? cols : 0}, h.options());
   at::Tensor db = at::empty({has_bias ? cols : 0}, h.options());
-  if (cols > 0 && rows == 0) {
+  if (rows == 0) {
     dw.zero_();
     db.zero_();
-  }
-  if (rows > 0 && cols > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "norm_bwd_cpu", [&] {
-      norm_bwd_kernel<scalar_t>(dy, dh ? &*dh : nullptr, h, weight ? &*weight : nullptr,
-                                is_rms ? nullptr : mean->const_data_ptr<float>(),
-                                rstd.const_data_ptr<float>(), has_bias, is_rms, dx, dw, db);
-    });
+  } else if (cols > 0) {
+    norm_bwd_rows(dy, dh, h, weight, is_rms ? nullptr : mean->const_data_ptr<float>(), rstd.const_data_ptr<float>(),
+                  has_bias, dx, dw, db);
   }
   return {dx, dw, db};
 }
