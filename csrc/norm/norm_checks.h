@@ -42,6 +42,7 @@ inline void check_norm_fwd_args(const at::Tensor& x, const c10::optional<at::Ten
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, cols], got ", x.dim(), " dims");
   TORCH_CHECK(x.numel() == 0 || x.size(1) <= 1 || x.stride(1) == 1, "x must have unit column stride");
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be float32, float16 or bfloat16");
+  TORCH_CHECK(x.size(1) >= 1, "x must have at least one column");
   TORCH_CHECK(eps > 0, "eps must be positive, got ", eps);
   check_norm_vector(weight, "weight", x);
   check_norm_vector(bias, "bias", x);
@@ -53,6 +54,7 @@ inline void check_norm_bwd_args(const at::Tensor& dy, const c10::optional<at::Te
                                 const at::Tensor& rstd) {
   TORCH_CHECK(h.dim() == 2, "h must be 2-D [rows, cols], got ", h.dim(), " dims");
   TORCH_CHECK(h.numel() == 0 || h.size(1) <= 1 || h.stride(1) == 1, "h must have unit column stride");
+  TORCH_CHECK(h.size(1) >= 1, "h must have at least one column");
   check_rows_matrix(dy, "dy", h);
   if (dh.has_value()) check_rows_matrix(*dh, "dh", h);
   check_norm_vector(weight, "weight", h);
