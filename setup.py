@@ -111,7 +111,7 @@ setup(
     name="remat",
     version="0.1.0",
     description="Fused transformer kernels that save only block inputs and recompute in backward",
-    packages=["remat", "remat.ops", "remat.autograd", "remat.kernels"],
+    packages=["remat", "remat.ops", "remat.autograd", "remat.checkpoint", "remat.kernels"],
     package_dir={"remat": "python/remat", "remat.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -58,16 +58,7 @@ class SavedTensorLog:
 
     @property
     def total_bytes(self):
-        total = 0
-        for spans in self._ranges.values():
-            end_so_far = None
-            for start, end in sorted(spans):
-                if end_so_far is not None and start < end_so_far:
-                    start = end_so_far
-                if end > start:
-                    total += end - start
-                end_so_far = end if end_so_far is None else max(end_so_far, end)
-        return total
+        return sum(_union_bytes(spans) for spans in self._ranges.values())
 
 
 def saved_bytes(fn, *args, **kwargs):
@@ -82,3 +73,111 @@ def saved_bytes(fn, *args, **kwargs):
     with SavedTensorLog() as log:
         fn(*args, **kwargs)
     return log.total_bytes
+
+
+_active_peak_trackers = []
+
+
+class _Held:
+    """What a PeakSavedBytes pack hook hands autograd: the saved tensor, plus a release of its bytes
+    when autograd drops it (after the node's backward, or with the graph)."""
+
+    __slots__ = ("tensor", "tracker", "key")
+
+    def __init__(self, tensor, tracker, key):
+        self.tensor, self.tracker, self.key = tensor, tracker, key
+
+    def __del__(self):
+        if self.key is not None:
+            self.tracker._release(self.key)
+
+
+class PeakSavedBytes:
+    """Tracks the bytes saved for backward that are alive, over forward and backward, and their
+    peak (a context manager around both passes).
+
+    Saved tensors are counted from autograd's pack hook until autograd releases them; tensors that
+    remat's checkpoint executor holds itself (checkpoints between segments) are counted while held.
+    Parameters and views of them are excluded; a storage saved several times counts once (its
+    largest saved extent). Autograd must run backward on this thread (CPU tensors) for the hooks to
+    see the recomputation.
+    """
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+        self._live = {}
+        self._hooks = None
+
+    def _add(self, t):
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return None
+        span = _span(t)
+        if span is None:
+            return None
+        storage = (t.device, t.untyped_storage().data_ptr())
+        entry = self._live.setdefault(storage, [])
+        before = _union_bytes(entry)
+        entry.append(span)
+        self.current += _union_bytes(entry) - before
+        self.peak = max(self.peak, self.current)
+        return storage, span
+
+    def _release(self, key):
+        storage, span = key
+        entry = self._live.get(storage)
+        if not entry:
+            return
+        before = _union_bytes(entry)
+        entry.remove(span)
+        self.current -= before - _union_bytes(entry)
+        if not entry:
+            del self._live[storage]
+
+    def hold(self, t):
+        """Count ``t`` as held until :meth:`release` is called with the returned key."""
+        return self._add(t)
+
+    def release(self, key):
+        if key is not None:
+            self._release(key)
+
+    def _pack(self, t):
+        return _Held(t, self, self._add(t))
+
+    @staticmethod
+    def _unpack(held):
+        return held.tensor
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        _active_peak_trackers.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _active_peak_trackers.remove(self)
+        self._hooks.__exit__(*exc)
+        return False
+
+
+def _union_bytes(spans):
+    total, end_so_far = 0, None
+    for start, end in sorted(spans):
+        if end_so_far is not None and start < end_so_far:
+            start = end_so_far
+        if end > start:
+            total += end - start
+        end_so_far = end if end_so_far is None else max(end_so_far, end)
+    return total
+
+
+def note_held(t):
+    """Called by remat's executors for tensors they hold for backward (checkpoints); returns keys
+    for :func:`note_released`. A no-op unless a PeakSavedBytes tracker is active."""
+    return [(tracker, tracker.hold(t)) for tracker in _active_peak_trackers]
+
+
+def note_released(keys):
+    for tracker, key in keys:
+        tracker.release(key)
