@@ -72,7 +72,7 @@ def extension_modules():
     os.environ.setdefault("MAX_JOBS", str(build_jobs()))
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
-    cpp_sources = ["csrc/ops.cpp", "csrc/norm/norm_cpu.cpp"]
+    cpp_sources = ["csrc/ops.cpp", "csrc/norm/norm_cpu.cpp", "csrc/mlp/act_cpu.cpp"]
     cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if cuda_root:
@@ -81,7 +81,8 @@ def extension_modules():
         print(f"remat: building CUDA kernels with {cuda_root} for archs {archs}", file=sys.stderr)
         ext = CUDAExtension(
             "remat._C",
-            sources=cpp_sources + ["csrc/norm/norm_cuda.cpp", "csrc/norm/norm.cu"],
+            sources=cpp_sources
+            + ["csrc/norm/norm_cuda.cpp", "csrc/norm/norm.cu", "csrc/mlp/act_cuda.cpp", "csrc/mlp/act.cu"],
             include_dirs=include_dirs,
             define_macros=[("REMAT_WITH_CUDA", "1")],
             extra_compile_args={

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `make gpu-check`: on a GPU machine with its own python3 and torch, no venv and no network.
 # Builds the extension for sm_90 in place, runs the gpu-marked tests and a short benchmark, and
-# writes logs and CSVs under $OUT (or gpu-out/). Exits non-zero if the build or a test failed.
+# writes logs and CSVs under $OUT (or gpu-out/): gpu.txt, build.log, tests.log, bench.log and one
+# CSV per benchmark (at most 8 files come back from the device tool). Exits non-zero if the build
+# or a test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"
@@ -30,6 +32,6 @@ timeout 300 "$PY" -m pytest -q -m gpu tests/test_gpu.py -x -p no:cacheprovider 2
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== benchmark"
-timeout 240 "$PY" -m benchmarks.run --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 70
+timeout 240 "$PY" -m benchmarks.run --quick --no-plots --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 70
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from benchmarks import bench_checkpoint, bench_norm
+from benchmarks import bench_checkpoint, bench_mlp, bench_norm
 from benchmarks.common import RESULTS_DIR, print_table, write_csv
 
 
@@ -52,7 +52,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="one shape per block, short timing budget")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     parser.add_argument("--out", default=None, help=f"output folder (default {RESULTS_DIR})")
-    parser.add_argument("--only", choices=["norm", "checkpoint"], default=None, help="run one benchmark")
+    parser.add_argument("--no-plots", action="store_true", help="write CSVs only")
+    parser.add_argument("--only", choices=["norm", "mlp", "checkpoint"], default=None, help="run one benchmark")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tag = ("gpu" if device.type == "cuda" else "cpu") + ("-quick" if args.quick else "")
@@ -60,16 +61,22 @@ def main(argv=None):
         rows = bench_norm.run(device, quick=args.quick)
         print_table(rows, bench_norm.summary_columns())
         path = write_csv(rows, f"norm-{tag}.csv", args.out)
-        png = plot(rows, os.path.splitext(path)[0] + ".png")
+        png = None if args.no_plots else plot(rows, os.path.splitext(path)[0] + ".png")
         print(f"\nwrote {path}" + (f" and {png}" if png else ""))
         print(f"device: {rows[0]['device']}; measured copy bandwidth {rows[0]['copy_gbps']:.1f} GB/s; "
               f"commit {rows[0]['commit']}\n")
+    if args.only in (None, "mlp"):
+        rows = bench_mlp.run(device, quick=args.quick)
+        print_table(rows, bench_mlp.summary_columns)
+        path = write_csv(rows, f"mlp-{tag}.csv", args.out)
+        print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
     if args.only in (None, "checkpoint"):
         rows = bench_checkpoint.run(device, quick=args.quick)
         print_table(rows, bench_checkpoint.summary_columns)
         path = write_csv(rows, f"checkpoint-{tag}.csv", args.out)
-        png = bench_checkpoint.plot(rows, os.path.splitext(path)[0] + ".png")
-        print(f"\nwrote {path} and {png}; device: {rows[0]['device']}; commit {rows[0]['commit']}")
+        png = None if args.no_plots else bench_checkpoint.plot(rows, os.path.splitext(path)[0] + ".png")
+        print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; device: {rows[0]['device']}; "
+              f"commit {rows[0]['commit']}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,15 @@ TORCH_LIBRARY(remat, m) {
         " -> (Tensor dx, Tensor dw)");
   m.def("layer_norm_bwd(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor mean,"
         " Tensor rstd, bool has_bias) -> (Tensor dx, Tensor dw, Tensor db)");
+  // MLP activations, pointwise over contiguous tensors of one shape; fp32 math, one rounding.
+  // activation: "silu", "gelu" (erf) or "gelu_tanh". glu: h = act(gate) * up. The backward
+  // recomputes act(gate) and its derivative from the saved pre-activations, and h itself (for the
+  // down projection's weight gradient) when need_h, else h is empty.
+  m.def("glu_fwd(Tensor gate, Tensor up, str activation) -> Tensor h");
+  m.def("glu_bwd(Tensor dh, Tensor gate, Tensor up, str activation, bool need_h)"
+        " -> (Tensor dgate, Tensor dup, Tensor h)");
+  m.def("act_fwd(Tensor pre, str activation) -> Tensor h");
+  m.def("act_bwd(Tensor dh, Tensor pre, str activation, bool need_h) -> (Tensor dpre, Tensor h)");
 }
 
 // The module carries no functions: importing it runs the registrations above, and Python calls

@@ -5,8 +5,13 @@ with NaN, so an output element a kernel forgot to write fails loudly: PyTorch do
 deterministic algorithms are on and fill_uninitialized_memory is set.
 """
 
+import os
+
 import pytest
 import torch
+
+# Deterministic algorithms on CUDA need a fixed cuBLAS workspace (set before CUDA starts).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 torch.use_deterministic_algorithms(True)
 torch.utils.deterministic.fill_uninitialized_memory = True

@@ -34,6 +34,17 @@ def _norm_op_samples(dtype=torch.float32):
     }
 
 
+def _mlp_op_samples(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(1)
+    gate, up, dh = (torch.randn(7, 45, generator=g).to(dtype) for _ in range(3))
+    return {
+        "glu_fwd": [(gate, up, "silu"), (gate, up, "gelu_tanh")],
+        "glu_bwd": [(dh, gate, up, "silu", True), (dh, gate, up, "gelu", False)],
+        "act_fwd": [(gate, "gelu"), (gate, "silu")],
+        "act_bwd": [(dh, gate, "gelu_tanh", True), (dh, gate, "gelu", False)],
+    }
+
+
 def _op_cases():
     cases = []
     namespaces = []
@@ -41,9 +52,10 @@ def _op_cases():
         namespaces.append(("remat", "cpp"))
     if "triton" in cpu_backends():
         namespaces.append(("remat_triton", "triton"))
+    samples = {**_norm_op_samples(), **_mlp_op_samples()}
     for namespace, label in namespaces:
-        for name, samples in _norm_op_samples().items():
-            for i, args in enumerate(samples):
+        for name, op_samples in samples.items():
+            for i, args in enumerate(op_samples):
                 cases.append(pytest.param(namespace, name, args, id=f"{label}-{name}-{i}"))
     return cases
 

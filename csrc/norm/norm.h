@@ -6,9 +6,9 @@
 
 #include <cuda_runtime.h>
 
-namespace remat {
+#include "common/scalar_kind.h"
 
-enum class ScalarKind { kFloat32, kFloat16, kBFloat16 };
+namespace remat {
 
 // Forward of RMSNorm (is_rms) or LayerNorm over the last dimension of a [rows, cols] matrix.
 // x and residual: row-major with unit column stride and the given row strides (in elements).

@@ -4,7 +4,7 @@ recompute the fused intermediates inside the backward kernels."""
 from remat import memory, nn
 from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
-from remat.functional import layer_norm, rms_norm
+from remat.functional import geglu_mlp, gelu_mlp, layer_norm, norm_mlp, rms_norm, swiglu_mlp
 from remat.info import info
 
 __all__ = [
@@ -13,12 +13,16 @@ __all__ = [
     "Plan",
     "checkpoint",
     "checkpoint_sequential",
+    "geglu_mlp",
+    "gelu_mlp",
     "info",
     "layer_norm",
     "memory",
     "nn",
+    "norm_mlp",
     "plan",
     "rms_norm",
+    "swiglu_mlp",
     "use_backend",
 ]
 __version__ = "0.1.0"

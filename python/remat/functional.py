@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from remat.autograd.mlp import RECOMPUTE_MODES, GatedMLPFunction, GELUMLPFunction, NormGatedMLPFunction
 from remat.autograd.norm import LayerNormFunction, RMSNormFunction
 from remat.backend import resolve_backend
 
@@ -124,3 +125,137 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, backend=No
         return out.view(x.shape)
     y, h = out
     return y.view(x.shape), h.view(x.shape)
+
+
+def _check_weight(w, name, shape, x, optional=False):
+    if w is None:
+        if optional:
+            return
+        raise TypeError(f"{name} must be a torch.Tensor, got None")
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(w).__name__}")
+    if tuple(w.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+    if w.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {w.device}")
+
+
+def _check_choice(value, name, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, backend):
+    _check_input(x)
+    if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 2:
+        raise ValueError("w_gate must be a 2-D tensor [intermediate, hidden]")
+    hidden, inter = x.shape[-1], w_gate.shape[0]
+    _check_weight(w_gate, "w_gate", (inter, hidden), x)
+    _check_weight(w_up, "w_up", (inter, hidden), x)
+    _check_weight(w_down, "w_down", (hidden, inter), x)
+    _check_weight(b_gate, "b_gate", (inter,), x, optional=True)
+    _check_weight(b_up, "b_up", (inter,), x, optional=True)
+    _check_weight(b_down, "b_down", (hidden,), x, optional=True)
+    _check_choice(recompute, "recompute", RECOMPUTE_MODES)
+    name = resolve_backend(backend, x)
+    x_rows = x.reshape(-1, hidden)
+    y = GatedMLPFunction.apply(x_rows, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, name)
+    return y.view(*x.shape[:-1], hidden)
+
+
+def swiglu_mlp(x, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None, recompute="block", backend=None):
+    """Llama-style MLP: ``down(silu(gate(x)) * up(x))``.
+
+    Args:
+        x: ``[..., H]`` float32, float16 or bfloat16.
+        w_gate, w_up: ``[I, H]``; w_down: ``[H, I]`` (``nn.Linear`` layout), x's dtype and device.
+        b_gate, b_up: optional ``[I]``; b_down: optional ``[H]``.
+        recompute: ``"block"`` (default; keeps x only, recomputes the up/gate GEMMs in backward),
+            ``"activation"`` (keeps x, gate, up) or ``"none"`` (keeps what eager PyTorch keeps).
+        backend: as for :func:`rms_norm`; it chooses the fused activation kernels, the GEMMs are
+            PyTorch's (cuBLAS, or ATen on the CPU).
+
+    Returns:
+        ``[..., H]``.
+    """
+    return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, "silu", recompute, backend)
+
+
+def geglu_mlp(x, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None, approximate="none",
+              recompute="block", backend=None):
+    """GeGLU MLP: ``down(gelu(gate(x)) * up(x))`` with ``approximate`` "none" (erf) or "tanh";
+    arguments as :func:`swiglu_mlp`."""
+    _check_choice(approximate, "approximate", ("none", "tanh"))
+    activation = "gelu" if approximate == "none" else "gelu_tanh"
+    return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, backend)
+
+
+def gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, *, approximate="none", recompute="block", backend=None):
+    """GPT-2-style MLP: ``proj(gelu(fc(x)))``.
+
+    Args:
+        x: ``[..., H]``; w_fc: ``[I, H]``; b_fc: ``[I]`` or None; w_proj: ``[H, I]``; b_proj:
+            ``[H]`` or None (``nn.Linear`` layout, x's dtype and device).
+        approximate: ``"none"`` (erf) or ``"tanh"`` (GPT-2's ``gelu_new``).
+        recompute: ``"block"`` (keeps x), ``"activation"`` (keeps x and fc(x)) or ``"none"``.
+        backend: as for :func:`swiglu_mlp`.
+
+    Returns:
+        ``[..., H]``.
+    """
+    _check_input(x)
+    _check_choice(approximate, "approximate", ("none", "tanh"))
+    _check_choice(recompute, "recompute", RECOMPUTE_MODES)
+    if not isinstance(w_fc, torch.Tensor) or w_fc.dim() != 2:
+        raise ValueError("w_fc must be a 2-D tensor [intermediate, hidden]")
+    hidden, inter = x.shape[-1], w_fc.shape[0]
+    _check_weight(w_fc, "w_fc", (inter, hidden), x)
+    _check_weight(b_fc, "b_fc", (inter,), x, optional=True)
+    _check_weight(w_proj, "w_proj", (hidden, inter), x)
+    _check_weight(b_proj, "b_proj", (hidden,), x, optional=True)
+    name = resolve_backend(backend, x)
+    activation = "gelu" if approximate == "none" else "gelu_tanh"
+    y = GELUMLPFunction.apply(x.reshape(-1, hidden), w_fc, b_fc, w_proj, b_proj, activation, recompute, name)
+    return y.view(*x.shape[:-1], hidden)
+
+
+def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms", eps=None, activation="silu",
+             b_gate=None, b_up=None, b_down=None, backend=None):
+    """Pre-norm gated MLP sub-block: ``gated_mlp(norm(x))``, keeping only x and the fp32 norm
+    statistics for backward (the normalized input is recomputed in backward and never stored).
+
+    Args:
+        x: ``[..., H]``.
+        norm_weight: ``[H]`` or None; norm_bias: ``[H]`` or None (LayerNorm only).
+        w_gate, w_up, w_down, b_gate, b_up, b_down: as for :func:`swiglu_mlp`.
+        norm: ``"rms"`` or ``"layer"``. eps: default 1e-6 (rms) or 1e-5 (layer).
+        activation: ``"silu"`` (SwiGLU), ``"gelu"`` or ``"gelu_tanh"`` (GeGLU).
+        backend: as for :func:`rms_norm`.
+
+    Returns:
+        ``[..., H]`` (the MLP output; add the residual outside).
+    """
+    _check_input(x)
+    _check_choice(norm, "norm", ("rms", "layer"))
+    _check_choice(activation, "activation", ("silu", "gelu", "gelu_tanh"))
+    _check_vector(norm_weight, "norm_weight", x)
+    _check_vector(norm_bias, "norm_bias", x)
+    if norm == "rms" and norm_bias is not None:
+        raise ValueError("norm_bias is only for norm='layer'")
+    eps = (1e-6 if norm == "rms" else 1e-5) if eps is None else eps
+    _check_eps(eps)
+    if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 2:
+        raise ValueError("w_gate must be a 2-D tensor [intermediate, hidden]")
+    hidden, inter = x.shape[-1], w_gate.shape[0]
+    _check_weight(w_gate, "w_gate", (inter, hidden), x)
+    _check_weight(w_up, "w_up", (inter, hidden), x)
+    _check_weight(w_down, "w_down", (hidden, inter), x)
+    _check_weight(b_gate, "b_gate", (inter,), x, optional=True)
+    _check_weight(b_up, "b_up", (inter,), x, optional=True)
+    _check_weight(b_down, "b_down", (hidden,), x, optional=True)
+    name = resolve_backend(backend, x)
+    y = NormGatedMLPFunction.apply(_as_rows(x), norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                                   norm, float(eps), activation, name)
+    return y.view(*x.shape[:-1], hidden)

@@ -12,6 +12,12 @@ class SavedTensor(NamedTuple):
     is_parameter: bool
 
 
+def _storage_key(t):
+    """Identifies t's storage (the C++ StorageImpl), also for meta tensors, whose data pointers
+    are all null."""
+    return t.untyped_storage()._cdata
+
+
 def _span(t):
     """Byte range [start, end) of the storage that tensor t covers."""
     if t.numel() == 0:
@@ -40,7 +46,7 @@ class SavedTensorLog:
         span = _span(t)
         self.saved.append(SavedTensor(tuple(t.shape), t.dtype, 0 if span is None else span[1] - span[0], is_param))
         if not is_param and span is not None:
-            self._ranges.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(span)
+            self._ranges.setdefault(_storage_key(t), []).append(span)
         return t
 
     @staticmethod
@@ -115,7 +121,7 @@ class PeakSavedBytes:
         span = _span(t)
         if span is None:
             return None
-        storage = (t.device, t.untyped_storage().data_ptr())
+        storage = _storage_key(t)
         entry = self._live.setdefault(storage, [])
         before = _union_bytes(entry)
         entry.append(span)

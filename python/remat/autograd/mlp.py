@@ -1,0 +1,180 @@
+"""MLP blocks as autograd Functions, with a choice of what they keep for backward.
+
+Gated MLP (SwiGLU, GeGLU): gate = x Wg^T (+bg), up = x Wu^T (+bu), h = act(gate) * up,
+y = h Wd^T (+bd). GELU MLP (GPT-2): pre = x Wfc^T + bfc, h = gelu(pre), y = h Wproj^T + bproj.
+
+Recompute contract (bytes per token at hidden H, intermediate I, element size e; parameters live
+anyway and are not counted), checked byte for byte in tests/test_mlp.py:
+
+| recompute | gated MLP keeps | GELU MLP keeps | backward recomputes |
+| --- | --- | --- | --- |
+| "none" | x, gate, up, act(gate), h: (H + 4I) e | x, pre, h: (H + 2I) e | act'(.) (as eager does) |
+| "activation" | x, gate, up: (H + 2I) e | x, pre: (H + I) e | act(.), act'(.), h |
+| "block" | x: H e | x: H e | the up/gate (fc) GEMM, then as above |
+
+"none" keeps what eager PyTorch keeps for the same module, as the baseline. The backward's
+pointwise kernel recomputes act(gate), its derivative and h in one pass (glu_bwd / act_bwd).
+Inputs are already 2-D [tokens, H] (remat.functional reshapes them).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from remat.ops.mlp import ops_for
+
+RECOMPUTE_MODES = ("none", "activation", "block")
+
+
+def _linear_grads(grad_out, inp, weight, needs_input, needs_weight, needs_bias):
+    """Gradients of out = inp W^T + b: (d_inp, dW, db), None where not needed."""
+    d_inp = grad_out @ weight if needs_input else None
+    d_weight = grad_out.t() @ inp if needs_weight else None
+    d_bias = grad_out.sum(0) if needs_bias else None
+    return d_inp, d_weight, d_bias
+
+
+class GatedMLPFunction(torch.autograd.Function):
+    """y = (act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd, keeping what ``recompute`` says."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, backend):
+        ops = ops_for(backend)
+        gate = F.linear(x, w_gate, b_gate)
+        up = F.linear(x, w_up, b_up)
+        h = ops.glu_fwd(gate, up, activation)
+        y = F.linear(h, w_down, b_down)
+        if recompute == "none":
+            act = ops.act_fwd(gate, activation)
+            ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, gate, up, act, h)
+        elif recompute == "activation":
+            ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, gate, up)
+        else:
+            ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up)
+        ctx.activation, ctx.recompute, ctx.backend = activation, recompute, backend
+        ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        ops = ops_for(ctx.backend)
+        saved = ctx.saved_tensors
+        x, w_gate, w_up, w_down, b_gate, b_up = saved[:6]
+        need = ctx.needs_input_grad
+        dy = dy.contiguous()
+        dh = dy @ w_down
+        if ctx.recompute == "none":
+            gate, up, act, h = saved[6:]
+            dup = (dh * act).to(dh.dtype)
+            dgate, _ = ops.act_bwd((dh * up).contiguous(), gate, ctx.activation, False)
+        else:
+            if ctx.recompute == "activation":
+                gate, up = saved[6:]
+            else:
+                gate = F.linear(x, w_gate, b_gate)
+                up = F.linear(x, w_up, b_up)
+            dgate, dup, h = ops.glu_bwd(dh, gate, up, ctx.activation, need[3])
+        _, d_w_down, d_b_down = _linear_grads(dy, h, w_down, False, need[3], need[6] and ctx.has_bias[2])
+        dx_gate, d_w_gate, d_b_gate = _linear_grads(dgate, x, w_gate, need[0], need[1], need[4] and ctx.has_bias[0])
+        dx_up, d_w_up, d_b_up = _linear_grads(dup, x, w_up, need[0], need[2], need[5] and ctx.has_bias[1])
+        dx = dx_gate + dx_up if need[0] else None
+        return dx, d_w_gate, d_w_up, d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None
+
+
+class GELUMLPFunction(torch.autograd.Function):
+    """y = gelu(x Wfc^T + bfc) Wproj^T + bproj, keeping what ``recompute`` says."""
+
+    @staticmethod
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, recompute, backend):
+        ops = ops_for(backend)
+        pre = F.linear(x, w_fc, b_fc)
+        h = ops.act_fwd(pre, activation)
+        y = F.linear(h, w_proj, b_proj)
+        if recompute == "none":
+            ctx.save_for_backward(x, w_fc, b_fc, w_proj, pre, h)
+        elif recompute == "activation":
+            ctx.save_for_backward(x, w_fc, b_fc, w_proj, pre)
+        else:
+            ctx.save_for_backward(x, w_fc, b_fc, w_proj)
+        ctx.activation, ctx.recompute, ctx.backend = activation, recompute, backend
+        ctx.has_bias = (b_fc is not None, b_proj is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        ops = ops_for(ctx.backend)
+        saved = ctx.saved_tensors
+        x, w_fc, b_fc, w_proj = saved[:4]
+        need = ctx.needs_input_grad
+        dy = dy.contiguous()
+        dh = dy @ w_proj
+        if ctx.recompute == "none":
+            pre, h = saved[4:]
+            dpre, _ = ops.act_bwd(dh, pre, ctx.activation, False)
+        else:
+            pre = saved[4] if ctx.recompute == "activation" else F.linear(x, w_fc, b_fc)
+            dpre, h = ops.act_bwd(dh, pre, ctx.activation, need[3])
+        _, d_w_proj, d_b_proj = _linear_grads(dy, h, w_proj, False, need[3], need[4] and ctx.has_bias[1])
+        dx, d_w_fc, d_b_fc = _linear_grads(dpre, x, w_fc, need[0], need[1], need[2] and ctx.has_bias[0])
+        return dx, d_w_fc, d_b_fc, d_w_proj, d_b_proj, None, None, None
+
+
+class NormGatedMLPFunction(torch.autograd.Function):
+    """y = GatedMLP(norm(x)): the pre-norm sub-block. Keeps only x and the fp32 norm statistics;
+    the backward recomputes the normalized input with the same norm kernel (into a temporary that
+    is freed at once), the up/gate GEMMs from it, and then every gradient, the norm's included."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                norm, eps, activation, backend):
+        normed, mean, rstd = _norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
+        ops = ops_for(backend)
+        h = ops.glu_fwd(F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up), activation)
+        y = F.linear(h, w_down, b_down)
+        ctx.save_for_backward(x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd)
+        ctx.norm, ctx.eps, ctx.activation, ctx.backend = norm, eps, activation, backend
+        ctx.has_bias = (norm_bias is not None, b_gate is not None, b_up is not None, b_down is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        ops = ops_for(ctx.backend)
+        normed, _, _ = _norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
+        dy = dy.contiguous()
+        dh = dy @ w_down
+        dgate, dup, h = ops.glu_bwd(dh, F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up),
+                                    ctx.activation, need[5])
+        _, d_w_down, d_b_down = _linear_grads(dy, h, w_down, False, need[5], need[8] and ctx.has_bias[3])
+        del h
+        d_normed_gate, d_w_gate, d_b_gate = _linear_grads(dgate, normed, w_gate, True, need[3],
+                                                          need[6] and ctx.has_bias[1])
+        d_normed_up, d_w_up, d_b_up = _linear_grads(dup, normed, w_up, True, need[4], need[7] and ctx.has_bias[2])
+        del normed
+        d_normed = (d_normed_gate + d_normed_up).contiguous()
+        dx, d_norm_weight, d_norm_bias = _norm_backward(d_normed, x, norm_weight, mean, rstd, ctx.norm,
+                                                         ctx.has_bias[0], ctx.backend)
+        return (dx, d_norm_weight if need[1] else None, d_norm_bias if need[2] else None, d_w_gate, d_w_up,
+                d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None, None)
+
+
+def _norm_forward(x, weight, bias, norm, eps, backend):
+    from remat.ops.norm import ops_for as norm_ops_for
+
+    ops = norm_ops_for(backend)
+    if norm == "rms":
+        y, _, rstd = ops.rms_norm_fwd(x, weight, None, eps)
+        return y, None, rstd
+    y, _, mean, rstd = ops.layer_norm_fwd(x, weight, bias, None, eps)
+    return y, mean, rstd
+
+
+def _norm_backward(dy, x, weight, mean, rstd, norm, has_bias, backend):
+    from remat.ops.norm import ops_for as norm_ops_for
+
+    ops = norm_ops_for(backend)
+    if norm == "rms":
+        dx, dw = ops.rms_norm_bwd(dy, None, x, weight, rstd)
+        return dx, (dw if weight is not None else None), None
+    dx, dw, db = ops.layer_norm_bwd(dy, None, x, weight, mean, rstd, has_bias)
+    return dx, (dw if weight is not None else None), (db if has_bias else None)

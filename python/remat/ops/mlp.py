@@ -1,0 +1,157 @@
+"""The MLP activation operators of every backend, behind one signature (see csrc/ops.cpp):
+
+- ``glu_fwd(gate, up, activation) -> h``: h = act(gate) * up
+- ``glu_bwd(dh, gate, up, activation, need_h) -> (dgate, dup, h)``: dgate = dh * up * act'(gate),
+  dup = dh * act(gate); h = act(gate) * up recomputed when need_h, else an empty tensor
+- ``act_fwd(pre, activation) -> h``: h = act(pre)
+- ``act_bwd(dh, pre, activation, need_h) -> (dpre, h)``: dpre = dh * act'(pre); h = act(pre) when
+  need_h
+
+activation is "silu", "gelu" (erf) or "gelu_tanh". Inputs are contiguous tensors of one shape;
+the math is fp32 and each output is rounded once to the input dtype, in every backend, so a
+recompute in backward reproduces the forward exactly.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from remat import _extension
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+class MLPOps(NamedTuple):
+    glu_fwd: object
+    glu_bwd: object
+    act_fwd: object
+    act_bwd: object
+
+
+_INV_SQRT2 = 1 / math.sqrt(2)
+_INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+_TANH_COEFF = 0.044715
+
+
+def activate(g, activation):
+    """act(g) in fp32 with the formulas of csrc/common/activation.h."""
+    if activation == "silu":
+        return g / (1 + torch.exp(-g))
+    if activation == "gelu":
+        return 0.5 * g * (1 + torch.erf(g * _INV_SQRT2))
+    inner = _SQRT_2_OVER_PI * (g + _TANH_COEFF * g * g * g)
+    return 0.5 * g * (1 + torch.tanh(inner))
+
+
+def activate_grad(g, activation):
+    """act'(g) in fp32 with the formulas of csrc/common/activation.h."""
+    if activation == "silu":
+        s = 1 / (1 + torch.exp(-g))
+        return s * (1 + g * (1 - s))
+    if activation == "gelu":
+        cdf = 0.5 * (1 + torch.erf(g * _INV_SQRT2))
+        return cdf + g * (_INV_SQRT_2PI * torch.exp(-0.5 * g * g))
+    inner = _SQRT_2_OVER_PI * (g + _TANH_COEFF * g * g * g)
+    t = torch.tanh(inner)
+    return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * (_SQRT_2_OVER_PI * (1 + 3 * _TANH_COEFF * g * g))
+
+
+def torch_glu_fwd(gate, up, activation):
+    return (activate(gate.float(), activation) * up.float()).to(gate.dtype)
+
+
+def torch_glu_bwd(dh, gate, up, activation, need_h):
+    g, u, d = gate.float(), up.float(), dh.float()
+    act = activate(g, activation)
+    dgate = (d * u * activate_grad(g, activation)).to(gate.dtype)
+    dup = (d * act).to(gate.dtype)
+    h = (act * u).to(gate.dtype) if need_h else gate.new_empty(0)
+    return dgate, dup, h
+
+
+def torch_act_fwd(pre, activation):
+    return activate(pre.float(), activation).to(pre.dtype)
+
+
+def torch_act_bwd(dh, pre, activation, need_h):
+    p = pre.float()
+    dpre = (dh.float() * activate_grad(p, activation)).to(pre.dtype)
+    h = activate(p, activation).to(pre.dtype) if need_h else pre.new_empty(0)
+    return dpre, h
+
+
+TORCH_OPS = MLPOps(torch_glu_fwd, torch_glu_bwd, torch_act_fwd, torch_act_bwd)
+
+
+def _fake_glu_fwd(gate, up, activation):
+    return torch.empty_like(gate)
+
+
+def _fake_glu_bwd(dh, gate, up, activation, need_h):
+    return torch.empty_like(gate), torch.empty_like(gate), torch.empty_like(gate) if need_h else gate.new_empty(0)
+
+
+def _fake_act_fwd(pre, activation):
+    return torch.empty_like(pre)
+
+
+def _fake_act_bwd(dh, pre, activation, need_h):
+    return torch.empty_like(pre), torch.empty_like(pre) if need_h else pre.new_empty(0)
+
+
+EXTENSION_OPS = None
+if _extension.LOADED:
+    torch.library.register_fake("remat::glu_fwd")(_fake_glu_fwd)
+    torch.library.register_fake("remat::glu_bwd")(_fake_glu_bwd)
+    torch.library.register_fake("remat::act_fwd")(_fake_act_fwd)
+    torch.library.register_fake("remat::act_bwd")(_fake_act_bwd)
+    EXTENSION_OPS = MLPOps(torch.ops.remat.glu_fwd, torch.ops.remat.glu_bwd, torch.ops.remat.act_fwd,
+                           torch.ops.remat.act_bwd)
+
+
+@torch.library.custom_op("remat_triton::glu_fwd", mutates_args=())
+def triton_glu_fwd(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    from remat.kernels import mlp
+
+    return mlp.glu_fwd(gate, up, activation)
+
+
+@torch.library.custom_op("remat_triton::glu_bwd", mutates_args=())
+def triton_glu_bwd(dh: Tensor, gate: Tensor, up: Tensor, activation: str, need_h: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from remat.kernels import mlp
+
+    return mlp.glu_bwd(dh, gate, up, activation, need_h)
+
+
+@torch.library.custom_op("remat_triton::act_fwd", mutates_args=())
+def triton_act_fwd(pre: Tensor, activation: str) -> Tensor:
+    from remat.kernels import mlp
+
+    return mlp.act_fwd(pre, activation)
+
+
+@torch.library.custom_op("remat_triton::act_bwd", mutates_args=())
+def triton_act_bwd(dh: Tensor, pre: Tensor, activation: str, need_h: bool) -> tuple[Tensor, Tensor]:
+    from remat.kernels import mlp
+
+    return mlp.act_bwd(dh, pre, activation, need_h)
+
+
+triton_glu_fwd.register_fake(_fake_glu_fwd)
+triton_glu_bwd.register_fake(_fake_glu_bwd)
+triton_act_fwd.register_fake(_fake_act_fwd)
+triton_act_bwd.register_fake(_fake_act_bwd)
+
+TRITON_OPS = MLPOps(triton_glu_fwd, triton_glu_bwd, triton_act_fwd, triton_act_bwd)
+
+
+def ops_for(backend):
+    """The MLPOps of a resolved backend name."""
+    if backend == "torch":
+        return TORCH_OPS
+    if backend == "triton":
+        return TRITON_OPS
+    return EXTENSION_OPS
