@@ -30,41 +30,12 @@
 
 #include "common/activation.h"
 #include "common/math.h"
-
-// `#pragma unroll` for loops in __host__ __device__ functions: the host compiler does not know it.
-#if defined(__CUDA_ARCH__)
-#define REMAT_ACT_UNROLL _Pragma("unroll")
-#else
-#define REMAT_ACT_UNROLL
-#endif
+#include "common/pack.cuh"
 
 namespace remat {
 namespace act_detail {
 
 constexpr int kBlockThreads = 256;
-
-// VEC elements of T moved as one access: 16 bytes (LDG.128 / STG.128) when VEC = 16 / sizeof(T).
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-inline REMAT_HOST_DEVICE float to_float(float v) { return v; }
-inline REMAT_HOST_DEVICE float to_float(__half v) { return __half2float(v); }
-inline REMAT_HOST_DEVICE float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-// Round to nearest even (the host versions of the cuda_fp16 / cuda_bf16 casts round the same way).
-template <typename T>
-REMAT_HOST_DEVICE T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __float2half_rn(v);
-  } else {
-    static_assert(std::is_same_v<T, __nv_bfloat16>, "T must be float, __half or __nv_bfloat16");
-    return __float2bfloat16_rn(v);
-  }
-}
 
 template <typename T, int N>
 REMAT_HOST_DEVICE void load_pack(const T* ptr, float (&out)[N]) {
@@ -74,31 +45,17 @@ REMAT_HOST_DEVICE void load_pack(const T* ptr, float (&out)[N]) {
 #else
   __builtin_memcpy(static_cast<void*>(&pack), ptr, sizeof(pack));
 #endif
-  REMAT_ACT_UNROLL
+  REMAT_UNROLL
   for (int i = 0; i < N; ++i) out[i] = to_float(pack.v[i]);
 }
 
-// Rounds N values to T and stores them. On the device a 16-byte pack goes out as one
-// st.global.v4: a plain struct store is split by the compiler into 2- and 4-byte stores at some
-// call sites (seen in the sm_90 SASS of the norm kernels).
+// Rounds N values to T and stores them as one pack.
 template <typename T, int N>
 REMAT_HOST_DEVICE void store_pack(T* ptr, const float (&in)[N]) {
   Pack<T, N> pack;
-  REMAT_ACT_UNROLL
+  REMAT_UNROLL
   for (int i = 0; i < N; ++i) pack.v[i] = from_float<T>(in[i]);
-#if defined(__CUDA_ARCH__)
-  if constexpr (sizeof(Pack<T, N>) == 16) {
-    uint32_t words[4];
-    __builtin_memcpy(words, &pack, 16);
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(words[0]), "r"(words[1]),
-                 "r"(words[2]), "r"(words[3])
-                 : "memory");
-  } else {
-    *reinterpret_cast<Pack<T, N>*>(ptr) = pack;
-  }
-#else
-  __builtin_memcpy(static_cast<void*>(ptr), &pack, sizeof(pack));
-#endif
+  write_pack(ptr, pack);
 }
 
 // Forward of one element in fp32: act(gate) * up (GATED) or act(gate).
@@ -146,7 +103,7 @@ REMAT_HOST_DEVICE void act_fwd_chunk(const T* gate, const T* up, T* h, int64_t f
   load_pack<T, N>(gate + first, g);
   if constexpr (GATED) load_pack<T, N>(up + first, u);
   float out[N];
-  REMAT_ACT_UNROLL
+  REMAT_UNROLL
   for (int i = 0; i < N; ++i) out[i] = act_fwd_value<ACT, GATED>(g[i], GATED ? u[i] : 1.0f);
   store_pack<T, N>(h + first, out);
 }
@@ -165,7 +122,7 @@ REMAT_HOST_DEVICE void act_bwd_chunk(const T* dh, const T* gate, const T* up, T*
   float dgate_out[N];
   float dup_out[N];
   float h_out[N];
-  REMAT_ACT_UNROLL
+  REMAT_UNROLL
   for (int i = 0; i < N; ++i) {
     const ActGrads grads = act_bwd_value<ACT, GATED>(d[i], g[i], GATED ? u[i] : 1.0f);
     dgate_out[i] = grads.dgate;

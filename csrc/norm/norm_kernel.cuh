@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include "common/math.h"
+#include "common/pack.cuh"
 #include "norm/norm.h"
 
 namespace remat {
@@ -57,28 +58,6 @@ constexpr int kMaxBlockThreads = 1024;
 inline __host__ __device__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // VEC elements of T moved as one access: 16 bytes (one LDG.128/STG.128) when VEC = 16 / sizeof(T).
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-// Round to nearest even, the rounding torch uses for the same casts.
-template <typename T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __float2half_rn(v);
-  } else {
-    static_assert(std::is_same_v<T, __nv_bfloat16>, "T must be float, __half or __nv_bfloat16");
-    return __float2bfloat16_rn(v);
-  }
-}
-
 template <typename T, int VEC>
 __device__ __forceinline__ void load_chunk(const T* ptr, float (&out)[VEC]) {
   const Pack<T, VEC> pack = *reinterpret_cast<const Pack<T, VEC>*>(ptr);
@@ -86,27 +65,12 @@ __device__ __forceinline__ void load_chunk(const T* ptr, float (&out)[VEC]) {
   for (int i = 0; i < VEC; ++i) out[i] = to_float(pack.v[i]);
 }
 
-// Stores a pack. A 16-byte pack goes out as one st.global.v4: a plain struct store is split by
-// the compiler into 2- and 4-byte stores at some call sites (seen in the sm_90 SASS).
-template <typename T, int N>
-__device__ __forceinline__ void store_pack(T* ptr, const Pack<T, N>& pack) {
-  if constexpr (sizeof(Pack<T, N>) == 16) {
-    uint32_t words[4];
-    __builtin_memcpy(words, &pack, 16);
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(words[0]), "r"(words[1]),
-                 "r"(words[2]), "r"(words[3])
-                 : "memory");
-  } else {
-    *reinterpret_cast<Pack<T, N>*>(ptr) = pack;
-  }
-}
-
 template <typename T, int VEC>
 __device__ __forceinline__ void store_chunk(T* ptr, const float (&in)[VEC]) {
   Pack<T, VEC> pack;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) pack.v[i] = from_float<T>(in[i]);
-  store_pack(ptr, pack);
+  write_pack(ptr, pack);
 }
 
 template <int VEC>
@@ -139,7 +103,7 @@ __device__ __forceinline__ void store_float_chunk(float* ptr, const float (&in)[
     Pack<float, kWidth> pack;
 #pragma unroll
     for (int j = 0; j < kWidth; ++j) pack.v[j] = in[i + j];
-    store_pack(ptr + i, pack);
+    write_pack(ptr + i, pack);
   }
 }
 
@@ -226,7 +190,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
           h_pack.v[i] = from_float<T>(u[i] + r[i]);
           u[i] = to_float(h_pack.v[i]);
         }
-        store_pack(h_row + col, h_pack);
+        write_pack(h_row + col, h_pack);
       }
     };
     // The same values again for a chunk that was not kept in registers. h was written by this

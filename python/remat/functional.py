@@ -147,8 +147,8 @@ def _check_choice(value, name, choices):
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, backend):
-    _check_input(x)
+def _check_gated_weights(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+    """Checks a gated MLP's weights ([I, H], [I, H], [H, I]) and biases; returns H."""
     if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 2:
         raise ValueError("w_gate must be a 2-D tensor [intermediate, hidden]")
     hidden, inter = x.shape[-1], w_gate.shape[0]
@@ -158,6 +158,12 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recomp
     _check_weight(b_gate, "b_gate", (inter,), x, optional=True)
     _check_weight(b_up, "b_up", (inter,), x, optional=True)
     _check_weight(b_down, "b_down", (hidden,), x, optional=True)
+    return hidden
+
+
+def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, backend):
+    _check_input(x)
+    hidden = _check_gated_weights(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     _check_choice(recompute, "recompute", RECOMPUTE_MODES)
     name = resolve_backend(backend, x)
     x_rows = x.reshape(-1, hidden)
@@ -246,15 +252,7 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
         raise ValueError("norm_bias is only for norm='layer'")
     eps = (1e-6 if norm == "rms" else 1e-5) if eps is None else eps
     _check_eps(eps)
-    if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 2:
-        raise ValueError("w_gate must be a 2-D tensor [intermediate, hidden]")
-    hidden, inter = x.shape[-1], w_gate.shape[0]
-    _check_weight(w_gate, "w_gate", (inter, hidden), x)
-    _check_weight(w_up, "w_up", (inter, hidden), x)
-    _check_weight(w_down, "w_down", (hidden, inter), x)
-    _check_weight(b_gate, "b_gate", (inter,), x, optional=True)
-    _check_weight(b_up, "b_up", (inter,), x, optional=True)
-    _check_weight(b_down, "b_down", (hidden,), x, optional=True)
+    hidden = _check_gated_weights(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     name = resolve_backend(backend, x)
     y = NormGatedMLPFunction.apply(_as_rows(x), norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down,
                                    norm, float(eps), activation, name)
