@@ -15,11 +15,12 @@ from remat import backend as backend_mod
 from remat.memory import saved_bytes
 
 from _checks import assert_within_2x_of_stock
+from test_norm import _leaf
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MODES = ["none", "activation", "block"]
 # (tokens, hidden, intermediate): odd token counts and sizes that are not multiples of a block.
-SHAPES = [(1, 64, 96), (3, 96, 200), (127, 64, 173)]
+SHAPES = [(1, 64, 96), (3, 96, 200), (127, 64, 173), (3, 1000, 257)]
 
 
 def mlp_backends():
@@ -47,7 +48,8 @@ def _params(shapes, dtype, gen, scale):
 
 
 def _grads(fn, tensors, dy):
-    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+    """Output and gradients of every tensor; the leaves keep the inputs' strides."""
+    leaves = [_leaf(t) for t in tensors]
     out = fn(*leaves)
     present = [t for t in leaves if t is not None]
     grads = torch.autograd.grad(out, present, dy)
@@ -64,7 +66,8 @@ def test_mlp_matches_float64_reference(kind, backend, dtype, tokens, hidden, int
     gated = kind.startswith(("swiglu", "geglu"))
     activation = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh", "gelu": "gelu",
                   "gelu_tanh": "gelu_tanh"}[kind]
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    # Row-strided x (a column slice of a wider tensor) for odd token counts.
+    x = torch.randn(tokens, hidden + (5 if tokens % 2 else 0), generator=gen).to(dtype)[:, :hidden]
     if gated:
         shapes = [(inter, hidden), (inter, hidden), (hidden, inter), (inter,), None, (hidden,)]
     else:
