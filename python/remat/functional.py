@@ -166,7 +166,7 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recomp
     hidden = _check_gated_weights(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     _check_choice(recompute, "recompute", RECOMPUTE_MODES)
     name = resolve_backend(backend, x)
-    x_rows = x.reshape(-1, hidden)
+    x_rows = _as_rows(x)
     y = GatedMLPFunction.apply(x_rows, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, name)
     return y.view(*x.shape[:-1], hidden)
 
@@ -223,7 +223,7 @@ def gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, *, approximate="none", recompute="bl
     _check_weight(b_proj, "b_proj", (hidden,), x, optional=True)
     name = resolve_backend(backend, x)
     activation = "gelu" if approximate == "none" else "gelu_tanh"
-    y = GELUMLPFunction.apply(x.reshape(-1, hidden), w_fc, b_fc, w_proj, b_proj, activation, recompute, name)
+    y = GELUMLPFunction.apply(_as_rows(x), w_fc, b_fc, w_proj, b_proj, activation, recompute, name)
     return y.view(*x.shape[:-1], hidden)
 
 

@@ -14,13 +14,16 @@ anyway and are not counted), checked byte for byte in tests/test_mlp.py:
 
 "none" keeps what eager PyTorch keeps for the same module, as the baseline. The backward's
 pointwise kernel recomputes act(gate), its derivative and h in one pass (glu_bwd / act_bwd).
+With the Triton backend and no gate/up biases, the gated MLP's gate and up GEMMs run as one fused
+dual-GEMM kernel whose epilogue applies the activation (forward) or computes dgate, dup and h
+(the "block" backward recompute), so gate and up are never written to memory there.
 Inputs are already 2-D [tokens, H] (remat.functional reshapes them).
 """
 
 import torch
 import torch.nn.functional as F
 
-from remat.ops.mlp import ops_for
+from remat.ops.mlp import ops_for, triton_glu_matmul, triton_glu_matmul_bwd
 
 RECOMPUTE_MODES = ("none", "activation", "block")
 
@@ -39,9 +42,13 @@ class GatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, backend):
         ops = ops_for(backend)
-        gate = F.linear(x, w_gate, b_gate)
-        up = F.linear(x, w_up, b_up)
-        h = ops.glu_fwd(gate, up, activation)
+        fused = _fused_gate_up(backend, recompute, b_gate, b_up)
+        if fused:
+            h, gate, up = triton_glu_matmul(x, w_gate, w_up, activation, recompute == "activation")
+        else:
+            gate = F.linear(x, w_gate, b_gate)
+            up = F.linear(x, w_up, b_up)
+            h = ops.glu_fwd(gate, up, activation)
         y = F.linear(h, w_down, b_down)
         if recompute == "none":
             act = ops.act_fwd(gate, activation)
@@ -50,7 +57,7 @@ class GatedMLPFunction(torch.autograd.Function):
             ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, gate, up)
         else:
             ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up)
-        ctx.activation, ctx.recompute, ctx.backend = activation, recompute, backend
+        ctx.activation, ctx.recompute, ctx.backend, ctx.fused = activation, recompute, backend, fused
         ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
         return y
 
@@ -66,6 +73,8 @@ class GatedMLPFunction(torch.autograd.Function):
             gate, up, act, h = saved[6:]
             dup = (dh * act).to(dh.dtype)
             dgate, _ = ops.act_bwd((dh * up).contiguous(), gate, ctx.activation, False)
+        elif ctx.recompute == "block" and ctx.fused:
+            dgate, dup, h = triton_glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[3])
         else:
             if ctx.recompute == "activation":
                 gate, up = saved[6:]
@@ -78,6 +87,12 @@ class GatedMLPFunction(torch.autograd.Function):
         dx_up, d_w_up, d_b_up = _linear_grads(dup, x, w_up, need[0], need[2], need[5] and ctx.has_bias[1])
         dx = dx_gate + dx_up if need[0] else None
         return dx, d_w_gate, d_w_up, d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None
+
+
+def _fused_gate_up(backend, recompute, b_gate, b_up):
+    """Whether the gate/up GEMMs run in Triton's fused dual-GEMM kernel (it takes no biases; the
+    "none" baseline keeps eager's unfused layout)."""
+    return backend == "triton" and recompute != "none" and b_gate is None and b_up is None
 
 
 class GELUMLPFunction(torch.autograd.Function):

@@ -148,6 +148,38 @@ triton_act_bwd.register_fake(_fake_act_bwd)
 TRITON_OPS = MLPOps(triton_glu_fwd, triton_glu_bwd, triton_act_fwd, triton_act_bwd)
 
 
+@torch.library.custom_op("remat_triton::glu_matmul", mutates_args=())
+def triton_glu_matmul(x: Tensor, w_gate: Tensor, w_up: Tensor, activation: str,
+                      store_pre: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused dual GEMM: h = act(x Wg^T) * (x Wu^T), gate and up never leaving the kernel unless
+    store_pre (then also returned, rounded to x's dtype as the epilogue used them)."""
+    from remat.kernels import matmul
+
+    return matmul.glu_matmul(x, w_gate, w_up, activation, store_pre=store_pre)
+
+
+@triton_glu_matmul.register_fake
+def _fake_glu_matmul(x, w_gate, w_up, activation, store_pre):
+    shape = (x.shape[0], w_gate.shape[0])
+    pre = x.new_empty(shape) if store_pre else x.new_empty(0)
+    return x.new_empty(shape), pre, pre.clone()
+
+
+@torch.library.custom_op("remat_triton::glu_matmul_bwd", mutates_args=())
+def triton_glu_matmul_bwd(x: Tensor, w_gate: Tensor, w_up: Tensor, dh: Tensor, activation: str,
+                          need_h: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward recompute of glu_matmul: the same dual GEMM, then dgate, dup (and h) in the
+    epilogue."""
+    from remat.kernels import matmul
+
+    return matmul.glu_matmul_bwd(x, w_gate, w_up, dh, activation, need_h=need_h)
+
+
+@triton_glu_matmul_bwd.register_fake
+def _fake_glu_matmul_bwd(x, w_gate, w_up, dh, activation, need_h):
+    return torch.empty_like(dh), torch.empty_like(dh), torch.empty_like(dh) if need_h else dh.new_empty(0)
+
+
 def ops_for(backend):
     """The MLPOps of a resolved backend name."""
     if backend == "torch":

@@ -1,0 +1,492 @@
+"""Triton dual GEMM for gated MLPs: gate = A @ w_gate^T and up = A @ w_up^T in one kernel, with an
+optional RMSNorm/LayerNorm prologue on A and the GLU in the epilogue.
+
+This is the up/gate half of the "block" and "norm + MLP" recompute contracts (DESIGN.md section
+2): the forward can keep only x (and the norm's fp32 statistics), and the backward kernel
+recomputes gate and up, then act(gate), act'(gate) and the activation gradients, in its epilogue.
+
+Rounding points are those of the unfused computation (DESIGN.md section 2):
+- the normed input A = ((x - mean) * rstd * norm_weight + norm_bias) is computed per loaded tile
+  in fp32, in kernels/norm.py's order of operations, and rounded to x's dtype before the dot, as
+  the unfused norm kernel stores it; it is never written to memory;
+- gate and up accumulate in fp32 and are rounded to x's dtype, as the unfused GEMMs store them;
+- h = act(gate) * up (and the backward's dgate, dup) are computed in fp32 from the rounded gate
+  and up and rounded once, with kernels/mlp.py's activation code.
+The forward and backward kernels share the tile ordering and the main loop (`_tile_indices`,
+`_gate_up_tile`) and choose block sizes with the same function of the shapes, so the backward's
+gate, up and h are bit-identical to the forward's.
+
+The activation math (`_activation_and_grad`) and the rounding helper (`_round`) are imported from
+kernels/mlp.py: relatively when this module is remat.kernels.matmul, and by file path when this
+file is loaded outside any package (tests/test_triton_aot.py may do that), so the formulas are
+kernels/mlp.py's in both cases rather than a copy.
+"""
+
+import importlib.util
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from .mlp import _activation_and_grad, _round
+except ImportError:
+    # Loaded by file path, with no parent package: load the sibling file under a private name.
+    _mlp_spec = importlib.util.spec_from_file_location(
+        f"{__name__}_mlp", Path(__file__).with_name("mlp.py"))
+    _mlp = importlib.util.module_from_spec(_mlp_spec)
+    _mlp_spec.loader.exec_module(_mlp)
+    _activation_and_grad = _mlp._activation_and_grad
+    _round = _mlp._round
+
+_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+_NORMS = (None, "rms", "layer")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class MatmulConfig(NamedTuple):
+    """Tile sizes and launch options of one dual-GEMM launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# Programs per group of the GROUP_M swizzle (Triton's matmul tutorial): GROUP_M row tiles walk
+# the N tiles together, so the weight tiles they share are read from L2, not memory.
+_GROUP_M = 8
+# Tile choice, measured with ptxas -v on the sm_80 and sm_90a builds of every aot_specs() kernel,
+# compiled with the 16-byte divisibility a launch with aligned tensors and K % 16 == 0 gets:
+# - fp16/bf16, more than 64 rows: 128 x 64 output tiles, BLOCK_K 64, 8 warps, 3 stages. One A
+#   tile (128 x 64) feeds two 64 x 64 weight tiles, the tensor-core work and arithmetic
+#   intensity of a single 128 x 128 GEMM tile. 120-255 registers per thread, no spills;
+#   64-81 KiB of shared memory on sm_80 and 96-113 KiB on sm_90. 128 x 128 tiles (two 128 x 128
+#   fp32 accumulators, 128 registers per thread before any operand) hit the 255-register cap
+#   and spilled in 14 of the 18 builds, up to 1.1 KiB per thread on sm_90 and 13 KiB on sm_80,
+#   the backward's epilogue most.
+# - fp16/bf16, at most 64 rows (decode-sized batches): 64 x 64 tiles, otherwise the same; twice
+#   the programs per weight column for a launch that is weight-bandwidth bound. 66-247
+#   registers, no spills. (4 warps spilled 4-16 bytes on sm_80.)
+# - fp32: IEEE products (see `_dot`) run on the FMA units, not tensor cores, and Triton's FMA dot
+#   holds BLOCK_K-deep operand slices in registers: 64 x 64 tiles, BLOCK_K 16, 8 warps take 128
+#   registers and do not spill; BLOCK_K 32 over 4 warps spilled up to 700 bytes.
+_LARGE_16BIT = MatmulConfig(128, 64, 64, _GROUP_M, 8, 3)
+_SMALL_16BIT = MatmulConfig(64, 64, 64, _GROUP_M, 8, 3)
+_FP32 = MatmulConfig(64, 64, 16, _GROUP_M, 8, 3)
+
+
+def glu_matmul_config(n_rows, n_cols, n_inner, dtype):
+    """Block sizes for gate/up of shape [n_rows, n_cols] over n_inner, for x's dtype.
+
+    A fixed rule of the shape and dtype, not an autotuner (none is needed for correctness; an
+    autotuned choice can replace this function). The forward and the backward call it with the
+    same arguments: the recompute is bit-identical only when both use the same tiles, since
+    BLOCK_K fixes the accumulation order.
+    """
+    del n_cols, n_inner  # The rule above needs neither; an autotuner may.
+    if dtype == torch.float32:
+        return _FP32
+    return _LARGE_16BIT if n_rows > 64 else _SMALL_16BIT
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+    """acc + a @ b, accumulated in fp32: a [BLOCK_M, BLOCK_K], b [BLOCK_K, BLOCK_N], acc fp32.
+
+    Under the interpreter (INTERPRETED), bf16 operands are upcast to fp32 first: Triton 3.8's
+    interpreter multiplies bf16 dots as raw bit patterns (triton-lang/triton#11584). bf16
+    products are exact in fp32, so only the summation order can differ from the compiled dot.
+    Compiled code multiplies bf16/fp16 natively on tensor cores. fp32 operands use IEEE
+    products, not the TF32 default of tl.dot, matching PyTorch's default fp32 matmul.
+    """
+    if INTERPRETED and a.dtype == tl.bfloat16:
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        result = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        result = tl.dot(a, b, acc)
+    return result
+
+
+@triton.jit
+def _tile_indices(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(rows [BLOCK_M], cols [BLOCK_N]) of this program's output tile, int32, in the grouped
+    order of Triton's matmul tutorial: GROUP_M consecutive row tiles per column sweep."""
+    program = tl.program_id(0)
+    num_row_tiles = tl.cdiv(M, BLOCK_M)
+    num_col_tiles = tl.cdiv(N, BLOCK_N)
+    programs_per_group = GROUP_M * num_col_tiles
+    first_row_tile = (program // programs_per_group) * GROUP_M
+    group_rows = min(num_row_tiles - first_row_tile, GROUP_M)
+    row_tile = first_row_tile + (program % programs_per_group) % group_rows
+    col_tile = (program % programs_per_group) // group_rows
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr, w_gate_ptr, w_up_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
+    rows, cols, M, N, K, x_row_stride,
+    NORM: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr, HAS_NORM_BIAS: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """(gate, up) [BLOCK_M, BLOCK_N] in x's dtype for output rows `rows` and columns `cols`.
+
+    gate = A @ w_gate^T and up = A @ w_up^T, two fp32 accumulators fed by one A tile per K step,
+    each rounded once to x's dtype at the end. A is x, or for NORM "rms"/"layer" the normed x
+    computed per tile and rounded to x's dtype. Loads past M, N and K are masked to 0, so rows
+    past M and columns past N come out 0; the callers mask them off their stores.
+    """
+    dtype = x_ptr.dtype.element_ty
+    row_mask = rows < M
+    col_mask = cols < N
+    # 64-bit before the multiplies: row * stride and col * K can pass 2^31.
+    x_row_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
+    weight_col_offsets = cols.to(tl.int64)[None, :] * K
+    if NORM != "none":
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    if NORM == "layer":
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    gate_acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+    up_acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(x_row_ptrs + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        if NORM != "none":
+            # kernels/norm.py's order: x_hat = (x - mean) * rstd (x * rstd for RMSNorm), then
+            # * weight, then + bias, in fp32; rounded to the dtype as the norm kernel stores y.
+            normed = a.to(tl.float32)
+            if NORM == "layer":
+                normed = (normed - mean) * rstd
+            else:
+                normed = normed * rstd
+            if HAS_NORM_WEIGHT:
+                normed = normed * tl.load(norm_weight_ptr + ks, mask=k_mask,
+                                          other=0.0).to(tl.float32)[None, :]
+            if HAS_NORM_BIAS:
+                normed = normed + tl.load(norm_bias_ptr + ks, mask=k_mask,
+                                          other=0.0).to(tl.float32)[None, :]
+            # (0 - mean) * rstd and the bias are not 0 past K: zero those columns explicitly.
+            a = _round(tl.where(k_mask[None, :], normed, 0.0), dtype, INTERPRETED)
+        weight_offsets = weight_col_offsets + ks[:, None]
+        weight_mask = k_mask[:, None] & col_mask[None, :]
+        w_gate = tl.load(w_gate_ptr + weight_offsets, mask=weight_mask, other=0.0)
+        w_up = tl.load(w_up_ptr + weight_offsets, mask=weight_mask, other=0.0)
+        gate_acc = _dot(a, w_gate, gate_acc, INTERPRETED)
+        up_acc = _dot(a, w_up, up_acc, INTERPRETED)
+    return _round(gate_acc, dtype, INTERPRETED), _round(up_acc, dtype, INTERPRETED)
+
+
+@triton.jit
+def _glu_matmul_fwd_kernel(
+    x_ptr, w_gate_ptr, w_up_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
+    h_ptr, gate_ptr, up_ptr,
+    M, N, K, x_row_stride,
+    ACTIVATION: tl.constexpr, NORM: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr,
+    HAS_NORM_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One BLOCK_M x BLOCK_N tile of h = act(gate) * up [M, N] (and gate, up when STORE_PRE)."""
+    rows, cols = _tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    gate, up = _gate_up_tile(
+        x_ptr, w_gate_ptr, w_up_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
+        rows, cols, M, N, K, x_row_stride,
+        NORM, HAS_NORM_WEIGHT, HAS_NORM_BIAS, BLOCK_K, INTERPRETED,
+    )
+    activated, _ = _activation_and_grad(gate.to(tl.float32), ACTIVATION)
+    h = _round(activated * up.to(tl.float32), h_ptr.dtype.element_ty, INTERPRETED)
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(h_ptr + offsets, h, mask=mask)
+    if STORE_PRE:
+        tl.store(gate_ptr + offsets, gate, mask=mask)
+        tl.store(up_ptr + offsets, up, mask=mask)
+
+
+@triton.jit
+def _glu_matmul_bwd_kernel(
+    x_ptr, w_gate_ptr, w_up_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
+    dh_ptr, dgate_ptr, dup_ptr, h_ptr,
+    M, N, K, x_row_stride, dh_row_stride,
+    ACTIVATION: tl.constexpr, NORM: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr,
+    HAS_NORM_BIAS: tl.constexpr, NEED_H: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One tile of dgate = dh * up * act'(gate), dup = dh * act(gate) and (NEED_H) h, with gate
+    and up recomputed exactly as _glu_matmul_fwd_kernel computes them."""
+    rows, cols = _tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    gate, up = _gate_up_tile(
+        x_ptr, w_gate_ptr, w_up_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
+        rows, cols, M, N, K, x_row_stride,
+        NORM, HAS_NORM_WEIGHT, HAS_NORM_BIAS, BLOCK_K, INTERPRETED,
+    )
+    rows64 = rows.to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dh = tl.load(dh_ptr + rows64[:, None] * dh_row_stride + cols[None, :], mask=mask, other=0.0)
+    dh = dh.to(tl.float32)
+    up = up.to(tl.float32)
+    # The expressions and their order are kernels/mlp.py's _act_bwd_kernel (GATED).
+    activated, grad = _activation_and_grad(gate.to(tl.float32), ACTIVATION)
+    dtype = dgate_ptr.dtype.element_ty
+    offsets = rows64[:, None] * N + cols[None, :]
+    tl.store(dgate_ptr + offsets, _round(dh * up * grad, dtype, INTERPRETED), mask=mask)
+    tl.store(dup_ptr + offsets, _round(dh * activated, dtype, INTERPRETED), mask=mask)
+    if NEED_H:
+        tl.store(h_ptr + offsets, _round(activated * up, dtype, INTERPRETED), mask=mask)
+
+
+# True when TRITON_INTERPRET=1 was set before this module was imported: the kernels are then
+# interpreter objects, not JITFunctions.
+_INTERPRETED = not isinstance(_glu_matmul_fwd_kernel, triton.runtime.JITFunction)
+
+
+def _describe(tensor):
+    return f"shape {tuple(tensor.shape)}, {tensor.dtype} on {tensor.device}"
+
+
+def _check_tensor(name, tensor):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+
+
+def _check_same_device(name, tensor, x):
+    if tensor.device != x.device:
+        raise ValueError(f"{name}: expected a tensor on {x.device} like x, got {_describe(tensor)}")
+
+
+def _check_row_major(name, tensor, shape):
+    """shape as given, unit column stride (any row stride)."""
+    if tuple(tensor.shape) != shape or (tensor.stride(1) != 1 and shape[1] > 1):
+        raise ValueError(
+            f"{name}: expected shape {shape} with unit column stride, got shape "
+            f"{tuple(tensor.shape)} and strides {tuple(tensor.stride())}")
+
+
+def _check_inputs(x, w_gate, w_up, activation, norm, mean, rstd, norm_weight, norm_bias,
+                  dh=None):
+    """ValueError/TypeError naming the argument, before any launch. Returns (M, N, K)."""
+    _check_tensor("x", x)
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x: expected float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D tensor [M, K], got shape {tuple(x.shape)}")
+    n_rows, n_inner = x.shape
+    _check_row_major("x", x, (n_rows, n_inner))
+    _check_tensor("w_gate", w_gate)
+    if w_gate.dim() != 2 or w_gate.shape[1] != n_inner:
+        raise ValueError(
+            f"w_gate: expected [N, {n_inner}] (nn.Linear layout, K = x.shape[1]), got shape "
+            f"{tuple(w_gate.shape)}")
+    n_cols = w_gate.shape[0]
+    for name, weight in (("w_gate", w_gate), ("w_up", w_up)):
+        _check_tensor(name, weight)
+        if weight.dtype != x.dtype:
+            raise TypeError(f"{name}: expected {x.dtype} like x, got {weight.dtype}")
+        _check_same_device(name, weight, x)
+        if tuple(weight.shape) != (n_cols, n_inner) or not weight.is_contiguous():
+            raise ValueError(
+                f"{name}: expected a contiguous [{n_cols}, {n_inner}] tensor (like w_gate), got "
+                f"shape {tuple(weight.shape)} and strides {tuple(weight.stride())}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {_ACTIVATIONS}, got {activation!r}")
+    if norm not in _NORMS:
+        raise ValueError(f"norm: expected one of {_NORMS}, got {norm!r}")
+    norm_args = {"mean": mean, "rstd": rstd, "norm_weight": norm_weight, "norm_bias": norm_bias}
+    allowed = {None: (), "rms": ("rstd", "norm_weight"),
+               "layer": ("mean", "rstd", "norm_weight", "norm_bias")}[norm]
+    required = {None: (), "rms": ("rstd",), "layer": ("mean", "rstd")}[norm]
+    for name, value in norm_args.items():
+        if value is not None and name not in allowed:
+            raise ValueError(f"{name}: not taken with norm={norm!r}; pass None")
+        if value is None and name in required:
+            raise ValueError(f"{name}: required with norm={norm!r}")
+    for name in ("mean", "rstd"):
+        stat = norm_args[name]
+        if stat is not None:
+            _check_tensor(name, stat)
+            if stat.dtype != torch.float32:
+                raise TypeError(f"{name}: expected float32 statistics, got {stat.dtype}")
+            if tuple(stat.shape) != (n_rows,):
+                raise ValueError(f"{name}: expected shape ({n_rows},) (one per row of x), got "
+                                 f"{tuple(stat.shape)}")
+            _check_same_device(name, stat, x)
+    for name in ("norm_weight", "norm_bias"):
+        vector = norm_args[name]
+        if vector is not None:
+            _check_tensor(name, vector)
+            if vector.dtype not in _DTYPES:
+                raise TypeError(
+                    f"{name}: expected float32, float16 or bfloat16, got {vector.dtype}")
+            if tuple(vector.shape) != (n_inner,):
+                raise ValueError(f"{name}: expected shape ({n_inner},) (K = x.shape[1]), got "
+                                 f"{tuple(vector.shape)}")
+            _check_same_device(name, vector, x)
+    if dh is not None:
+        _check_tensor("dh", dh)
+        if dh.dtype != x.dtype:
+            raise TypeError(f"dh: expected {x.dtype} like x, got {dh.dtype}")
+        if dh.dim() != 2:
+            raise ValueError(f"dh: expected a 2-D tensor [{n_rows}, {n_cols}], got shape "
+                             f"{tuple(dh.shape)}")
+        _check_row_major("dh", dh, (n_rows, n_cols))
+        _check_same_device("dh", dh, x)
+    return n_rows, n_cols, n_inner
+
+
+def _launch(kernel, x, w_gate, w_up, outputs, extra_strides, norm, mean, rstd, norm_weight,
+            norm_bias, flags):
+    """Launches `kernel` over the [M, N] output with the shared argument layout of both kernels.
+
+    outputs: the kernel's output pointers after the prologue inputs (a placeholder where a flag
+    keeps the kernel from writing). extra_strides: row strides after x's. flags: the kernel's
+    own constexprs (ACTIVATION and STORE_PRE or NEED_H).
+    """
+    n_rows, n_inner = x.shape
+    n_cols = w_gate.shape[0]
+    config = glu_matmul_config(n_rows, n_cols, n_inner, x.dtype)
+    grid = (triton.cdiv(n_rows, config.block_m) * triton.cdiv(n_cols, config.block_n),)
+    rstd = rstd.contiguous() if rstd is not None else None
+    # Absent optional tensors are passed as a placeholder pointer that the constexpr flags keep
+    # the kernel from touching.
+    kernel[grid](
+        x, w_gate, w_up,
+        mean.contiguous() if mean is not None else x,
+        rstd if rstd is not None else x,
+        norm_weight.contiguous() if norm_weight is not None else x,
+        norm_bias.contiguous() if norm_bias is not None else x,
+        *outputs,
+        n_rows, n_cols, n_inner, x.stride(0), *extra_strides,
+        NORM=norm or "none", HAS_NORM_WEIGHT=norm_weight is not None,
+        HAS_NORM_BIAS=norm_bias is not None, **flags,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, INTERPRETED=_INTERPRETED,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def glu_matmul(x, w_gate, w_up, activation, *, norm=None, mean=None, rstd=None,
+               norm_weight=None, norm_bias=None, store_pre=False):
+    """Gated MLP up-projection: h = act(A @ w_gate^T) * (A @ w_up^T) in one kernel.
+
+    x: [M, K] fp32/fp16/bf16, unit column stride, any row stride. w_gate, w_up: [N, K] of x's
+    dtype, contiguous (nn.Linear layout). activation: "silu", "gelu" (exact, erf) or "gelu_tanh".
+    A is x, or with norm="rms" A = x * rstd * norm_weight, with norm="layer"
+    A = (x - mean) * rstd * norm_weight + norm_bias, computed in fp32 and rounded to x's dtype
+    (the unfused norm's output); rstd, mean: fp32 [M]; norm_weight, norm_bias: [K] or None
+    (RMSNorm takes no bias). All on x's device.
+    Returns (h, gate, up): h [M, N] contiguous in x's dtype, act(gate) * up in fp32 from the
+    rounded gate and up, rounded once; gate = A @ w_gate^T and up = A @ w_up^T, fp32-accumulated
+    and rounded to x's dtype, [M, N] contiguous when store_pre, else empty(0).
+    """
+    n_rows, n_cols, _ = _check_inputs(x, w_gate, w_up, activation, norm, mean, rstd, norm_weight,
+                                      norm_bias)
+
+    def output(wanted):
+        shape = (n_rows, n_cols) if wanted else (0,)
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+    h, gate, up = output(True), output(store_pre), output(store_pre)
+    if n_rows > 0 and n_cols > 0:
+        _launch(_glu_matmul_fwd_kernel, x, w_gate, w_up,
+                (h, gate if store_pre else h, up if store_pre else h), (),
+                norm, mean, rstd, norm_weight, norm_bias,
+                dict(ACTIVATION=activation, STORE_PRE=bool(store_pre)))
+    return h, gate, up
+
+
+def glu_matmul_bwd(x, w_gate, w_up, dh, activation, *, norm=None, mean=None, rstd=None,
+                   norm_weight=None, norm_bias=None, need_h=True):
+    """Backward of glu_matmul's activation, recomputing gate and up (and the normed input) from x.
+
+    x, w_gate, w_up, activation and the norm arguments: as for glu_matmul, which this recomputes
+    bit for bit. dh: [M, N] gradient of h, x's dtype, unit column stride, any row stride.
+    Returns (dgate, dup, h), each [M, N] contiguous in x's dtype, computed in fp32 from the
+    rounded gate and up and rounded once: dgate = dh * up * act'(gate), dup = dh * act(gate)
+    (act(gate) unrounded, as in the forward), h = act(gate) * up, bit-identical to glu_matmul's
+    h, or empty(0) when need_h is false. The weight and input gradients are left to the caller
+    (GEMMs of dgate and dup).
+    """
+    n_rows, n_cols, _ = _check_inputs(x, w_gate, w_up, activation, norm, mean, rstd, norm_weight,
+                                      norm_bias, dh=dh)
+
+    def output(wanted):
+        shape = (n_rows, n_cols) if wanted else (0,)
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+    dgate, dup, h = output(True), output(True), output(need_h)
+    if n_rows > 0 and n_cols > 0:
+        _launch(_glu_matmul_bwd_kernel, x, w_gate, w_up,
+                (dh, dgate, dup, h if need_h else dgate), (dh.stride(0),),
+                norm, mean, rstd, norm_weight, norm_bias,
+                dict(ACTIVATION=activation, NEED_H=bool(need_h)))
+    return dgate, dup, h
+
+
+def aot_specs():
+    """Yield (name, kernel, signature, constexprs, num_warps) for ahead-of-time compile checks.
+
+    `signature` and `constexprs` are in the form `triton.compiler.ASTSource` takes; name is
+    'glu_matmul_<fwd|bwd>-<dtype>-<activation>-<norm>[-store_pre|-need_h]'. Covers both kernels
+    without a prologue, with the RMSNorm prologue (weight) and with the LayerNorm prologue
+    (weight and bias): for bf16 every (kernel, norm) pair, the activations spread over them and
+    STORE_PRE / NEED_H on and off; for fp16 and fp32 one forward and one backward each. Each
+    uses the configuration glu_matmul_config picks for a 4096 x 4096 x 4096 launch of its dtype
+    (the 128 x 64 x 64 tensor-core tile for 16-bit types). Sizes are 32-bit and row strides
+    64-bit, as the launcher passes a stride past 2^31 - 1; the fp32 specs take 64-bit sizes.
+    """
+    bf16_cases = (
+        ("fwd", "silu", None, False), ("fwd", "gelu", "rms", True),
+        ("fwd", "gelu_tanh", "layer", False), ("fwd", "silu", "layer", True),
+        ("bwd", "gelu_tanh", None, True), ("bwd", "silu", "rms", False),
+        ("bwd", "gelu", "layer", True),
+    )
+    for type_name, dtype, cases, size_type in (
+        ("bf16", torch.bfloat16, bf16_cases, "i32"),
+        ("fp16", torch.float16, (("fwd", "silu", "rms", True), ("bwd", "silu", "rms", True)),
+         "i32"),
+        ("fp32", torch.float32,
+         (("fwd", "gelu", "layer", False), ("bwd", "gelu", None, False)), "i64"),
+    ):
+        config = glu_matmul_config(4096, 4096, 4096, dtype)
+        element = f"*{type_name}"
+        for kind, activation, norm, flag in cases:
+            signature = {
+                "x_ptr": element, "w_gate_ptr": element, "w_up_ptr": element,
+                "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "norm_weight_ptr": element,
+                "norm_bias_ptr": element,
+            }
+            if kind == "fwd":
+                kernel = _glu_matmul_fwd_kernel
+                signature.update(h_ptr=element, gate_ptr=element, up_ptr=element)
+                strides = ("x_row_stride",)
+                flags = {"STORE_PRE": flag}
+                suffix = "-store_pre" if flag else ""
+            else:
+                kernel = _glu_matmul_bwd_kernel
+                signature.update(dh_ptr=element, dgate_ptr=element, dup_ptr=element,
+                                 h_ptr=element)
+                strides = ("x_row_stride", "dh_row_stride")
+                flags = {"NEED_H": flag}
+                suffix = "-need_h" if flag else ""
+            signature.update(M=size_type, N=size_type, K=size_type)
+            signature.update(dict.fromkeys(strides, "i64"))
+            constexprs = dict(
+                ACTIVATION=activation, NORM=norm or "none", HAS_NORM_WEIGHT=norm is not None,
+                HAS_NORM_BIAS=norm == "layer", **flags,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                GROUP_M=config.group_m, INTERPRETED=False,
+            )
+            signature.update(dict.fromkeys(constexprs, "constexpr"))
+            yield (f"glu_matmul_{kind}-{type_name}-{activation}-{norm or 'plain'}{suffix}",
+                   kernel, signature, constexprs, config.num_warps)
