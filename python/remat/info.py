@@ -4,7 +4,7 @@ import torch
 
 from remat import _extension, backend
 
-OPS = ("rms_norm", "layer_norm")
+OPS = ("rms_norm", "layer_norm", "swiglu_mlp", "geglu_mlp", "gelu_mlp", "norm_mlp")
 
 
 def info_dict():
