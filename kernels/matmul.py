@@ -16,6 +16,12 @@ The forward and backward kernels share the tile ordering and the main loop (`_ti
 `_gate_up_tile`) and choose block sizes with the same function of the shapes, so the backward's
 gate, up and h are bit-identical to the forward's.
 
+act_matmul / act_matmul_bwd are the single-GEMM variant for the plain (GPT-2 style) MLP: the same
+main loop with GATED off (one weight, one accumulator, no norm prologue) and a bias [N] added in
+fp32 to the accumulator before the one rounding, so pre = x @ w^T + b is what torch.addmm stores;
+h = act(pre) and dpre = dh * act'(pre) are kernels/mlp.py's act (non-gated) expressions. They
+use glu_matmul_config's tiles.
+
 The activation math (`_activation_and_grad`) and the rounding helper (`_round`) are imported from
 kernels/mlp.py: relatively when this module is remat.kernels.matmul, and by file path when this
 file is loaded outside any package (tests/test_triton_aot.py may do that), so the formulas are
@@ -132,18 +138,24 @@ def _tile_indices(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
 
 @triton.jit
 def _gate_up_tile(
-    x_ptr, w_gate_ptr, w_up_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
+    x_ptr, w_gate_ptr, w_up_ptr, bias_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
     rows, cols, M, N, K, x_row_stride,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr, HAS_NORM_BIAS: tl.constexpr,
     BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """(gate, up) [BLOCK_M, BLOCK_N] in x's dtype for output rows `rows` and columns `cols`.
 
-    gate = A @ w_gate^T and up = A @ w_up^T, two fp32 accumulators fed by one A tile per K step,
-    each rounded once to x's dtype at the end. A is x, or for NORM "rms"/"layer" the normed x
-    computed per tile and rounded to x's dtype. Loads past M, N and K are masked to 0, so rows
-    past M and columns past N come out 0; the callers mask them off their stores.
+    GATED: gate = A @ w_gate^T and up = A @ w_up^T, two fp32 accumulators fed by one A tile per
+    K step, each rounded once to x's dtype at the end. Not GATED: only gate = A @ w_gate^T
+    (+ bias) is computed, w_up_ptr is never read, and the returned up is gate itself (a
+    placeholder the caller ignores). HAS_BIAS (only without GATED): bias [N], x's dtype, is
+    added in fp32 to the fp32 accumulator before the one rounding, as torch.addmm does.
+    A is x, or for NORM "rms"/"layer" the normed x computed per tile and rounded to x's dtype.
+    Loads past M, N and K are masked to 0, so rows past M and columns past N come out 0 (or the
+    bias); the callers mask them off their stores.
     """
+    tl.static_assert(not (GATED and HAS_BIAS), "a bias is taken only by the non-gated GEMM")
     dtype = x_ptr.dtype.element_ty
     row_mask = rows < M
     col_mask = cols < N
@@ -155,7 +167,8 @@ def _gate_up_tile(
     if NORM == "layer":
         mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
     gate_acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
-    up_acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+    if GATED:
+        up_acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_mask = ks < K
@@ -180,10 +193,19 @@ def _gate_up_tile(
         weight_offsets = weight_col_offsets + ks[:, None]
         weight_mask = k_mask[:, None] & col_mask[None, :]
         w_gate = tl.load(w_gate_ptr + weight_offsets, mask=weight_mask, other=0.0)
-        w_up = tl.load(w_up_ptr + weight_offsets, mask=weight_mask, other=0.0)
         gate_acc = _dot(a, w_gate, gate_acc, INTERPRETED)
-        up_acc = _dot(a, w_up, up_acc, INTERPRETED)
-    return _round(gate_acc, dtype, INTERPRETED), _round(up_acc, dtype, INTERPRETED)
+        if GATED:
+            w_up = tl.load(w_up_ptr + weight_offsets, mask=weight_mask, other=0.0)
+            up_acc = _dot(a, w_up, up_acc, INTERPRETED)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        gate_acc = gate_acc + bias[None, :]
+    gate = _round(gate_acc, dtype, INTERPRETED)
+    if GATED:
+        up = _round(up_acc, dtype, INTERPRETED)
+    else:
+        up = gate
+    return gate, up
 
 
 @triton.jit
@@ -198,10 +220,11 @@ def _glu_matmul_fwd_kernel(
 ):
     """One BLOCK_M x BLOCK_N tile of h = act(gate) * up [M, N] (and gate, up when STORE_PRE)."""
     rows, cols = _tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # x_ptr stands in for the bias pointer, which HAS_BIAS=False keeps the loop from reading.
     gate, up = _gate_up_tile(
-        x_ptr, w_gate_ptr, w_up_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
+        x_ptr, w_gate_ptr, w_up_ptr, x_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
         rows, cols, M, N, K, x_row_stride,
-        NORM, HAS_NORM_WEIGHT, HAS_NORM_BIAS, BLOCK_K, INTERPRETED,
+        True, False, NORM, HAS_NORM_WEIGHT, HAS_NORM_BIAS, BLOCK_K, INTERPRETED,
     )
     activated, _ = _activation_and_grad(gate.to(tl.float32), ACTIVATION)
     h = _round(activated * up.to(tl.float32), h_ptr.dtype.element_ty, INTERPRETED)
@@ -226,10 +249,11 @@ def _glu_matmul_bwd_kernel(
     """One tile of dgate = dh * up * act'(gate), dup = dh * act(gate) and (NEED_H) h, with gate
     and up recomputed exactly as _glu_matmul_fwd_kernel computes them."""
     rows, cols = _tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # x_ptr stands in for the bias pointer, which HAS_BIAS=False keeps the loop from reading.
     gate, up = _gate_up_tile(
-        x_ptr, w_gate_ptr, w_up_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
+        x_ptr, w_gate_ptr, w_up_ptr, x_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
         rows, cols, M, N, K, x_row_stride,
-        NORM, HAS_NORM_WEIGHT, HAS_NORM_BIAS, BLOCK_K, INTERPRETED,
+        True, False, NORM, HAS_NORM_WEIGHT, HAS_NORM_BIAS, BLOCK_K, INTERPRETED,
     )
     rows64 = rows.to(tl.int64)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -244,6 +268,62 @@ def _glu_matmul_bwd_kernel(
     tl.store(dup_ptr + offsets, _round(dh * activated, dtype, INTERPRETED), mask=mask)
     if NEED_H:
         tl.store(h_ptr + offsets, _round(activated * up, dtype, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _act_matmul_fwd_kernel(
+    x_ptr, w_ptr, bias_ptr, h_ptr, pre_ptr,
+    M, N, K, x_row_stride,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One BLOCK_M x BLOCK_N tile of h = act(pre) [M, N], pre = x @ w^T (+ bias) rounded to x's
+    dtype (and pre itself when STORE_PRE): _gate_up_tile's main loop with one GEMM, no norm."""
+    rows, cols = _tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # x_ptr stands in for the second weight and the norm operands, which GATED=False and
+    # NORM="none" keep the loop from reading.
+    pre, _ = _gate_up_tile(
+        x_ptr, w_ptr, x_ptr, bias_ptr, x_ptr, x_ptr, x_ptr, x_ptr,
+        rows, cols, M, N, K, x_row_stride,
+        False, HAS_BIAS, "none", False, False, BLOCK_K, INTERPRETED,
+    )
+    activated, _ = _activation_and_grad(pre.to(tl.float32), ACTIVATION)
+    h = _round(activated, h_ptr.dtype.element_ty, INTERPRETED)
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(h_ptr + offsets, h, mask=mask)
+    if STORE_PRE:
+        tl.store(pre_ptr + offsets, pre, mask=mask)
+
+
+@triton.jit
+def _act_matmul_bwd_kernel(
+    x_ptr, w_ptr, bias_ptr, dh_ptr, dpre_ptr, h_ptr,
+    M, N, K, x_row_stride, dh_row_stride,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_H: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One tile of dpre = dh * act'(pre) and (NEED_H) h = act(pre), with pre recomputed exactly
+    as _act_matmul_fwd_kernel computes it."""
+    rows, cols = _tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pre, _ = _gate_up_tile(
+        x_ptr, w_ptr, x_ptr, bias_ptr, x_ptr, x_ptr, x_ptr, x_ptr,
+        rows, cols, M, N, K, x_row_stride,
+        False, HAS_BIAS, "none", False, False, BLOCK_K, INTERPRETED,
+    )
+    rows64 = rows.to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dh = tl.load(dh_ptr + rows64[:, None] * dh_row_stride + cols[None, :], mask=mask, other=0.0)
+    dh = dh.to(tl.float32)
+    # The expressions and their order are kernels/mlp.py's _act_bwd_kernel (not GATED).
+    activated, grad = _activation_and_grad(pre.to(tl.float32), ACTIVATION)
+    dtype = dpre_ptr.dtype.element_ty
+    offsets = rows64[:, None] * N + cols[None, :]
+    tl.store(dpre_ptr + offsets, _round(dh * grad, dtype, INTERPRETED), mask=mask)
+    if NEED_H:
+        tl.store(h_ptr + offsets, _round(activated, dtype, INTERPRETED), mask=mask)
 
 
 # True when TRITON_INTERPRET=1 was set before this module was imported: the kernels are then
@@ -273,9 +353,8 @@ def _check_row_major(name, tensor, shape):
             f"{tuple(tensor.shape)} and strides {tuple(tensor.stride())}")
 
 
-def _check_inputs(x, w_gate, w_up, activation, norm, mean, rstd, norm_weight, norm_bias,
-                  dh=None):
-    """ValueError/TypeError naming the argument, before any launch. Returns (M, N, K)."""
+def _check_x(x):
+    """x: a 2-D fp32/fp16/bf16 tensor with unit column stride. Returns (M, K)."""
     _check_tensor("x", x)
     if x.dtype not in _DTYPES:
         raise TypeError(f"x: expected float32, float16 or bfloat16, got {x.dtype}")
@@ -283,6 +362,26 @@ def _check_inputs(x, w_gate, w_up, activation, norm, mean, rstd, norm_weight, no
         raise ValueError(f"x: expected a 2-D tensor [M, K], got shape {tuple(x.shape)}")
     n_rows, n_inner = x.shape
     _check_row_major("x", x, (n_rows, n_inner))
+    return n_rows, n_inner
+
+
+def _check_dh(dh, x, n_cols):
+    """dh: [M, N] of x's dtype and device, unit column stride."""
+    n_rows = x.shape[0]
+    _check_tensor("dh", dh)
+    if dh.dtype != x.dtype:
+        raise TypeError(f"dh: expected {x.dtype} like x, got {dh.dtype}")
+    if dh.dim() != 2:
+        raise ValueError(f"dh: expected a 2-D tensor [{n_rows}, {n_cols}], got shape "
+                         f"{tuple(dh.shape)}")
+    _check_row_major("dh", dh, (n_rows, n_cols))
+    _check_same_device("dh", dh, x)
+
+
+def _check_inputs(x, w_gate, w_up, activation, norm, mean, rstd, norm_weight, norm_bias,
+                  dh=None):
+    """ValueError/TypeError naming the argument, before any launch. Returns (M, N, K)."""
+    n_rows, n_inner = _check_x(x)
     _check_tensor("w_gate", w_gate)
     if w_gate.dim() != 2 or w_gate.shape[1] != n_inner:
         raise ValueError(
@@ -333,14 +432,35 @@ def _check_inputs(x, w_gate, w_up, activation, norm, mean, rstd, norm_weight, no
                                  f"{tuple(vector.shape)}")
             _check_same_device(name, vector, x)
     if dh is not None:
-        _check_tensor("dh", dh)
-        if dh.dtype != x.dtype:
-            raise TypeError(f"dh: expected {x.dtype} like x, got {dh.dtype}")
-        if dh.dim() != 2:
-            raise ValueError(f"dh: expected a 2-D tensor [{n_rows}, {n_cols}], got shape "
-                             f"{tuple(dh.shape)}")
-        _check_row_major("dh", dh, (n_rows, n_cols))
-        _check_same_device("dh", dh, x)
+        _check_dh(dh, x, n_cols)
+    return n_rows, n_cols, n_inner
+
+
+def _check_act_inputs(x, w, b, activation, dh=None):
+    """act_matmul's arguments: ValueError/TypeError naming the argument, before any launch.
+    Returns (M, N, K)."""
+    n_rows, n_inner = _check_x(x)
+    _check_tensor("w", w)
+    if w.dtype != x.dtype:
+        raise TypeError(f"w: expected {x.dtype} like x, got {w.dtype}")
+    _check_same_device("w", w, x)
+    if w.dim() != 2 or w.shape[1] != n_inner or not w.is_contiguous():
+        raise ValueError(
+            f"w: expected a contiguous [N, {n_inner}] tensor (nn.Linear layout, K = x.shape[1]), "
+            f"got shape {tuple(w.shape)} and strides {tuple(w.stride())}")
+    n_cols = w.shape[0]
+    if b is not None:
+        _check_tensor("b", b)
+        if b.dtype != x.dtype:
+            raise TypeError(f"b: expected {x.dtype} like x, got {b.dtype}")
+        if tuple(b.shape) != (n_cols,):
+            raise ValueError(f"b: expected shape ({n_cols},) (N = w.shape[0]), got "
+                             f"{tuple(b.shape)}")
+        _check_same_device("b", b, x)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {_ACTIVATIONS}, got {activation!r}")
+    if dh is not None:
+        _check_dh(dh, x, n_cols)
     return n_rows, n_cols, n_inner
 
 
@@ -433,6 +553,71 @@ def glu_matmul_bwd(x, w_gate, w_up, dh, activation, *, norm=None, mean=None, rst
     return dgate, dup, h
 
 
+def _launch_act(kernel, x, w, b, outputs, extra_strides, flags):
+    """Launches an act_matmul kernel over the [M, N] output, with glu_matmul's tiles for the
+    shape and dtype (the forward and the backward pick the same ones)."""
+    n_rows, n_inner = x.shape
+    n_cols = w.shape[0]
+    config = glu_matmul_config(n_rows, n_cols, n_inner, x.dtype)
+    grid = (triton.cdiv(n_rows, config.block_m) * triton.cdiv(n_cols, config.block_n),)
+    kernel[grid](
+        x, w, b.contiguous() if b is not None else x,
+        *outputs,
+        n_rows, n_cols, n_inner, x.stride(0), *extra_strides,
+        HAS_BIAS=b is not None, **flags,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, INTERPRETED=_INTERPRETED,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def act_matmul(x, w, b, activation, *, store_pre=False):
+    """Plain (GPT-2 style) MLP up-projection: h = act(x @ w^T + b) in one kernel.
+
+    x: [M, K] fp32/fp16/bf16, unit column stride, any row stride. w: [N, K] of x's dtype,
+    contiguous (nn.Linear layout). b: [N] of x's dtype, or None. activation: "gelu" (exact, erf),
+    "gelu_tanh" or "silu". All on x's device.
+    Returns (h, pre): pre = x @ w^T + b, accumulated in fp32 with the bias added in fp32 and
+    rounded once to x's dtype (what torch.addmm outputs); h = act(pre) in fp32 from the rounded
+    pre, rounded once, [M, N] contiguous in x's dtype. pre is returned [M, N] contiguous when
+    store_pre, else empty(0).
+    """
+    n_rows, n_cols, _ = _check_act_inputs(x, w, b, activation)
+
+    def output(wanted):
+        shape = (n_rows, n_cols) if wanted else (0,)
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+    h, pre = output(True), output(store_pre)
+    if n_rows > 0 and n_cols > 0:
+        _launch_act(_act_matmul_fwd_kernel, x, w, b, (h, pre if store_pre else h), (),
+                    dict(ACTIVATION=activation, STORE_PRE=bool(store_pre)))
+    return h, pre
+
+
+def act_matmul_bwd(x, w, b, dh, activation, *, need_h=True):
+    """Backward of act_matmul's activation, recomputing pre = x @ w^T + b from x.
+
+    x, w, b, activation: as for act_matmul, whose pre this recomputes bit for bit. dh: [M, N]
+    gradient of h, x's dtype, unit column stride, any row stride.
+    Returns (dpre, h), each [M, N] contiguous in x's dtype, computed in fp32 from the rounded
+    pre and rounded once: dpre = dh * act'(pre); h = act(pre), bit-identical to act_matmul's h,
+    or empty(0) when need_h is false. These are kernels/mlp.py's act_bwd expressions. The weight,
+    bias and input gradients are left to the caller (GEMMs and a column sum of dpre).
+    """
+    n_rows, n_cols, _ = _check_act_inputs(x, w, b, activation, dh=dh)
+
+    def output(wanted):
+        shape = (n_rows, n_cols) if wanted else (0,)
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+    dpre, h = output(True), output(need_h)
+    if n_rows > 0 and n_cols > 0:
+        _launch_act(_act_matmul_bwd_kernel, x, w, b, (dh, dpre, h if need_h else dpre),
+                    (dh.stride(0),), dict(ACTIVATION=activation, NEED_H=bool(need_h)))
+    return dpre, h
+
+
 def aot_specs():
     """Yield (name, kernel, signature, constexprs, num_warps) for ahead-of-time compile checks.
 
@@ -444,6 +629,11 @@ def aot_specs():
     uses the configuration glu_matmul_config picks for a 4096 x 4096 x 4096 launch of its dtype
     (the 128 x 64 x 64 tensor-core tile for 16-bit types). Sizes are 32-bit and row strides
     64-bit, as the launcher passes a stride past 2^31 - 1; the fp32 specs take 64-bit sizes.
+
+    Then act_matmul's kernels, named 'act_matmul_<fwd|bwd>-<dtype>-<activation>-<bias|nobias>
+    [-store_pre|-need_h]': for bf16 both kernels with gelu and gelu_tanh, each with and without
+    the bias (STORE_PRE / NEED_H spread over them); for fp16 and fp32 one forward and one
+    backward each, with the same tiles, size and stride types as above.
     """
     bf16_cases = (
         ("fwd", "silu", None, False), ("fwd", "gelu", "rms", True),
@@ -489,4 +679,45 @@ def aot_specs():
             )
             signature.update(dict.fromkeys(constexprs, "constexpr"))
             yield (f"glu_matmul_{kind}-{type_name}-{activation}-{norm or 'plain'}{suffix}",
+                   kernel, signature, constexprs, config.num_warps)
+
+    bf16_act_cases = (
+        ("fwd", "gelu", True, True), ("fwd", "gelu", False, False),
+        ("fwd", "gelu_tanh", True, False), ("fwd", "gelu_tanh", False, True),
+        ("bwd", "gelu", True, False), ("bwd", "gelu", False, True),
+        ("bwd", "gelu_tanh", True, True), ("bwd", "gelu_tanh", False, False),
+    )
+    for type_name, dtype, cases, size_type in (
+        ("bf16", torch.bfloat16, bf16_act_cases, "i32"),
+        ("fp16", torch.float16,
+         (("fwd", "gelu_tanh", True, True), ("bwd", "gelu_tanh", True, True)), "i32"),
+        ("fp32", torch.float32,
+         (("fwd", "gelu", True, False), ("bwd", "gelu", False, False)), "i64"),
+    ):
+        config = glu_matmul_config(4096, 4096, 4096, dtype)
+        element = f"*{type_name}"
+        for kind, activation, has_bias, flag in cases:
+            signature = {"x_ptr": element, "w_ptr": element, "bias_ptr": element}
+            if kind == "fwd":
+                kernel = _act_matmul_fwd_kernel
+                signature.update(h_ptr=element, pre_ptr=element)
+                strides = ("x_row_stride",)
+                flags = {"STORE_PRE": flag}
+                suffix = "-store_pre" if flag else ""
+            else:
+                kernel = _act_matmul_bwd_kernel
+                signature.update(dh_ptr=element, dpre_ptr=element, h_ptr=element)
+                strides = ("x_row_stride", "dh_row_stride")
+                flags = {"NEED_H": flag}
+                suffix = "-need_h" if flag else ""
+            signature.update(M=size_type, N=size_type, K=size_type)
+            signature.update(dict.fromkeys(strides, "i64"))
+            constexprs = dict(
+                ACTIVATION=activation, HAS_BIAS=has_bias, **flags,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                GROUP_M=config.group_m, INTERPRETED=False,
+            )
+            signature.update(dict.fromkeys(constexprs, "constexpr"))
+            bias_name = "bias" if has_bias else "nobias"
+            yield (f"act_matmul_{kind}-{type_name}-{activation}-{bias_name}{suffix}",
                    kernel, signature, constexprs, config.num_warps)

@@ -333,3 +333,45 @@ def test_works_with_remat_norm_blocks():
         assert torch.equal(g, w)
     assert math.isfinite(plan.extra_forward_fraction)
     assert list(itertools.islice(plan.checkpoints, 0, None)) == plan.checkpoints
+
+
+def test_in_place_change_of_input_raises():
+    chain = make_chain(4, p=0.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    base = x * 1
+    y = remat.checkpoint_sequential(chain, base, strategy="sqrt")
+    with torch.no_grad():
+        base.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+
+def test_callable_capturing_grad_tensor_is_refused():
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(TypeError, match=r"blocks\[1\] is a callable that captures a tensor"):
+        remat.checkpoint_sequential([nn.Linear(16, 16), lambda t: t @ w], x, strategy="sqrt")
+    y = remat.checkpoint_sequential([nn.Linear(16, 16), torch.tanh], x, strategy="sqrt")
+    assert y.requires_grad
+
+
+def test_plan_cache_follows_blocks_and_autocast():
+    chain = make_chain(3, p=0.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    remat.checkpoint_sequential(chain, x, strategy="optimal")
+    from remat.checkpoint import _plan_cache
+
+    entries = _plan_cache[chain[0]]
+    assert len(entries) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        remat.checkpoint_sequential(chain, x, strategy="optimal")
+    assert len(entries) == 2
+
+
+def test_optimal_fits_the_smallest_feasible_budget_after_rounding():
+    """Sizes far above the DP's memory resolution: the tightest feasible budget still plans."""
+    costs = sched.ChainCosts((402_328, 821_723), (898_577, 860_342), (1.0, 1.0))
+    floor = sched.minimal_peak(costs)
+    assert sched.peak_bytes(sched.optimal_plan(costs, floor), costs) <= floor
+    plan = plan_for_costs(costs, strategy="optimal")
+    assert plan.peak_saved_bytes <= plan.budget_bytes

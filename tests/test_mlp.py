@@ -264,3 +264,29 @@ def test_bad_input(call, error, match):
     x, w = torch.randn(3, 8), torch.randn(16, 8)
     with pytest.raises(error, match=match):
         call(x, w)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", mlp_backends())
+def test_functional_under_autocast_matches_eager(backend, mode):
+    """fp32 input and weights under bf16 autocast: the GEMMs run in bf16 as eager's do, and the
+    backward (outside autocast) sees the forward's dtypes."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 64, generator=gen, requires_grad=True)
+    wg, wu = (nn.Parameter(torch.randn(96, 64, generator=gen) / 8) for _ in range(2))
+    wd = nn.Parameter(torch.randn(64, 96, generator=gen) / 10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = remat.swiglu_mlp(x, wg, wu, wd, recompute=mode, backend=backend)
+        y_ref = eager_gated(x, wg, wu, wd, None, None, None, "silu")
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    got = torch.autograd.grad(y.float().sum(), [x, wg, wd])
+    want = torch.autograd.grad(y_ref.float().sum(), [x, wg, wd])
+    torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=3e-2, atol=3e-2)
+
+
+def test_unknown_activation_raises_before_any_kernel():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        remat.nn.SwiGLUMLP(8, 16, activation="relu")(torch.randn(2, 8))

@@ -1,7 +1,9 @@
 """The Triton dual GEMM with norm prologue and GLU epilogue (kernels/matmul.py) against a float64
 reference of the unfused computation, under the 2x-stock-PyTorch rule, and its recompute
 guarantees: the backward's h is the forward's bit for bit, and the stored gate/up are the values
-the epilogue used (kernels/mlp.py's GLU kernels give the same bits from them).
+the epilogue used (kernels/mlp.py's GLU kernels give the same bits from them). Likewise for the
+single-GEMM variant of the plain (GPT-2 style) MLP, act_matmul / act_matmul_bwd: pre = x @ w^T + b
+rounded to the dtype, h = act(pre), dpre = dh * act'(pre).
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (small shapes), or on a CUDA GPU without it.
 """
@@ -20,7 +22,8 @@ pytest.importorskip("triton")
 
 from remat.kernels import matmul  # noqa: E402
 from remat.kernels import mlp as mlp_kernels  # noqa: E402
-from remat.ops.mlp import activate, activate_grad, torch_glu_bwd, torch_glu_fwd  # noqa: E402
+from remat.ops.mlp import (activate, activate_grad, torch_act_bwd,  # noqa: E402
+                          torch_act_fwd, torch_glu_bwd, torch_glu_fwd)
 from remat.ops.norm import torch_layer_norm_fwd, torch_rms_norm_fwd  # noqa: E402
 
 from _checks import assert_within_2x_of_stock  # noqa: E402
@@ -246,3 +249,165 @@ def test_bad_arguments_raise_naming_the_argument(changes, error, text):
             matmul.glu_matmul(*positional[:3], positional[4], **call)
     with pytest.raises(error, match=text):
         matmul.glu_matmul_bwd(*positional, **call)
+
+
+# act_matmul: the single-GEMM variant for the plain (GPT-2 style) MLP.
+ACT_ACTIVATIONS = ("gelu", "gelu_tanh")
+
+
+def _act_cases():
+    """Every dtype x activation x bias, each with one shape and layout: the shape index
+    (dtype + activation + bias) mod 3 gives every dtype, activation and bias setting every
+    shape; x is row-strided where dtype + bias is odd (every dtype, activation and shape meets
+    both layouts)."""
+    cases = []
+    for d, type_name in enumerate(DTYPES):
+        for a, activation in enumerate(ACT_ACTIVATIONS):
+            for b, has_bias in enumerate((False, True)):
+                shape = SHAPES[(d + a + b) % len(SHAPES)]
+                layout = ("contiguous", "row_strided")[(d + b) % 2]
+                case_id = "-".join((type_name, activation, "bias" if has_bias else "nobias",
+                                    "x".join(map(str, shape)), layout))
+                cases.append(pytest.param(type_name, activation, has_bias, shape, layout,
+                                          id=case_id))
+    return cases
+
+
+def _make_act_inputs(type_name, shape, layout, has_bias, seed):
+    """x [M, K] (contiguous or a column slice of a wider tensor), w [N, K], b [N] or None,
+    dh [M, N]."""
+    dtype = DTYPES[type_name]
+    rows, inner, cols = shape
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*size, scale=1.0):
+        return (scale * torch.randn(*size, generator=generator)).to(dtype).to(DEVICE)
+
+    if layout == "row_strided":
+        x = randn(rows, inner + 7)[:, 3:3 + inner]
+    else:
+        x = randn(rows, inner)
+    # pre is O(1), so the activation's curved part is exercised; the bias shifts it by O(0.5).
+    w = randn(cols, inner, scale=inner ** -0.5)
+    b = randn(cols, scale=0.5) if has_bias else None
+    dh = randn(rows, cols)
+    return x, w, b, dh
+
+
+def _act_reference(x, w, b, dh, activation):
+    """float64 results of the unfused computation: pre = x @ w^T + b, rounded to x's dtype as
+    the addmm stores it; h and dpre in float64 from the rounded pre, unrounded."""
+    pre = _f64(x) @ _f64(w).T
+    if b is not None:
+        pre = pre + _f64(b)
+    pre_rounded = pre.to(x.dtype).double()
+    return {
+        "pre": pre,
+        "h": activate(pre_rounded, activation),
+        "dpre": _f64(dh) * activate_grad(pre_rounded, activation),
+    }
+
+
+def _act_stock(x, w, b, dh, activation):
+    """The same computation by stock PyTorch in the dtype: F.linear, then remat's torch act."""
+    pre = F.linear(x, w, b)
+    dpre, _ = torch_act_bwd(dh, pre, activation, False)
+    return {"pre": pre, "h": torch_act_fwd(pre, activation), "dpre": dpre}
+
+
+def _run_and_check_act(type_name, activation, has_bias, shape, layout, seed):
+    x, w, b, dh = _make_act_inputs(type_name, shape, layout, has_bias, seed)
+    h, pre = matmul.act_matmul(x, w, b, activation, store_pre=True)
+    dpre, h_recomputed = matmul.act_matmul_bwd(x, w, b, dh, activation)
+    got = {"pre": pre, "h": h, "dpre": dpre}
+    reference = _act_reference(x, w, b, dh, activation)
+    stock = _act_stock(x, w, b, dh, activation)
+    for name, value in got.items():
+        assert value.dtype == x.dtype and value.device == x.device, name
+        assert value.is_contiguous(), name
+        assert_within_2x_of_stock(name, value.cpu(), stock[name].cpu(), reference[name],
+                                  x.dtype)
+    assert torch.equal(h_recomputed, h), "act_matmul_bwd's h differs from act_matmul's"
+    # The stored pre is the epilogue's rounded value: kernels/mlp.py's act kernels, which share
+    # the activation code, give the same bits from it.
+    assert torch.equal(mlp_kernels.act_fwd(pre, activation), h)
+    standalone_dpre, standalone_h = mlp_kernels.act_bwd(dh.contiguous(), pre, activation, True)
+    assert torch.equal(standalone_dpre, dpre), "dpre: differs from kernels/mlp.py's act_bwd"
+    assert torch.equal(standalone_h, h_recomputed), "h: differs from kernels/mlp.py's act_bwd"
+
+
+@pytest.mark.parametrize("type_name,activation,has_bias,shape,layout", _act_cases())
+def test_act_matmul_matches_float64_reference(type_name, activation, has_bias, shape, layout):
+    _run_and_check_act(type_name, activation, has_bias, shape, layout, seed=sum(shape) + 1)
+
+
+def test_act_matmul_small_tiles_with_ragged_group_and_silu(monkeypatch):
+    """Tiles of 16 x 32 x 32 over 127 x 96 x 200 with GROUP_M 3 (the ragged last group of the
+    swizzle, ragged column tiles, 3 K steps), bf16 with a bias, and silu, which act_matmul also
+    takes."""
+    config = matmul.MatmulConfig(block_m=16, block_n=32, block_k=32, group_m=3, num_warps=4,
+                                 num_stages=3)
+    monkeypatch.setattr(matmul, "glu_matmul_config", lambda *args: config)
+    _run_and_check_act("bf16", "silu", True, (127, 96, 200), "row_strided", seed=3)
+
+
+def test_act_matmul_optional_outputs_do_not_change_results():
+    """store_pre=False and need_h=False give the same bits for what they do return, and empty
+    tensors for what they skip."""
+    x, w, b, dh = _make_act_inputs("fp16", (3, 96, 173), "contiguous", True, seed=4)
+    h, pre = matmul.act_matmul(x, w, b, "gelu_tanh", store_pre=True)
+    h_only, no_pre = matmul.act_matmul(x, w, b, "gelu_tanh")
+    assert torch.equal(h_only, h)
+    assert no_pre.numel() == 0
+    dpre, h_recomputed = matmul.act_matmul_bwd(x, w, b, dh, "gelu_tanh")
+    dpre_only, no_h = matmul.act_matmul_bwd(x, w, b, dh, "gelu_tanh", need_h=False)
+    assert torch.equal(h_recomputed, h)
+    assert torch.equal(dpre_only, dpre)
+    assert no_h.numel() == 0
+    assert torch.equal(mlp_kernels.act_fwd(pre, "gelu_tanh"), h)
+
+
+def _act_bad_call_cases():
+    """(id, changes to a valid act_matmul call, exception type, text the message must hold)."""
+    rows, inner, cols = 3, 64, 96
+
+    def tensor(*size, dtype=torch.bfloat16):
+        return torch.zeros(*size, dtype=dtype, device=DEVICE)
+
+    return [
+        ("x_int", dict(x=tensor(rows, inner, dtype=torch.int32)), TypeError, "x:"),
+        ("x_list", dict(x=[[1.0]]), TypeError, "x:"),
+        ("x_3d", dict(x=tensor(1, rows, inner)), ValueError, "x:"),
+        ("x_col_strided", dict(x=tensor(rows, 2 * inner)[:, ::2]), ValueError, "x:"),
+        ("w_list", dict(w=[[1.0]]), TypeError, "w:"),
+        ("w_k", dict(w=tensor(cols, inner + 1)), ValueError, "w:"),
+        ("w_1d", dict(w=tensor(inner)), ValueError, "w:"),
+        ("w_dtype", dict(w=tensor(cols, inner, dtype=torch.float16)), TypeError, "w:"),
+        ("w_transposed", dict(w=tensor(inner, cols).T), ValueError, "w:"),
+        ("b_shape", dict(b=tensor(cols + 1)), ValueError, "b:"),
+        ("b_2d", dict(b=tensor(1, cols)), ValueError, "b:"),
+        ("b_dtype", dict(b=tensor(cols, dtype=torch.float32)), TypeError, "b:"),
+        ("activation", dict(activation="relu"), ValueError, "activation:"),
+        ("dh_shape", dict(dh=tensor(rows, cols + 1)), ValueError, "dh:"),
+        ("dh_dtype", dict(dh=tensor(rows, cols, dtype=torch.float32)), TypeError, "dh:"),
+        ("dh_col_strided", dict(dh=tensor(rows, 2 * cols)[:, ::2]), ValueError, "dh:"),
+    ]
+
+
+@pytest.mark.parametrize("changes,error,text",
+                         [pytest.param(*case[1:], id=case[0]) for case in _act_bad_call_cases()])
+def test_act_matmul_bad_arguments_raise_naming_the_argument(changes, error, text):
+    """Both launchers reject the bad argument (dh: the backward), before any launch."""
+    rows, inner, cols = 3, 64, 96
+    call = dict(x=torch.zeros(rows, inner, dtype=torch.bfloat16, device=DEVICE),
+                w=torch.zeros(cols, inner, dtype=torch.bfloat16, device=DEVICE),
+                b=torch.zeros(cols, dtype=torch.bfloat16, device=DEVICE),
+                dh=torch.zeros(rows, cols, dtype=torch.bfloat16, device=DEVICE),
+                activation="gelu")
+    call.update(changes)
+    positional = [call.pop(name) for name in ("x", "w", "b", "dh", "activation")]
+    if "dh" not in changes:
+        with pytest.raises(error, match=text):
+            matmul.act_matmul(*positional[:3], positional[4], **call)
+    with pytest.raises(error, match=text):
+        matmul.act_matmul_bwd(*positional, **call)

@@ -119,7 +119,6 @@ def unavailable_reason(name, device):
     return f"unknown backend {name!r}"
 
 
-@torch.compiler.assume_constant_result
 def _resolve(explicit, device_type):
     device = torch.device(device_type)
     name = requested_backend(explicit)

@@ -4,6 +4,7 @@ Every function checks its inputs and raises TypeError / ValueError naming the ar
 kernel runs, and never writes into a tensor it was handed.
 """
 
+import contextlib
 import math
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from remat.autograd.mlp import RECOMPUTE_MODES, GatedMLPFunction, GELUMLPFunction, NormGatedMLPFunction
 from remat.autograd.norm import LayerNormFunction, RMSNormFunction
 from remat.backend import resolve_backend
+from remat.ops.mlp import ACTIVATIONS
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -136,8 +138,11 @@ def _check_weight(w, name, shape, x, optional=False):
         raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(w).__name__}")
     if tuple(w.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(w.shape)}")
-    if w.dtype != x.dtype:
+    autocast = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+    if w.dtype != x.dtype and not autocast:
         raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+    if not w.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {w.dtype}")
     if w.device != x.device:
         raise ValueError(f"{name} must be on x's device {x.device}, got {w.device}")
 
@@ -147,10 +152,28 @@ def _check_choice(value, name, choices):
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
+def _check_matrix(w, name):
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [intermediate, hidden], got shape {tuple(w.shape)}")
+
+
+def _autocast_cast(x, *tensors):
+    """Under autocast, the MLP's GEMMs run in the autocast dtype: x and the parameters are cast
+    (differentiably) here, and the Function then runs with autocast off, so that its backward (which
+    autocast does not cover) sees the same dtypes as its forward."""
+    device_type = x.device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return (x, *tensors), contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = [t if t is None or t.dtype == dtype else t.to(dtype) for t in (x, *tensors)]
+    return cast, torch.autocast(device_type, enabled=False)
+
+
 def _check_gated_weights(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
     """Checks a gated MLP's weights ([I, H], [I, H], [H, I]) and biases; returns H."""
-    if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 2:
-        raise ValueError("w_gate must be a 2-D tensor [intermediate, hidden]")
+    _check_matrix(w_gate, "w_gate")
     hidden, inter = x.shape[-1], w_gate.shape[0]
     _check_weight(w_gate, "w_gate", (inter, hidden), x)
     _check_weight(w_up, "w_up", (inter, hidden), x)
@@ -165,9 +188,11 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recomp
     _check_input(x)
     hidden = _check_gated_weights(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     _check_choice(recompute, "recompute", RECOMPUTE_MODES)
+    _check_choice(activation, "activation", ACTIVATIONS)
     name = resolve_backend(backend, x)
-    x_rows = _as_rows(x)
-    y = GatedMLPFunction.apply(x_rows, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, name)
+    (x_rows, *params), autocast_off = _autocast_cast(_as_rows(x), w_gate, w_up, w_down, b_gate, b_up, b_down)
+    with autocast_off:
+        y = GatedMLPFunction.apply(x_rows, *params, activation, recompute, name)
     return y.view(*x.shape[:-1], hidden)
 
 
@@ -214,8 +239,7 @@ def gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, *, approximate="none", recompute="bl
     _check_input(x)
     _check_choice(approximate, "approximate", ("none", "tanh"))
     _check_choice(recompute, "recompute", RECOMPUTE_MODES)
-    if not isinstance(w_fc, torch.Tensor) or w_fc.dim() != 2:
-        raise ValueError("w_fc must be a 2-D tensor [intermediate, hidden]")
+    _check_matrix(w_fc, "w_fc")
     hidden, inter = x.shape[-1], w_fc.shape[0]
     _check_weight(w_fc, "w_fc", (inter, hidden), x)
     _check_weight(b_fc, "b_fc", (inter,), x, optional=True)
@@ -223,7 +247,9 @@ def gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, *, approximate="none", recompute="bl
     _check_weight(b_proj, "b_proj", (hidden,), x, optional=True)
     name = resolve_backend(backend, x)
     activation = "gelu" if approximate == "none" else "gelu_tanh"
-    y = GELUMLPFunction.apply(_as_rows(x), w_fc, b_fc, w_proj, b_proj, activation, recompute, name)
+    (x_rows, *params), autocast_off = _autocast_cast(_as_rows(x), w_fc, b_fc, w_proj, b_proj)
+    with autocast_off:
+        y = GELUMLPFunction.apply(x_rows, *params, activation, recompute, name)
     return y.view(*x.shape[:-1], hidden)
 
 
@@ -245,7 +271,7 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
     """
     _check_input(x)
     _check_choice(norm, "norm", ("rms", "layer"))
-    _check_choice(activation, "activation", ("silu", "gelu", "gelu_tanh"))
+    _check_choice(activation, "activation", ACTIVATIONS)
     _check_vector(norm_weight, "norm_weight", x)
     _check_vector(norm_bias, "norm_bias", x)
     if norm == "rms" and norm_bias is not None:
@@ -254,6 +280,8 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
     _check_eps(eps)
     hidden = _check_gated_weights(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     name = resolve_backend(backend, x)
-    y = NormGatedMLPFunction.apply(_as_rows(x), norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                                   norm, float(eps), activation, name)
+    (x_rows, *params), autocast_off = _autocast_cast(_as_rows(x), norm_weight, norm_bias, w_gate, w_up, w_down,
+                                                     b_gate, b_up, b_down)
+    with autocast_off:
+        y = NormGatedMLPFunction.apply(x_rows, *params, norm, float(eps), activation, name)
     return y.view(*x.shape[:-1], hidden)

@@ -7,6 +7,13 @@ from remat import _extension, backend
 OPS = ("rms_norm", "layer_norm", "swiglu_mlp", "geglu_mlp", "gelu_mlp", "norm_mlp")
 
 
+def _requested_or_error():
+    try:
+        return backend.requested_backend()
+    except ValueError as error:
+        return f"invalid: {error}"
+
+
 def info_dict():
     """A dict describing the extension build, Triton, the GPU and the default backends."""
     gpu = torch.cuda.is_available()
@@ -27,7 +34,7 @@ def info_dict():
         "triton": triton_version,
         "triton_interpreter": backend.triton_interpreted(),
         "gpu": torch.cuda.get_device_name(0) if gpu else None,
-        "requested_backend": backend.requested_backend(),
+        "requested_backend": _requested_or_error(),
         "default_backend": {op: {"cpu": default_cpu, "cuda": default_gpu} for op in OPS},
     }
 

@@ -14,16 +14,17 @@ anyway and are not counted), checked byte for byte in tests/test_mlp.py:
 
 "none" keeps what eager PyTorch keeps for the same module, as the baseline. The backward's
 pointwise kernel recomputes act(gate), its derivative and h in one pass (glu_bwd / act_bwd).
-With the Triton backend and no gate/up biases, the gated MLP's gate and up GEMMs run as one fused
-dual-GEMM kernel whose epilogue applies the activation (forward) or computes dgate, dup and h
-(the "block" backward recompute), so gate and up are never written to memory there.
+With the Triton backend (recompute "activation" or "block"), the gated MLP's gate and up GEMMs
+(without biases) run as one fused dual-GEMM kernel whose epilogue applies the activation
+(forward) or computes dgate, dup and h (the "block" backward recompute), so gate and up are never
+written to memory there; the GELU MLP's fc GEMM runs likewise with a bias + GELU epilogue.
 Inputs are already 2-D [tokens, H] (remat.functional reshapes them).
 """
 
 import torch
 import torch.nn.functional as F
 
-from remat.ops.mlp import ops_for, triton_glu_matmul, triton_glu_matmul_bwd
+from remat.ops.mlp import ops_for, triton_act_matmul, triton_act_matmul_bwd, triton_glu_matmul, triton_glu_matmul_bwd
 
 RECOMPUTE_MODES = ("none", "activation", "block")
 
@@ -101,8 +102,12 @@ class GELUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, recompute, backend):
         ops = ops_for(backend)
-        pre = F.linear(x, w_fc, b_fc)
-        h = ops.act_fwd(pre, activation)
+        fused = backend == "triton" and recompute != "none"
+        if fused:
+            h, pre = triton_act_matmul(x, w_fc, b_fc, activation, recompute == "activation")
+        else:
+            pre = F.linear(x, w_fc, b_fc)
+            h = ops.act_fwd(pre, activation)
         y = F.linear(h, w_proj, b_proj)
         if recompute == "none":
             ctx.save_for_backward(x, w_fc, b_fc, w_proj, pre, h)
@@ -110,7 +115,7 @@ class GELUMLPFunction(torch.autograd.Function):
             ctx.save_for_backward(x, w_fc, b_fc, w_proj, pre)
         else:
             ctx.save_for_backward(x, w_fc, b_fc, w_proj)
-        ctx.activation, ctx.recompute, ctx.backend = activation, recompute, backend
+        ctx.activation, ctx.recompute, ctx.backend, ctx.fused = activation, recompute, backend, fused
         ctx.has_bias = (b_fc is not None, b_proj is not None)
         return y
 
@@ -125,6 +130,8 @@ class GELUMLPFunction(torch.autograd.Function):
         if ctx.recompute == "none":
             pre, h = saved[4:]
             dpre, _ = ops.act_bwd(dh, pre, ctx.activation, False)
+        elif ctx.recompute == "block" and ctx.fused:
+            dpre, h = triton_act_matmul_bwd(x, w_fc, b_fc, dh, ctx.activation, need[3])
         else:
             pre = saved[4] if ctx.recompute == "activation" else F.linear(x, w_fc, b_fc)
             dpre, h = ops.act_bwd(dh, pre, ctx.activation, need[3])

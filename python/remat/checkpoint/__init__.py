@@ -38,13 +38,18 @@ def checkpoint_sequential(blocks, x, *, strategy="optimal", budget_bytes=None, s
     Without grad mode (``torch.no_grad()``, inference) the blocks simply run in order.
 
     Returns:
-        the chain's output. Gradients reach ``x`` and the blocks' parameters.
+        the chain's output. Gradients reach ``x`` and the blocks' ``nn.Module`` parameters; a plain
+        callable block that captures a tensor requiring grad is refused (TypeError). An in-place
+        change of ``x`` between forward and backward raises in backward.
     """
     blocks = list(blocks)
     if not blocks:
         raise ValueError("blocks is empty")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"preserve_rng_state must be a bool, got {type(preserve_rng_state).__name__}")
+    _check_blocks_hold_no_grad_tensors(blocks)
     params_need_grad = any(p.requires_grad for b in blocks if isinstance(b, torch.nn.Module) for p in b.parameters())
     if not torch.is_grad_enabled() or not (x.requires_grad or params_need_grad):
         for block in blocks:
@@ -53,19 +58,58 @@ def checkpoint_sequential(blocks, x, *, strategy="optimal", budget_bytes=None, s
     if plan is None:
         plan = _cached_plan(blocks, x, strategy, budget_bytes, segments, slots)
     elif not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a remat.checkpoint.Plan, got {type(plan).__name__}")
+        raise TypeError(f"plan must be a remat.Plan (from remat.plan), got {type(plan).__name__}")
     if plan.num_blocks != len(blocks):
         raise ValueError(f"plan is for {plan.num_blocks} blocks, got {len(blocks)}")
     return run_chain(blocks, x, plan.schedule, preserve_rng_state)
 
 
+def _autocast_key():
+    return tuple((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda"))
+
+
 def _cached_plan(blocks, x, strategy, budget_bytes, segments, slots):
-    key = (tuple(id(b) for b in blocks), tuple(x.shape), x.dtype, x.device, strategy, budget_bytes, segments, slots)
+    """The plan for these blocks and this input's shape, dtype, device and autocast state, made
+    on first use. Entries hold weak references to every block and are used only while each still
+    refers to the same object (ids of dead objects can be reused)."""
+    key = (tuple(id(b) for b in blocks), tuple(x.shape), x.dtype, x.device, _autocast_key(), strategy,
+           budget_bytes, segments, slots)
     try:
         per_block = _plan_cache.setdefault(blocks[0], {})
+        refs = [weakref.ref(b) for b in blocks]
     except TypeError:
-        per_block = {}
-    if key not in per_block:
-        per_block[key] = plan(blocks, x, strategy=strategy, budget_bytes=budget_bytes, segments=segments,
-                              slots=slots)
-    return per_block[key]
+        per_block, refs = {}, None
+    entry = per_block.get(key)
+    if entry is not None and all(r() is b for r, b in zip(entry[0], blocks)):
+        return entry[1]
+    made = plan(blocks, x, strategy=strategy, budget_bytes=budget_bytes, segments=segments, slots=slots)
+    if refs is not None:
+        per_block[key] = (refs, made)
+    return made
+
+
+def _check_blocks_hold_no_grad_tensors(blocks):
+    """Gradients reach x and the blocks' nn.Module parameters only. A plain callable that captures
+    a tensor requiring grad (a closure or default argument) would silently get none: refuse it."""
+    for index, block in enumerate(blocks):
+        if isinstance(block, torch.nn.Module):
+            continue
+        if not callable(block):
+            raise TypeError(f"blocks[{index}] must be callable, got {type(block).__name__}")
+        function = getattr(block, "__func__", block)
+        captured = [c.cell_contents for c in (getattr(function, "__closure__", None) or ()) if _cell_filled(c)]
+        captured += list(getattr(function, "__defaults__", None) or ())
+        captured += [getattr(block, "__self__", None)]
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in captured):
+            raise TypeError(
+                f"blocks[{index}] is a callable that captures a tensor requiring grad; it would get no "
+                "gradient. Wrap it in an nn.Module with the tensor as an nn.Parameter"
+            )
+
+
+def _cell_filled(cell):
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True

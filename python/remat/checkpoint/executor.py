@@ -154,6 +154,7 @@ class ChainRunner:
                 x_mid = mid.detach()
             else:
                 x_mid, held = first, second
+            del first, second  # x_mid must be the checkpoint's last reference when it is released
         elif node.keep_left:
             x_in, mid = self._tape(node.start, node.mid, x)
             x_mid = mid.detach()
@@ -173,6 +174,7 @@ class _ChainFunction(torch.autograd.Function):
     def forward(ctx, runner, x, *params):
         ctx.runner = runner
         ctx.x0 = x.detach()
+        ctx.x0_version = x._version
         return runner.forward(x)
 
     @staticmethod
@@ -184,6 +186,11 @@ class _ChainFunction(torch.autograd.Function):
                 "checkpoints were released after the first backward (use retain_graph only outside it)"
             )
         ctx.runner = None
+        if ctx.x0._version != ctx.x0_version:
+            raise RuntimeError(
+                "remat.checkpoint_sequential: the chain's input was modified in place after the forward; "
+                "the backward re-runs blocks from it and would compute wrong gradients"
+            )
         grad_x = runner.backward(ctx.x0, grad_out)
         return (None, grad_x, *runner.param_grads)
 

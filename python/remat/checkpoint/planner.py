@@ -136,9 +136,11 @@ def plan_for_costs(costs, *, strategy="optimal", budget_bytes=None, segments=Non
     """Chooses a schedule for measured ``costs`` (a schedule.ChainCosts); see :func:`plan`."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
-                                     or budget_bytes < 0):
-        raise ValueError(f"budget_bytes must be a non-negative int or None, got {budget_bytes!r}")
+    if budget_bytes is not None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+            raise TypeError(f"budget_bytes must be an int or None, got {type(budget_bytes).__name__}")
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be non-negative, got {budget_bytes}")
     n = costs.length
     if n == 0:
         raise ValueError("the chain has no blocks")

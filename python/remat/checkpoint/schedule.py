@@ -151,6 +151,8 @@ def no_checkpoint_plan(length):
 
 def uniform_plan(length, segments):
     """``segments`` checkpointed segments of (nearly) equal length, the last one included."""
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise TypeError(f"segments must be an int, got {type(segments).__name__}")
     if not 1 <= segments <= length:
         raise ValueError(f"segments must be between 1 and the number of blocks ({length}), got {segments}")
     boundaries = [round(i * length / segments) for i in range(segments)]
@@ -162,21 +164,61 @@ def sqrt_plan(length):
     return uniform_plan(length, max(1, round(math.sqrt(length))))
 
 
-def minimal_peak(costs):
-    """The smallest peak (bytes) any schedule of the family reaches: the least feasible budget."""
+def minimal_peak_plan(costs):
+    """A schedule of the family with the smallest peak, and that peak (the least feasible budget).
+
+    P(a, b) = min(saved(a, b), min_k max(inputs[k] + P(k, b), P(a, k)), min_k saved(a, k) + P(k, b)).
+    """
     n = costs.length
 
     @functools.cache
-    def p(a, b):
-        best = costs.saved_sum(a, b)
+    def best(a, b):
+        options = [(costs.saved_sum(a, b), ("tape",))]
         for k in range(a + 1, b):
-            best = min(best, max(costs.inputs[k] + p(k, b), p(a, k)), costs.saved_sum(a, k) + p(k, b))
-        return best
+            options.append((max(costs.inputs[k] + best(k, b)[0], best(a, k)[0]), ("checkpoint", k)))
+            options.append((costs.saved_sum(a, k) + best(k, b)[0], ("keep", k)))
+        return min(options, key=lambda option: option[0])
 
-    return p(0, n)
+    def build(a, b):
+        how = best(a, b)[1]
+        if how[0] == "tape":
+            return Segment(a, b)
+        k = how[1]
+        if how[0] == "checkpoint":
+            return Split(a, k, b, build(a, k), build(k, b), keep_left=False)
+        return Split(a, k, b, Segment(a, k), build(k, b), keep_left=True)
+
+    return build(0, n), best(0, n)[0]
+
+
+def minimal_peak(costs):
+    """The smallest peak (bytes) any schedule of the family reaches: the least feasible budget."""
+    return minimal_peak_plan(costs)[1]
 
 
 def optimal_plan(costs, budget_bytes, max_units=512):
+    """The schedule with the least forward compute whose peak is at most ``budget_bytes``; see
+    :func:`_optimal_plan_units`. Sizes are rounded up to memory units, which can make a budget
+    that is only just feasible look infeasible: the DP is then repeated with 8x finer units, and
+    if the budget is still too tight for the rounding, the least-memory schedule is returned (it
+    fits any feasible budget, at more recompute).
+
+    Raises ValueError naming the smallest feasible budget when none fits.
+    """
+    floor_plan, floor = minimal_peak_plan(costs)
+    if budget_bytes < floor:
+        raise ValueError(
+            f"no checkpoint schedule fits budget_bytes={budget_bytes}; the smallest feasible budget "
+            f"is {floor} bytes"
+        )
+    for units in (max_units, 8 * max_units):
+        node = _optimal_plan_units(costs, budget_bytes, units)
+        if node is not None:
+            return node
+    return floor_plan
+
+
+def _optimal_plan_units(costs, budget_bytes, max_units):
     """The schedule with the least forward compute whose peak is at most ``budget_bytes``.
 
     Dynamic programming over (start, end, memory): C(a, b, m) is the least compute to reverse
@@ -184,9 +226,8 @@ def optimal_plan(costs, budget_bytes, max_units=512):
     hold x_k and reverse [k, b) within m - inputs[k], then [a, k) within m; or split at k, tape and
     keep [a, k) and reverse [k, b) within m - saved(a, k). Memory is counted in units of
     ceil(budget / max_units) bytes, every size rounded up, so the plan never exceeds the budget
-    (and the DP is exact when the budget is at most max_units bytes).
-
-    Raises ValueError naming the smallest feasible budget when none fits.
+    (and the DP is exact when the budget is at most max_units bytes). Returns None when nothing
+    fits at this resolution.
     """
     n = costs.length
     unit = max(1, math.ceil(budget_bytes / max_units))
@@ -226,10 +267,7 @@ def optimal_plan(costs, budget_bytes, max_units=512):
             best[(a, b)] = cost
             choice[(a, b)] = how
     if not np.isfinite(best[(0, n)][m_max]):
-        raise ValueError(
-            f"no checkpoint schedule fits budget_bytes={budget_bytes}; the smallest feasible budget "
-            f"is {minimal_peak(costs)} bytes"
-        )
+        return None
 
     def build(a, b, m, on_spine):
         how = int(choice[(a, b)][m])
@@ -267,6 +305,8 @@ def revolve_plan(length, slots):
 
     Returns (plan, extra): ``extra`` forward calls beyond one per block, which equals
     ``revolve_extra_forwards(length, slots + 1)`` (Griewank's count includes the input's slot)."""
+    if isinstance(slots, bool) or not isinstance(slots, int):
+        raise TypeError(f"slots must be an int, got {type(slots).__name__}")
     if slots < 0:
         raise ValueError(f"slots must be >= 0, got {slots}")
 

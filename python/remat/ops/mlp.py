@@ -13,7 +13,7 @@ recompute in backward reproduces the forward exactly.
 """
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -42,6 +42,8 @@ def activate(g, activation):
         return g / (1 + torch.exp(-g))
     if activation == "gelu":
         return 0.5 * g * (1 + torch.erf(g * _INV_SQRT2))
+    if activation != "gelu_tanh":
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     inner = _SQRT_2_OVER_PI * (g + _TANH_COEFF * g * g * g)
     return 0.5 * g * (1 + torch.tanh(inner))
 
@@ -54,6 +56,8 @@ def activate_grad(g, activation):
     if activation == "gelu":
         cdf = 0.5 * (1 + torch.erf(g * _INV_SQRT2))
         return cdf + g * (_INV_SQRT_2PI * torch.exp(-0.5 * g * g))
+    if activation != "gelu_tanh":
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     inner = _SQRT_2_OVER_PI * (g + _TANH_COEFF * g * g * g)
     t = torch.tanh(inner)
     return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * (_SQRT_2_OVER_PI * (1 + 3 * _TANH_COEFF * g * g))
@@ -187,3 +191,33 @@ def ops_for(backend):
     if backend == "triton":
         return TRITON_OPS
     return EXTENSION_OPS
+
+
+@torch.library.custom_op("remat_triton::act_matmul", mutates_args=())
+def triton_act_matmul(x: Tensor, w: Tensor, b: Optional[Tensor], activation: str,
+                      store_pre: bool) -> tuple[Tensor, Tensor]:
+    """Fused GEMM with activation epilogue: h = act(x W^T + b); pre returned when store_pre
+    (rounded to x's dtype as the epilogue used it)."""
+    from remat.kernels import matmul
+
+    return matmul.act_matmul(x, w, b, activation, store_pre=store_pre)
+
+
+@triton_act_matmul.register_fake
+def _fake_act_matmul(x, w, b, activation, store_pre):
+    shape = (x.shape[0], w.shape[0])
+    return x.new_empty(shape), x.new_empty(shape) if store_pre else x.new_empty(0)
+
+
+@torch.library.custom_op("remat_triton::act_matmul_bwd", mutates_args=())
+def triton_act_matmul_bwd(x: Tensor, w: Tensor, b: Optional[Tensor], dh: Tensor, activation: str,
+                          need_h: bool) -> tuple[Tensor, Tensor]:
+    """The backward recompute of act_matmul: the same GEMM, then dpre (and h) in the epilogue."""
+    from remat.kernels import matmul
+
+    return matmul.act_matmul_bwd(x, w, b, dh, activation, need_h=need_h)
+
+
+@triton_act_matmul_bwd.register_fake
+def _fake_act_matmul_bwd(x, w, b, dh, activation, need_h):
+    return torch.empty_like(dh), torch.empty_like(dh) if need_h else dh.new_empty(0)
