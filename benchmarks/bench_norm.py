@@ -8,8 +8,6 @@ every provider, so GB/s is effective bandwidth and the ratios between providers 
             the weight-gradient partials (fp32, a few rows of [*, hidden]) are not counted.
 """
 
-import functools
-
 import torch
 import torch.utils.checkpoint
 
@@ -187,6 +185,5 @@ def run(device, quick=False):
     return rows_out
 
 
-summary_columns = functools.partial(list, ["block", "rows", "hidden", "dtype", "provider", "mode", "median_ms",
-                                           "q20_ms", "q80_ms", "gbps", "copy_bw_fraction", "speedup_vs_eager",
-                                           "saved_bytes", "peak_mem_bytes"])
+summary_columns = ["block", "rows", "hidden", "dtype", "provider", "mode", "median_ms", "q20_ms", "q80_ms", "gbps",
+                   "copy_bw_fraction", "speedup_vs_eager", "saved_bytes", "peak_mem_bytes"]

@@ -59,7 +59,7 @@ def main(argv=None):
     tag = ("gpu" if device.type == "cuda" else "cpu") + ("-quick" if args.quick else "")
     if args.only in (None, "norm"):
         rows = bench_norm.run(device, quick=args.quick)
-        print_table(rows, bench_norm.summary_columns())
+        print_table(rows, bench_norm.summary_columns)
         path = write_csv(rows, f"norm-{tag}.csv", args.out)
         png = None if args.no_plots else plot(rows, os.path.splitext(path)[0] + ".png")
         print(f"\nwrote {path}" + (f" and {png}" if png else ""))

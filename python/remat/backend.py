@@ -35,7 +35,7 @@ class BackendUnavailableError(RuntimeError):
 
 def _check_name(name, source):
     if name not in BACKENDS:
-        raise ValueError(f"{source} must be one of {BACKENDS} or None, got {name!r}")
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {name!r}")
     return name
 
 

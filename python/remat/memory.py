@@ -104,8 +104,8 @@ class PeakSavedBytes:
 
     Saved tensors are counted from autograd's pack hook until autograd releases them; tensors that
     remat's checkpoint executor holds itself (checkpoints between segments) are counted while held.
-    Parameters and views of them are excluded; a storage saved several times counts once (its
-    largest saved extent). Autograd must run backward on this thread (CPU tensors) for the hooks to
+    Parameters and views of them are excluded; a storage saved several times counts once (the
+    union of the byte ranges its saved views cover). Autograd must run backward on this thread (CPU tensors) for the hooks to
     see the recomputation.
     """
 

@@ -37,10 +37,10 @@ def _cast_like(p, x):
 
 
 def _param_as(p, x):
+    """A norm parameter as a [hidden] vector in x's dtype, or None."""
     if p is None:
         return None
-    flat = p if p.dim() == 1 else p.reshape(-1)
-    return flat if flat.dtype == x.dtype else flat.to(x.dtype)
+    return _cast_like(p if p.dim() == 1 else p.reshape(-1), x)
 
 
 class RMSNorm(nn.Module):
@@ -139,8 +139,6 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
-
-
 
 
 def _activation_of(module):

@@ -12,7 +12,8 @@ anyway and are not counted), checked byte for byte in tests/test_mlp.py:
 | "activation" | x, gate, up: (H + 2I) e | x, pre: (H + I) e | act(.), act'(.), h |
 | "block" | x: H e | x: H e | the up/gate (fc) GEMM, then as above |
 
-"none" keeps what eager PyTorch keeps for the same module, as the baseline. The backward's
+"none" keeps the same tensors as eager PyTorch for the same module, as the baseline (h comes
+from the fused kernel, rounded once, where eager rounds act(gate) before the product). The backward's
 pointwise kernel recomputes act(gate), its derivative and h in one pass (glu_bwd / act_bwd).
 With the Triton backend (recompute "activation" or "block"), the gated MLP's gate and up GEMMs
 (without biases) run as one fused dual-GEMM kernel whose epilogue applies the activation

@@ -29,16 +29,12 @@ class NormOps(NamedTuple):
     layer_norm_bwd: object
 
 
-def _empty_like_dtype(t):
-    return t.new_empty(0)
-
-
 def _torch_norm_fwd(x, weight, bias, residual, eps, is_rms):
     if residual is not None:
         h = x + residual
         u = h.float()
     else:
-        h = _empty_like_dtype(x)
+        h = x.new_empty(0)
         u = x.float()
     if is_rms:
         mean = None
@@ -68,8 +64,8 @@ def _torch_norm_bwd(dy, dh, h, weight, mean, rstd, has_bias, is_rms):
     dx = dx * rstd[:, None]
     if dh is not None:
         dx = dx + dh.float()
-    dw = (dy_f * x_hat).sum(dim=0).to(h.dtype) if weight is not None else _empty_like_dtype(h)
-    db = dy_f.sum(dim=0).to(h.dtype) if has_bias else _empty_like_dtype(h)
+    dw = (dy_f * x_hat).sum(dim=0).to(h.dtype) if weight is not None else h.new_empty(0)
+    db = dy_f.sum(dim=0).to(h.dtype) if has_bias else h.new_empty(0)
     return dx.to(h.dtype), dw, db
 
 
