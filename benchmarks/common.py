@@ -19,8 +19,8 @@ def environment_tags():
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(RESULTS_DIR), check=True).stdout.strip()
         # Result files written by this run do not make the code dirty.
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":!benchmarks/results"], capture_output=True, text=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                ":(top,exclude)benchmarks/results"], capture_output=True, text=True,
                                cwd=os.path.dirname(RESULTS_DIR)).stdout.strip()
         commit += "-dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
