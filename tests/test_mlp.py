@@ -289,4 +289,9 @@ def test_functional_under_autocast_matches_eager(backend, mode):
 
 def test_unknown_activation_raises_before_any_kernel():
     with pytest.raises(ValueError, match="activation must be one of"):
-        remat.nn.SwiGLUMLP(8, 16, activation="relu")(torch.randn(2, 8))
+        remat.nn.SwiGLUMLP(8, 16, activation="relu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        remat.functional._gated_mlp(torch.randn(2, 8), *(torch.randn(s) for s in [(16, 8), (16, 8), (8, 16)]),
+                                    None, None, None, "relu", "block", "torch")
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        remat.nn.GELUMLP(8, 16, recompute="sometimes")

@@ -99,3 +99,12 @@ def test_wrong_trailing_shape_raises():
 
 def test_modules_in_package_namespace():
     assert remat.nn.RMSNorm is rnn.RMSNorm and remat.nn.LayerNorm is rnn.LayerNorm
+
+
+def test_module_argument_checks():
+    with pytest.raises(ValueError, match="eps must be a positive"):
+        rnn.RMSNorm(8, eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be a positive"):
+        rnn.LayerNorm(8, eps=0.0)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        rnn.RMSNorm(8)([1.0] * 8)

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from remat import functional
+from remat.autograd.mlp import RECOMPUTE_MODES
+from remat.ops.mlp import ACTIVATIONS
 
 
 def _normalized_shape_tuple(normalized_shape):
@@ -57,6 +59,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, *, backend=None):
         super().__init__()
+        if eps is not None:
+            functional._check_eps(eps)
         self.normalized_shape = _normalized_shape_tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
@@ -76,6 +80,7 @@ class RMSNorm(nn.Module):
         return module
 
     def forward(self, x, residual=None):
+        functional._check_input(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         flat = _flatten_hidden(x, self.normalized_shape)
         flat_residual = _flatten_hidden(residual, self.normalized_shape) if residual is not None else None
@@ -103,6 +108,7 @@ class LayerNorm(nn.Module):
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None, *, backend=None):
         super().__init__()
+        functional._check_eps(eps)
         self.normalized_shape = _normalized_shape_tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
@@ -172,6 +178,8 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, hidden, intermediate, bias=False, *, activation="silu", recompute="block", backend=None,
                  device=None, dtype=None):
         super().__init__()
+        functional._check_choice(activation, "activation", ACTIVATIONS)
+        functional._check_choice(recompute, "recompute", RECOMPUTE_MODES)
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias, device=device, dtype=dtype)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias, device=device, dtype=dtype)
@@ -210,6 +218,8 @@ class GELUMLP(nn.Module):
     def __init__(self, hidden, intermediate, bias=True, *, approximate="none", recompute="block", backend=None,
                  device=None, dtype=None):
         super().__init__()
+        functional._check_choice(approximate, "approximate", ("none", "tanh"))
+        functional._check_choice(recompute, "recompute", RECOMPUTE_MODES)
         self.c_fc = nn.Linear(hidden, intermediate, bias=bias, device=device, dtype=dtype)
         self.c_proj = nn.Linear(intermediate, hidden, bias=bias, device=device, dtype=dtype)
         self.approximate, self.recompute, self.backend = approximate, recompute, backend
