@@ -92,9 +92,11 @@ def _norm_fwd_kernel(
     n_cols, x_row_stride, residual_row_stride, eps,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, STORE_Y: tl.constexpr,
 ):
-    """One program per row. Stats come from h rounded to x's dtype, as the backward reads it."""
+    """One program per row. Stats come from h rounded to x's dtype, as the backward reads it.
+    STORE_Y=False computes and stores the statistics only (for consumers that normalize on the
+    fly, like the fused matmul's norm prologue)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = row * x_row_stride
     residual_row = row * residual_row_stride
@@ -117,13 +119,14 @@ def _norm_fwd_kernel(
             x_hat = centered * rstd
             tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
-        y = x_hat
-        if HAS_WEIGHT:
-            y = y * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y = y + tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = _round(y, y_ptr.dtype.element_ty, INTERPRETED)
-        tl.store(y_ptr + out_row + cols, y, mask=mask)
+        if STORE_Y:
+            y = x_hat
+            if HAS_WEIGHT:
+                y = y * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y = y + tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = _round(y, y_ptr.dtype.element_ty, INTERPRETED)
+            tl.store(y_ptr + out_row + cols, y, mask=mask)
     else:
         # Wide rows: each pass re-reads x (and residual) tile by tile and recomputes h; the
         # stored h is never read back here. Per-lane fp32 accumulators, reduced once per pass.
@@ -155,20 +158,21 @@ def _norm_fwd_kernel(
             rstd = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / n_cols + eps)
             tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
-        for start in range(0, n_cols, BLOCK):
-            offsets = start + cols
-            mask = offsets < n_cols
-            h = _load_norm_input(x_ptr, residual_ptr, x_row + offsets, residual_row + offsets,
-                                 mask, HAS_RESIDUAL, INTERPRETED)
-            if HAS_RESIDUAL:
-                tl.store(h_ptr + out_row + offsets, h, mask=mask)
-            y = (h.to(tl.float32) - mean) * rstd
-            if HAS_WEIGHT:
-                y = y * tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                y = y + tl.load(bias_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            y = _round(y, y_ptr.dtype.element_ty, INTERPRETED)
-            tl.store(y_ptr + out_row + offsets, y, mask=mask)
+        if STORE_Y:
+            for start in range(0, n_cols, BLOCK):
+                offsets = start + cols
+                mask = offsets < n_cols
+                h = _load_norm_input(x_ptr, residual_ptr, x_row + offsets, residual_row + offsets,
+                                     mask, HAS_RESIDUAL, INTERPRETED)
+                if HAS_RESIDUAL:
+                    tl.store(h_ptr + out_row + offsets, h, mask=mask)
+                y = (h.to(tl.float32) - mean) * rstd
+                if HAS_WEIGHT:
+                    y = y * tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+                if HAS_BIAS:
+                    y = y + tl.load(bias_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+                y = _round(y, y_ptr.dtype.element_ty, INTERPRETED)
+                tl.store(y_ptr + out_row + offsets, y, mask=mask)
 
 
 @triton.jit
@@ -309,12 +313,12 @@ def _check_matrix(name, tensor):
             f"{tuple(tensor.shape)} and strides {tuple(tensor.stride())}")
 
 
-def _norm_fwd(x, weight, bias, residual, eps, is_rms):
+def _norm_fwd(x, weight, bias, residual, eps, is_rms, store_y=True):
     _check_matrix("x", x)
     if residual is not None:
         _check_matrix("residual", residual)
     n_rows, n_cols = x.shape
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    y = torch.empty((n_rows, n_cols) if store_y else (0,), dtype=x.dtype, device=x.device)
     if residual is not None:
         h = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     else:
@@ -329,13 +333,24 @@ def _norm_fwd(x, weight, bias, residual, eps, is_rms):
             x, residual if residual is not None else x,
             weight.contiguous() if weight is not None else x,
             bias.contiguous() if bias is not None else x,
-            y, h if residual is not None else y, mean if mean is not None else rstd, rstd,
+            y if store_y else x, h if residual is not None else x,
+            mean if mean is not None else rstd, rstd,
             n_cols, x.stride(0), residual.stride(0) if residual is not None else 0, eps,
             IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None, BLOCK=block, SINGLE_TILE=single_tile,
-            INTERPRETED=_INTERPRETED, num_warps=num_warps,
+            INTERPRETED=_INTERPRETED, STORE_Y=store_y, num_warps=num_warps,
         )
     return y, h, mean, rstd
+
+
+def norm_stats(x, eps, is_rms):
+    """Per-row statistics of RMSNorm (is_rms) or LayerNorm without writing the normalized rows.
+
+    x: [rows, cols] fp32/fp16/bf16, unit column stride. Returns (mean, rstd), fp32 [rows] each,
+    mean an empty(0) tensor for RMSNorm; the same values the forward launchers store.
+    """
+    _, _, mean, rstd = _norm_fwd(x, None, None, None, eps, is_rms, store_y=False)
+    return (mean if mean is not None else torch.empty(0, dtype=torch.float32, device=x.device)), rstd
 
 
 def rms_norm_fwd(x, weight, residual, eps):
@@ -464,13 +479,16 @@ def aot_specs():
                 ("bwd", _norm_bwd_kernel, bwd_signature, _MAX_SINGLE_TILE_COLS_BWD,
                  ("HAS_DH", "HAS_WEIGHT", "HAS_BIAS")),
             ):
-                for config, width, with_optionals in (
-                    ("narrow", 1, False),
-                    ("single", max_single_tile_cols, True),
-                    ("tiled", max_single_tile_cols + 1, True),
-                ):
+                configs = [("narrow", 1, False), ("single", max_single_tile_cols, True),
+                           ("tiled", max_single_tile_cols + 1, True)]
+                if kind == "fwd":
+                    configs += [("stats-single", max_single_tile_cols, False),
+                                ("stats-tiled", max_single_tile_cols + 1, False)]
+                for config, width, with_optionals in configs:
                     block, single_tile, num_warps = _block_config(width, max_single_tile_cols)
                     constexprs = {flag: with_optionals for flag in optional_flags}
+                    if kind == "fwd":
+                        constexprs["STORE_Y"] = not config.startswith("stats")
                     if is_rms:
                         constexprs["HAS_BIAS"] = False
                     constexprs.update(IS_RMS=is_rms, BLOCK=block, SINGLE_TILE=single_tile,

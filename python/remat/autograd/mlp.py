@@ -25,7 +25,14 @@ Inputs are already 2-D [tokens, H] (remat.functional reshapes them).
 import torch
 import torch.nn.functional as F
 
-from remat.ops.mlp import ops_for, triton_act_matmul, triton_act_matmul_bwd, triton_glu_matmul, triton_glu_matmul_bwd
+from remat.ops.mlp import (
+    ops_for,
+    triton_act_matmul,
+    triton_act_matmul_bwd,
+    triton_glu_matmul,
+    triton_glu_matmul_bwd,
+    triton_norm_stats,
+)
 
 RECOMPUTE_MODES = ("none", "activation", "block")
 
@@ -46,7 +53,8 @@ class GatedMLPFunction(torch.autograd.Function):
         ops = ops_for(backend)
         fused = _fused_gate_up(backend, recompute, b_gate, b_up)
         if fused:
-            h, gate, up = triton_glu_matmul(x, w_gate, w_up, activation, recompute == "activation")
+            h, gate, up = triton_glu_matmul(x, w_gate, w_up, activation, recompute == "activation", "none", None, None,
+                                            None, None)
         else:
             gate = F.linear(x, w_gate, b_gate)
             up = F.linear(x, w_up, b_up)
@@ -76,7 +84,8 @@ class GatedMLPFunction(torch.autograd.Function):
             dup = (dh * act).to(dh.dtype)
             dgate, _ = ops.act_bwd((dh * up).contiguous(), gate, ctx.activation, False)
         elif ctx.recompute == "block" and ctx.fused:
-            dgate, dup, h = triton_glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[3])
+            dgate, dup, h = triton_glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[3], "none", None, None,
+                                                  None, None)
         else:
             if ctx.recompute == "activation":
                 gate, up = saved[6:]
@@ -149,12 +158,22 @@ class NormGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down,
                 norm, eps, activation, backend):
-        normed, mean, rstd = _norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
         ops = ops_for(backend)
-        h = ops.glu_fwd(F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up), activation)
+        fused = _fused_gate_up(backend, "block", b_gate, b_up)
+        if fused:
+            # Statistics only, then the normalized input is computed per tile in the matmul's
+            # prologue: it is never written to memory.
+            mean, rstd = triton_norm_stats(x, eps, norm == "rms")
+            h, _, _ = triton_glu_matmul(x, w_gate, w_up, activation, False, norm, mean, rstd, norm_weight, norm_bias)
+        else:
+            normed, mean, rstd = _norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
+            h = ops.glu_fwd(F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up), activation)
+            del normed
         y = F.linear(h, w_down, b_down)
+        if mean is not None and mean.numel() == 0:
+            mean = None
         ctx.save_for_backward(x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd)
-        ctx.norm, ctx.eps, ctx.activation, ctx.backend = norm, eps, activation, backend
+        ctx.norm, ctx.eps, ctx.activation, ctx.backend, ctx.fused = norm, eps, activation, backend, fused
         ctx.has_bias = (norm_bias is not None, b_gate is not None, b_up is not None, b_down is not None)
         return y
 
@@ -163,11 +182,17 @@ class NormGatedMLPFunction(torch.autograd.Function):
         x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd = ctx.saved_tensors
         need = ctx.needs_input_grad
         ops = ops_for(ctx.backend)
+        # The normalized input, recomputed into a temporary for the gate/up weight gradients and
+        # freed below.
         normed, _, _ = _norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
         dy = dy.contiguous()
         dh = dy @ w_down
-        dgate, dup, h = ops.glu_bwd(dh, F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up),
-                                    ctx.activation, need[5])
+        if ctx.fused:
+            dgate, dup, h = triton_glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[5], ctx.norm, mean, rstd,
+                                                  norm_weight, norm_bias)
+        else:
+            dgate, dup, h = ops.glu_bwd(dh, F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up),
+                                        ctx.activation, need[5])
         _, d_w_down, d_b_down = _linear_grads(dy, h, w_down, False, need[5], need[8] and ctx.has_bias[3])
         del h
         d_normed_gate, d_w_gate, d_b_gate = _linear_grads(dgate, normed, w_gate, True, need[3],

@@ -153,44 +153,61 @@ TRITON_OPS = MLPOps(triton_glu_fwd, triton_glu_bwd, triton_act_fwd, triton_act_b
 
 
 @torch.library.custom_op("remat_triton::glu_matmul", mutates_args=())
-def triton_glu_matmul(x: Tensor, w_gate: Tensor, w_up: Tensor, activation: str,
-                      store_pre: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Fused dual GEMM: h = act(x Wg^T) * (x Wu^T), gate and up never leaving the kernel unless
-    store_pre (then also returned, rounded to x's dtype as the epilogue used them)."""
+def triton_glu_matmul(x: Tensor, w_gate: Tensor, w_up: Tensor, activation: str, store_pre: bool, norm: str,
+                      mean: Optional[Tensor], rstd: Optional[Tensor], norm_weight: Optional[Tensor],
+                      norm_bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused dual GEMM: h = act(A Wg^T) * (A Wu^T), gate and up never leaving the kernel unless
+    store_pre (then also returned, rounded to x's dtype as the epilogue used them). A is x, or with
+    norm "rms" / "layer" the normalized x computed per tile from the given statistics (prologue)."""
     from remat.kernels import matmul
 
-    return matmul.glu_matmul(x, w_gate, w_up, activation, store_pre=store_pre)
+    return matmul.glu_matmul(x, w_gate, w_up, activation, store_pre=store_pre, **_prologue(norm, mean, rstd,
+                                                                                           norm_weight, norm_bias))
 
 
 @triton_glu_matmul.register_fake
-def _fake_glu_matmul(x, w_gate, w_up, activation, store_pre):
+def _fake_glu_matmul(x, w_gate, w_up, activation, store_pre, norm, mean, rstd, norm_weight, norm_bias):
     shape = (x.shape[0], w_gate.shape[0])
     pre = x.new_empty(shape) if store_pre else x.new_empty(0)
     return x.new_empty(shape), pre, pre.clone()
 
 
 @torch.library.custom_op("remat_triton::glu_matmul_bwd", mutates_args=())
-def triton_glu_matmul_bwd(x: Tensor, w_gate: Tensor, w_up: Tensor, dh: Tensor, activation: str,
-                          need_h: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward recompute of glu_matmul: the same dual GEMM, then dgate, dup (and h) in the
-    epilogue."""
+def triton_glu_matmul_bwd(x: Tensor, w_gate: Tensor, w_up: Tensor, dh: Tensor, activation: str, need_h: bool,
+                          norm: str, mean: Optional[Tensor], rstd: Optional[Tensor], norm_weight: Optional[Tensor],
+                          norm_bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward recompute of glu_matmul: the same dual GEMM (and prologue), then dgate, dup
+    (and h) in the epilogue."""
     from remat.kernels import matmul
 
-    return matmul.glu_matmul_bwd(x, w_gate, w_up, dh, activation, need_h=need_h)
+    return matmul.glu_matmul_bwd(x, w_gate, w_up, dh, activation, need_h=need_h,
+                                 **_prologue(norm, mean, rstd, norm_weight, norm_bias))
 
 
 @triton_glu_matmul_bwd.register_fake
-def _fake_glu_matmul_bwd(x, w_gate, w_up, dh, activation, need_h):
+def _fake_glu_matmul_bwd(x, w_gate, w_up, dh, activation, need_h, norm, mean, rstd, norm_weight, norm_bias):
     return torch.empty_like(dh), torch.empty_like(dh), torch.empty_like(dh) if need_h else dh.new_empty(0)
 
 
-def ops_for(backend):
-    """The MLPOps of a resolved backend name."""
-    if backend == "torch":
-        return TORCH_OPS
-    if backend == "triton":
-        return TRITON_OPS
-    return EXTENSION_OPS
+def _prologue(norm, mean, rstd, norm_weight, norm_bias):
+    if norm == "none":
+        return {}
+    return {"norm": norm, "mean": mean if norm == "layer" else None, "rstd": rstd, "norm_weight": norm_weight,
+            "norm_bias": norm_bias}
+
+
+@torch.library.custom_op("remat_triton::norm_stats", mutates_args=())
+def triton_norm_stats(x: Tensor, eps: float, is_rms: bool) -> tuple[Tensor, Tensor]:
+    """Per-row (mean, rstd) of x for the matmul's norm prologue, without writing normalized rows."""
+    from remat.kernels import norm
+
+    return norm.norm_stats(x, eps, is_rms)
+
+
+@triton_norm_stats.register_fake
+def _fake_norm_stats(x, eps, is_rms):
+    rows = x.shape[0]
+    return x.new_empty(0 if is_rms else rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("remat_triton::act_matmul", mutates_args=())
@@ -221,3 +238,12 @@ def triton_act_matmul_bwd(x: Tensor, w: Tensor, b: Optional[Tensor], dh: Tensor,
 @triton_act_matmul_bwd.register_fake
 def _fake_act_matmul_bwd(x, w, b, dh, activation, need_h):
     return torch.empty_like(dh), torch.empty_like(dh) if need_h else dh.new_empty(0)
+
+
+def ops_for(backend):
+    """The MLPOps of a resolved backend name."""
+    if backend == "torch":
+        return TORCH_OPS
+    if backend == "triton":
+        return TRITON_OPS
+    return EXTENSION_OPS
