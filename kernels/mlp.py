@@ -16,9 +16,22 @@ One kernel pair serves both the GLU and the plain activation (GATED constexpr), 
 launchers (up == nullptr). The grid is 1-D over the flattened elements with 64-bit offsets.
 """
 
+import importlib.util
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
+
+try:
+    from .norm import _round
+except ImportError:
+    # Loaded by file path (tests/test_triton_aot.py), with no parent package: load the sibling
+    # file under a private name.
+    _norm_spec = importlib.util.spec_from_file_location(f"{__name__}_norm", Path(__file__).with_name("norm.py"))
+    _norm = importlib.util.module_from_spec(_norm_spec)
+    _norm_spec.loader.exec_module(_norm)
+    _round = _norm._round
 
 # Elements per program. With 4 warps (128 threads) a program gives each thread 8 elements: one
 # 16-byte load or store per tensor for fp16/bf16, two for fp32, the widest accesses there are.
@@ -36,24 +49,6 @@ _INV_SQRT2 = tl.constexpr(0.70710678118654752440)
 _INV_SQRT2PI = tl.constexpr(0.39894228040143267794)
 _SQRT2_OVER_PI = tl.constexpr(0.79788456080286535588)
 _GELU_TANH_COEFF = tl.constexpr(0.044715)
-
-
-@triton.jit
-def _round(value, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp32 value rounded to nearest-even in dtype.
-
-    The Triton 3.8 interpreter truncates fp32 -> bf16 casts (compiled code rounds to nearest
-    even), so interpreted bf16 rounding is done on the bits instead, to keep the CPU tests exact.
-    A private copy of kernels/norm.py's helper: tests/test_triton_aot.py may load each kernel
-    module by file path, outside any package, where a relative import cannot resolve.
-    """
-    if INTERPRETED and dtype == tl.bfloat16:
-        bits = value.to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
-        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        rounded = value.to(dtype)
-    return rounded
 
 
 @triton.jit
