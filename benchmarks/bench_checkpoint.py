@@ -10,7 +10,7 @@ import remat
 from remat.checkpoint.schedule import minimal_peak
 from remat.memory import PeakSavedBytes
 
-from benchmarks.common import Progress, environment_tags, measure
+from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
 
 
 class MLPBlock(nn.Module):
@@ -65,12 +65,7 @@ def run(device, quick=False):
                 continue
             if device.type == "cuda":
                 _step(chain, x, plan)  # the parameters' .grad exist before the peak is measured
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                _step(chain, x, plan)
-                torch.cuda.synchronize()
-                measured = torch.cuda.max_memory_allocated() - base
+                measured = peak_memory_bytes(lambda: _step(chain, x, plan), device)
             else:
                 with PeakSavedBytes() as tracker:
                     _step(chain, x, plan)

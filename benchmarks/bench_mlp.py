@@ -14,7 +14,7 @@ import remat
 from remat import backend as backend_mod
 from remat.memory import saved_bytes
 
-from benchmarks.common import Progress, environment_tags, measure
+from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
 
 
 def eager_swiglu(x, wg, wu, wd):
@@ -91,14 +91,7 @@ def run(device, quick=False):
 
             full()
             saved = saved_bytes(fn, *args)
-            peak = ""
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                full()
-                torch.cuda.synchronize()
-                peak = torch.cuda.max_memory_allocated() - base
+            peak = peak_memory_bytes(full, device)
             flops = {"forward": 3 * gemm, "backward": (6 + recompute_gemms) * gemm,
                      "full": (9 + recompute_gemms) * gemm}
             timings = {"forward": measure(forward, device, budget_s=budget),

@@ -15,7 +15,7 @@ import remat
 from remat import backend as backend_mod
 from remat.memory import saved_bytes
 
-from benchmarks.common import Progress, copy_bandwidth_gbps, environment_tags, measure
+from benchmarks.common import Progress, copy_bandwidth_gbps, environment_tags, measure, peak_memory_bytes
 
 
 def _stock(kind, with_residual):
@@ -124,14 +124,7 @@ def bench_case(kind, with_residual, rows, hidden, dtype, device, budget_s, progr
 
         full()  # compiles where needed, outside the timing
         saved = saved_bytes(fn, *args)
-        peak = None
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            full()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base
+        peak = peak_memory_bytes(full, device)
         timings = {
             "forward": measure(forward, device, budget_s=budget_s),
             "backward": measure(backward, device, budget_s=budget_s, setup=setup_backward),
@@ -153,7 +146,7 @@ def bench_case(kind, with_residual, rows, hidden, dtype, device, budget_s, progr
                 "gbps": gbps,
                 "copy_bw_fraction": gbps / copy_gbps,
                 "saved_bytes": saved,
-                "peak_mem_bytes": peak if peak is not None else "",
+                "peak_mem_bytes": peak,
             })
         progress.step(f"{kind} {'+residual ' if with_residual else ''}{rows}x{hidden} {dtype} {name}")
     eager = {r["mode"]: r["median_ms"] for r in results if r["provider"] == "torch"}

@@ -82,6 +82,19 @@ def measure(fn, device, *, warmup=3, min_reps=10, max_reps=200, budget_s=1.0, se
     return statistics.median(times), q[1], q[7]
 
 
+def peak_memory_bytes(fn, device):
+    """Peak device memory allocated while ``fn()`` runs, above what was allocated before (GPU
+    only; "" on the CPU, where remat.memory.PeakSavedBytes measures saved bytes instead)."""
+    if device.type != "cuda":
+        return ""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def copy_bandwidth_gbps(device, nbytes=256 * 2**20):
     """Measured device-memory copy bandwidth (bytes read + written per second), the ceiling a
     memory-bound kernel is compared with."""
