@@ -2,7 +2,6 @@
 RNG and autocast preserved, measured peak saved bytes within the plan, forward-call counts equal
 to the plan's (and to revolve's closed form), the DP equal to brute force on small chains."""
 
-import itertools
 import math
 import random
 
@@ -332,7 +331,7 @@ def test_works_with_remat_norm_blocks():
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert math.isfinite(plan.extra_forward_fraction)
-    assert list(itertools.islice(plan.checkpoints, 0, None)) == plan.checkpoints
+    assert plan.peak_saved_bytes < plan.no_checkpoint_bytes, "the budget should force checkpoints"
 
 
 def test_in_place_change_of_input_raises():
