@@ -26,6 +26,18 @@ TORCH_LIBRARY(remat, m) {
         " -> (Tensor dgate, Tensor dup, Tensor h)");
   m.def("act_fwd(Tensor pre, str activation) -> Tensor h");
   m.def("act_bwd(Tensor dh, Tensor pre, str activation, bool need_h) -> (Tensor dpre, Tensor h)");
+  // Flash attention (python/remat/ops/attention.py documents the full contract). q [B, N, Hq, D],
+  // k and v [B, M, Hkv, D] with unit last stride; o [B, N, Hq, D] contiguous in q's dtype; lse fp32
+  // [B, Hq, N], +inf for rows that see no key. cos/sin: fp32 [1 or B, S >= M, D/2] or None.
+  // rng: int64 [2] = (seed, offset) when dropout_p > 0, else None. window_left/right: -1 =
+  // unbounded (causal is window_right = 0). softcap: 0 = off. The backward recomputes the
+  // probabilities (and the dropout mask) from q, k, lse and rng; dq, dk, dv are contiguous.
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? cos, Tensor? sin, Tensor? rng,"
+        " float scale, float softcap, int window_left, int window_right, float dropout_p)"
+        " -> (Tensor o, Tensor lse)");
+  m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cos,"
+        " Tensor? sin, Tensor? rng, float scale, float softcap, int window_left, int window_right,"
+        " float dropout_p, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 // The module carries no functions: importing it runs the registrations above, and Python calls

@@ -4,12 +4,13 @@ recompute the fused intermediates inside the backward kernels."""
 from remat import memory, nn
 from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
-from remat.functional import geglu_mlp, gelu_mlp, layer_norm, norm_mlp, rms_norm, swiglu_mlp
+from remat.functional import attention, geglu_mlp, gelu_mlp, layer_norm, norm_mlp, rms_norm, swiglu_mlp
 from remat.info import info
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "attention",
     "Plan",
     "checkpoint",
     "checkpoint_sequential",

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from remat.autograd.attention import AttentionFunction
 from remat.autograd.mlp import RECOMPUTE_MODES, GatedMLPFunction, GELUMLPFunction, NormGatedMLPFunction
 from remat.autograd.norm import LayerNormFunction, RMSNormFunction
 from remat.backend import resolve_backend
@@ -285,3 +286,151 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
     with autocast_off:
         y = NormGatedMLPFunction.apply(x_rows, *params, norm, float(eps), activation, name)
     return y.view(*x.shape[:-1], hidden)
+
+
+ATTENTION_LAYOUTS = ("bnhd", "bhnd")
+MAX_HEAD_DIM = 256
+
+
+def _check_qkv_types(q, k, v, layout):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ({layout} layout), got shape {tuple(t.shape)}")
+
+
+def _check_qkv_shapes(q, k, v):
+    """q, k, v in [B, N, H, D] order (after any layout transpose)."""
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, n, hq, head_dim = q.shape
+    _, m, hkv, _ = k.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k must be [B={batch}, M, Hkv, D={head_dim}] in {layout} layout, got {tuple(k.shape)}")
+    if min(batch, n, hq, m, hkv) < 1:
+        raise ValueError(f"attention needs batch, lengths and heads >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    if hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k/v's heads ({hkv}) (GQA/MQA)")
+
+
+def _check_rope(rope, q, k):
+    if rope is None:
+        return
+    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+        raise TypeError("rope must be a (cos, sin) pair of tensors or None")
+    batch, n, _, head_dim = q.shape
+    m = k.shape[1]
+    if head_dim % 2:
+        raise ValueError(f"rope needs an even head dim, got {head_dim}")
+    if n > m:
+        raise ValueError(f"rope needs N <= M (query i sits at position i + M - N), got N={n}, M={m}")
+    for name, t in zip(("cos", "sin"), rope):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"rope {name} must be a floating-point tensor")
+        if t.device != q.device:
+            raise ValueError(f"rope {name} must be on q's device {q.device}, got {t.device}")
+        if (t.dim() not in (2, 3) or t.shape[-1] not in (head_dim // 2, head_dim) or t.shape[-2] < m
+                or (t.dim() == 3 and t.shape[0] not in (1, batch))):
+            raise ValueError(f"rope {name} must be [S, D/2], [B, S, D/2], [S, D] or [B, S, D] with S >= M={m}, "
+                             f"D={head_dim}, B={batch}; got {tuple(t.shape)}")
+    if rope[0].shape != rope[1].shape:
+        raise ValueError(f"rope cos and sin must have one shape, got {tuple(rope[0].shape)} and {tuple(rope[1].shape)}")
+
+
+def _window_bounds(window, causal):
+    """(left, right) for the kernels, -1 = unbounded; causal caps right at 0."""
+    left = right = -1
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError("window must be a (left, right) pair of ints >= 0 or None")
+        for name, side in zip(("left", "right"), window):
+            if side is None:
+                continue
+            if isinstance(side, bool) or not isinstance(side, int) or side < 0:
+                raise ValueError(f"window {name} must be an int >= 0 or None, got {side!r}")
+        left = -1 if window[0] is None else int(window[0])
+        right = -1 if window[1] is None else int(window[1])
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _check_positive(value, name, allow_none=True):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number{' or None' if allow_none else ''}, got {value!r}")
+
+
+def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, window=None, softcap=None,
+              deterministic=True, layout="bnhd", backend=None):
+    """Flash attention: ``softmax(q k^T * scale) v`` without storing the attention matrix.
+
+    Args:
+        q: ``[B, N, Hq, D]`` (``layout="bnhd"``, the default, as flash_attn) or ``[B, Hq, N, D]``
+            (``layout="bhnd"``, as ``scaled_dot_product_attention``); float32, float16 or
+            bfloat16; any strides (a tensor whose last dim is strided is copied once).
+        k, v: ``[B, M, Hkv, D]`` (or ``[B, Hkv, M, D]``) in q's dtype and device; Hq a multiple of
+            Hkv (GQA; Hkv = 1 is MQA). N, M >= 1 any length; D in 1..256 (the cuda backend: a
+            multiple of 8 up to 256, float16/bfloat16).
+        causal: mask keys after the query. With N != M the last query is aligned with the last
+            key (bottom-right, as FlashAttention >= 2.1): query i sits at position i + M - N.
+        scale: logit scale; default ``1 / sqrt(D)``.
+        dropout_p: dropout on the probabilities, in [0, 1). Applied whenever > 0 (pass 0.0 in
+            eval). The mask is a Philox stream keyed by a (seed, offset) drawn from PyTorch's
+            generator, so ``torch.manual_seed`` reproduces it; backward regenerates it.
+        rope: ``(cos, sin)`` rotary tables, ``[S, D/2]`` or ``[B, S, D/2]``, or Hugging Face's
+            ``[S, D]`` / ``[B, S, D]`` with equal halves, S >= M; rotate-half convention. k at
+            position j uses row j, q row i uses row i + M - N (needs N <= M). Applied inside the
+            kernels in forward and again in the backward recompute; rotated copies are never stored.
+        window: ``(left, right)`` sliding window: query at position p sees keys p - left .. p +
+            right; None on a side is unbounded. Combines with ``causal``.
+        softcap: Gemma-2 logit capping, ``softcap * tanh(logits / softcap)``; None (default) off.
+        deterministic: GPU backward without atomics (bitwise reproducible); False uses fp32
+            atomics for dq (faster). The CPU backends are always deterministic.
+        layout: ``"bnhd"`` or ``"bhnd"``, for q, k, v and the output.
+        backend: ``"cuda"``, ``"cpp"``, ``"triton"``, ``"torch"`` or None (see remat.backend).
+
+    Returns:
+        o in q's layout, shape and dtype (a new tensor). Rows that see no key give 0.
+
+    Saved for backward: q, k, v, o, fp32 logsumexp [B, Hq, N] (and 16 bytes of RNG state with
+    dropout, the cos/sin tables with rope); the probabilities are recomputed.
+    """
+    if layout not in ATTENTION_LAYOUTS:
+        raise ValueError(f"layout must be one of {ATTENTION_LAYOUTS}, got {layout!r}")
+    _check_qkv_types(q, k, v, layout)
+    if layout == "bhnd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    _check_qkv_shapes(q, k, v)
+    _check_rope(rope, q, k)
+    _check_positive(scale, "scale")
+    _check_positive(softcap, "softcap")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if not isinstance(causal, bool) or not isinstance(deterministic, bool):
+        raise TypeError("causal and deterministic must be bools")
+    left, right = _window_bounds(window, causal)
+    name = resolve_backend(backend, q)
+    head_dim = q.shape[-1]
+    if name == "cuda" and (q.dtype == torch.float32 or head_dim % 8):
+        raise ValueError(f"the cuda attention kernels take float16/bfloat16 with a head dim that is a multiple of 8, "
+                         f"got {q.dtype}, D={head_dim}; use backend='triton' or 'torch'")
+    cos, sin = rope if rope is not None else (None, None)
+    (q, k, v), autocast_off = _autocast_cast(q, k, v)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    scale = float(scale) if scale is not None else head_dim**-0.5
+    with autocast_off:
+        o = AttentionFunction.apply(q, k, v, cos, sin, scale, float(softcap or 0.0), left, right, float(dropout_p),
+                                    deterministic, name)
+    return o.transpose(1, 2) if layout == "bhnd" else o

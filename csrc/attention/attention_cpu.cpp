@@ -1,0 +1,414 @@
+// C++ CPU flash attention: the blocked algorithm of the GPU kernels with the same recompute
+// contract. The forward keeps a running max and sum per query row over key tiles (online softmax,
+// exp2 domain) and never forms the N x M probabilities; it returns o and the fp32 logsumexp. The
+// backward recomputes each probability tile from q, k and lse (and the dropout mask from the
+// Philox seed and offset), in two passes with no shared accumulators, so it is deterministic: one
+// over key blocks for dk and dv, one over query blocks for dq.
+//
+// Per-element math (visibility, softcap, rope, online softmax, Philox) comes from
+// common/attention_math.h and common/philox.h, which the CUDA kernels use too. Rounding points
+// follow the GPU kernels: rotated q and k, the probabilities before the PV product, and dS before
+// the dq/dk products are rounded to the input dtype; everything accumulates in fp32.
+//
+// Inputs are first widened (and rotated) into fp32 working copies laid out [batch, head, row, D],
+// plus k and v transposed to [batch, head, D, row], so that every tile product is an outer-product
+// loop over contiguous fp32 rows that the compiler vectorises. Those copies are temporaries of the
+// call, never saved.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include "attention/attention_checks.h"
+#include "common/attention_math.h"
+#include "common/cpu_convert.h"
+#include "common/philox.h"
+
+namespace remat {
+namespace {
+
+// 32 query rows x 64 keys: an fp32 score tile of 8 KB plus the matching probability tile stay in
+// L1 next to a 64-row slice of k and v at head dim 64.
+constexpr int64_t kBlockQ = 32;
+constexpr int64_t kBlockK = 64;
+
+float round_to_storage(float value, Storage storage) {
+  switch (storage) {
+    case Storage::kFloat16: return static_cast<float>(static_cast<_Float16>(value));
+    case Storage::kBFloat16: return std::bit_cast<float>(static_cast<uint32_t>(round_to_bf16(value)) << 16);
+    default: return value;
+  }
+}
+
+// y[0:n] += a * x[0:n].
+REMAT_CPU_CLONES void axpy(float a, const float* __restrict__ x, float* __restrict__ y, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
+}
+
+// tile[r][c] = sum_d rows[r][d] * cols_t[d][c] for r < n_rows, c < n_cols: rows is [n_rows, D]
+// row-major, cols_t a [D, ld_cols] transposed block, tile [n_rows, kBlockK].
+REMAT_CPU_CLONES void tile_product(const float* __restrict__ rows, int64_t n_rows, const float* __restrict__ cols_t,
+                                   int64_t ld_cols, int64_t n_cols, int64_t head_dim, float* __restrict__ tile) {
+  for (int64_t r = 0; r < n_rows; ++r) {
+    float* out = tile + r * kBlockK;
+    for (int64_t c = 0; c < n_cols; ++c) out[c] = 0.0f;
+    const float* row = rows + r * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float a = row[d];
+      const float* col = cols_t + d * ld_cols;
+      for (int64_t c = 0; c < n_cols; ++c) out[c] += a * col[c];
+    }
+  }
+}
+
+struct Problem {
+  int64_t batch, n, m, hq, hkv, head_dim, group, shift;
+  int64_t left, right;
+  float scale, softcap, dropout_p, keep_scale;
+  bool dropout;
+  uint64_t seed, offset;
+  Storage storage;
+
+  // The key range [lo, hi) that any of query rows [i0, i1) can see.
+  std::pair<int64_t, int64_t> key_range(int64_t i0, int64_t i1) const {
+    const int64_t lo = left < 0 ? 0 : std::max<int64_t>(0, i0 + shift - left);
+    const int64_t hi = right < 0 ? m : std::min<int64_t>(m, i1 - 1 + shift + right + 1);
+    return {lo, std::max(lo, hi)};
+  }
+  // The query range [lo, hi) whose rows see any of keys [j0, j1).
+  std::pair<int64_t, int64_t> query_range(int64_t j0, int64_t j1) const {
+    const int64_t lo = right < 0 ? 0 : std::max<int64_t>(0, j0 - shift - right);
+    const int64_t hi = left < 0 ? n : std::min<int64_t>(n, j1 - 1 - shift + left + 1);
+    return {lo, std::max(lo, hi)};
+  }
+  // 1/(1-p) when the dropout mask keeps element (b, h, i, j), 0 when it drops it, 1 without dropout.
+  float keep_factor(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (!dropout) return 1.0f;
+    const uint64_t index = static_cast<uint64_t>(((b * hq + h) * n + i) * m + j);
+    return dropout_keep(seed, offset, index, dropout_p) ? keep_scale : 0.0f;
+  }
+};
+
+struct Rope {
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int64_t batch_stride = 0, rows = 0, half = 0;
+
+  const float* cos_row(int64_t b, int64_t pos) const { return cos + b * batch_stride + pos * half; }
+  const float* sin_row(int64_t b, int64_t pos) const { return sin + b * batch_stride + pos * half; }
+};
+
+Rope make_rope(const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin) {
+  Rope rope;
+  if (!cos.has_value()) return rope;
+  rope.cos = cos->const_data_ptr<float>();
+  rope.sin = sin->const_data_ptr<float>();
+  rope.rows = cos->size(1);
+  rope.half = cos->size(2);
+  rope.batch_stride = cos->size(0) == 1 ? 0 : rope.rows * rope.half;
+  return rope;
+}
+
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, const c10::optional<at::Tensor>& rng, double scale,
+                     double softcap, int64_t window_left, int64_t window_right, double dropout_p) {
+  Problem p;
+  p.batch = q.size(0);
+  p.n = q.size(1);
+  p.hq = q.size(2);
+  p.head_dim = q.size(3);
+  p.m = k.size(1);
+  p.hkv = k.size(2);
+  p.group = p.hq / p.hkv;
+  p.shift = p.m - p.n;
+  p.left = window_left;
+  p.right = window_right;
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.dropout_p = static_cast<float>(dropout_p);
+  p.keep_scale = 1.0f / (1.0f - p.dropout_p);
+  p.dropout = dropout_p > 0;
+  p.seed = p.offset = 0;
+  if (p.dropout) {
+    const int64_t* state = rng->const_data_ptr<int64_t>();
+    p.seed = static_cast<uint64_t>(state[0]);
+    p.offset = static_cast<uint64_t>(state[1]);
+  }
+  p.storage = storage_of(q.scalar_type());
+  return p;
+}
+
+// fp32 copy [B, H, L, D] of x [B, L, H, D] (any strides, unit last stride). With rope, row l is
+// rotated at position l + first_position and rounded to x's dtype, as the GPU kernels' operands.
+std::vector<float> load_rows(const at::Tensor& x, const Rope& rope, int64_t first_position, Storage storage) {
+  const int64_t batch = x.size(0), length = x.size(1), heads = x.size(2), head_dim = x.size(3);
+  const int64_t element = x.element_size();
+  std::vector<float> out(batch * heads * length * head_dim);
+  const char* base = static_cast<const char*>(x.const_data_ptr());
+  at::parallel_for(0, batch * heads * length, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t l = row % length, h = (row / length) % heads, b = row / (length * heads);
+      const char* src = base + (b * x.stride(0) + l * x.stride(1) + h * x.stride(2)) * element;
+      float* dst = out.data() + row * head_dim;
+      widen(src, dst, head_dim, storage);
+      if (rope.cos == nullptr) continue;
+      const int64_t half = head_dim / 2, rope_b = rope.batch_stride == 0 ? 0 : b;
+      const float* c = rope.cos_row(rope_b, l + first_position);
+      const float* s = rope.sin_row(rope_b, l + first_position);
+      for (int64_t d = 0; d < half; ++d) {
+        float y1, y2;
+        rope_rotate(dst[d], dst[d + half], c[d], s[d], y1, y2);
+        dst[d] = round_to_storage(y1, storage);
+        dst[d + half] = round_to_storage(y2, storage);
+      }
+    }
+  });
+  return out;
+}
+
+// [B*H, L, D] -> [B*H, D, L].
+std::vector<float> transpose_rows(const std::vector<float>& rows, int64_t groups, int64_t length, int64_t head_dim) {
+  std::vector<float> out(rows.size());
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t l = 0; l < length; ++l)
+        for (int64_t d = 0; d < head_dim; ++d)
+          out[(g * head_dim + d) * length + l] = rows[(g * length + l) * head_dim + d];
+  });
+  return out;
+}
+
+// Writes fp32 row `values` (rope gradient undone at `position` when rope is on) into dst.
+void store_row(float* values, const Rope& rope, int64_t b, int64_t position, int64_t head_dim, void* dst,
+               Storage storage) {
+  if (rope.cos != nullptr) {
+    const int64_t half = head_dim / 2, rope_b = rope.batch_stride == 0 ? 0 : b;
+    const float* c = rope.cos_row(rope_b, position);
+    const float* s = rope.sin_row(rope_b, position);
+    for (int64_t d = 0; d < half; ++d) {
+      float dx1, dx2;
+      rope_rotate_grad(values[d], values[d + half], c[d], s[d], dx1, dx2);
+      values[d] = dx1;
+      values[d + half] = dx2;
+    }
+  }
+  narrow(values, dst, head_dim, storage);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const c10::optional<at::Tensor>& cos,
+                                                     const c10::optional<at::Tensor>& sin,
+                                                     const c10::optional<at::Tensor>& rng, double scale,
+                                                     double softcap, int64_t window_left, int64_t window_right,
+                                                     double dropout_p) {
+  check_attention_qkv(q, k, v);
+  check_attention_options(q, k, cos, sin, rng, scale, softcap, dropout_p);
+  const Problem p = make_problem(q, k, rng, scale, softcap, window_left, window_right, dropout_p);
+  const Rope rope = make_rope(cos, sin);
+  const int64_t D = p.head_dim;
+  at::Tensor o = at::empty({p.batch, p.n, p.hq, D}, q.options());
+  at::Tensor lse = at::empty({p.batch, p.hq, p.n}, q.options().dtype(at::kFloat));
+
+  const std::vector<float> qf = load_rows(q, rope, p.shift, p.storage);
+  const std::vector<float> kt = transpose_rows(load_rows(k, rope, 0, p.storage), p.batch * p.hkv, p.m, D);
+  const std::vector<float> vf = load_rows(v, Rope{}, 0, p.storage);
+  char* o_base = static_cast<char*>(o.data_ptr());
+  float* lse_base = lse.data_ptr<float>();
+  const int64_t q_blocks = (p.n + kBlockQ - 1) / kBlockQ;
+
+  at::parallel_for(0, p.batch * p.hq * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kBlockQ * kBlockK), acc(kBlockQ * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task % q_blocks, h = (task / q_blocks) % p.hq, b = task / (q_blocks * p.hq);
+      const int64_t kv = b * p.hkv + h / p.group;
+      const int64_t i0 = block * kBlockQ, rows = std::min(kBlockQ, p.n - i0);
+      const float* q_rows = qf.data() + ((b * p.hq + h) * p.n + i0) * D;
+      const float* k_cols = kt.data() + kv * D * p.m;
+      const float* v_rows = vf.data() + kv * p.m * D;
+      OnlineSoftmax softmax[kBlockQ];
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const auto [lo, hi] = p.key_range(i0, i0 + rows);
+      for (int64_t j0 = lo; j0 < hi; j0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, hi - j0);
+        tile_product(q_rows, rows, k_cols + j0, p.m, cols, D, scores.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r;
+          float* s = scores.data() + r * kBlockK;
+          float tile_max = -INFINITY;
+          for (int64_t c = 0; c < cols; ++c) {
+            s[c] = attention_key_visible(i, j0 + c, p.shift, p.left, p.right)
+                       ? attention_logit(s[c], p.scale, p.softcap) * kLog2e
+                       : -INFINITY;
+            tile_max = std::max(tile_max, s[c]);
+          }
+          if (tile_max == -INFINITY) continue;
+          const float factor = softmax[r].rescale_for(tile_max);
+          float* a = acc.data() + r * D;
+          if (factor != 1.0f)
+            for (int64_t d = 0; d < D; ++d) a[d] *= factor;
+          for (int64_t c = 0; c < cols; ++c) {
+            if (s[c] == -INFINITY) continue;
+            const float weight = softmax[r].weight(s[c]);
+            softmax[r].sum += weight;
+            const float dropped = round_to_storage(weight * p.keep_factor(b, h, i, j0 + c), p.storage);
+            if (dropped != 0.0f) axpy(dropped, v_rows + (j0 + c) * D, a, D);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        float* a = acc.data() + r * D;
+        const float sum = softmax[r].sum;
+        for (int64_t d = 0; d < D; ++d) a[d] = sum > 0.0f ? a[d] / sum : 0.0f;
+        narrow(a, o_base + ((b * p.n + i) * p.hq + h) * D * o.element_size(), D, p.storage);
+        lse_base[(b * p.hq + h) * p.n + i] = softmax[r].lse();
+      }
+    }
+  });
+  return {o, lse};
+}
+
+// Recomputes one [rows x cols] tile of the backward: probabilities (dropped and rounded) into
+// `probs` and dS (rounded) into `dscores`, from the score tile `scores` (q . k) and `dprobs`
+// (dout . v). Delta and lse are per query row.
+void backward_tile(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                   const float* lse, const float* delta, const float* scores, const float* dprobs, float* probs,
+                   float* dscores) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r;
+    const float lse_log2 = lse[i] * kLog2e;
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t at = r * kBlockK + c, j = j0 + c;
+      if (!attention_key_visible(i, j, p.shift, p.left, p.right)) {
+        probs[at] = dscores[at] = 0.0f;
+        continue;
+      }
+      const float logit = attention_logit(scores[at], p.scale, p.softcap);
+      const float prob = exp2f(logit * kLog2e - lse_log2);
+      const float keep = p.keep_factor(b, h, i, j);
+      probs[at] = round_to_storage(prob * keep, p.storage);
+      const float dscore = prob * (dprobs[at] * keep - delta[i]) * attention_logit_grad(logit, p.scale, p.softcap);
+      dscores[at] = round_to_storage(dscore, p.storage);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+    const c10::optional<at::Tensor>& rng, double scale, double softcap, int64_t window_left, int64_t window_right,
+    double dropout_p, bool /*deterministic: the CPU backward is always deterministic*/) {
+  check_attention_qkv(q, k, v);
+  check_attention_options(q, k, cos, sin, rng, scale, softcap, dropout_p);
+  check_attention_bwd_extra(dout, q, o, lse);
+  const Problem p = make_problem(q, k, rng, scale, softcap, window_left, window_right, dropout_p);
+  const Rope rope = make_rope(cos, sin);
+  const int64_t D = p.head_dim;
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+
+  const std::vector<float> qf = load_rows(q, rope, p.shift, p.storage);
+  const std::vector<float> kf = load_rows(k, rope, 0, p.storage);
+  const std::vector<float> kt = transpose_rows(kf, p.batch * p.hkv, p.m, D);
+  const std::vector<float> vt = transpose_rows(load_rows(v, Rope{}, 0, p.storage), p.batch * p.hkv, p.m, D);
+  const std::vector<float> dof = load_rows(dout, Rope{}, 0, p.storage);
+  const std::vector<float> of = load_rows(o, Rope{}, 0, p.storage);
+  // Delta_i = dout_i . o_i (fp32), the softmax backward's row term.
+  std::vector<float> delta(p.batch * p.hq * p.n);
+  at::parallel_for(0, p.batch * p.hq * p.n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      float sum = 0.0f;
+      for (int64_t d = 0; d < D; ++d) sum += dof[row * D + d] * of[row * D + d];
+      delta[row] = sum;
+    }
+  });
+  const float* lse_base = lse.const_data_ptr<float>();
+
+  // dk, dv: one task per key block of one (batch, kv head); it visits the group's query heads.
+  const int64_t k_blocks = (p.m + kBlockK - 1) / kBlockK;
+  char* dk_base = static_cast<char*>(dk.data_ptr());
+  char* dv_base = static_cast<char*>(dv.data_ptr());
+  at::parallel_for(0, p.batch * p.hkv * k_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK), probs(kBlockQ * kBlockK),
+        dscores(kBlockQ * kBlockK), dk_acc(kBlockK * D), dv_acc(kBlockK * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task % k_blocks, kvh = (task / k_blocks) % p.hkv, b = task / (k_blocks * p.hkv);
+      const int64_t kv = b * p.hkv + kvh;
+      const int64_t j0 = block * kBlockK, cols = std::min(kBlockK, p.m - j0);
+      std::fill(dk_acc.begin(), dk_acc.end(), 0.0f);
+      std::fill(dv_acc.begin(), dv_acc.end(), 0.0f);
+      const auto [qlo, qhi] = p.query_range(j0, j0 + cols);
+      for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
+        const int64_t row0 = (b * p.hq + h) * p.n;
+        for (int64_t i0 = qlo; i0 < qhi; i0 += kBlockQ) {
+          const int64_t rows = std::min(kBlockQ, qhi - i0);
+          const float* q_rows = qf.data() + (row0 + i0) * D;
+          const float* do_rows = dof.data() + (row0 + i0) * D;
+          tile_product(q_rows, rows, kt.data() + kv * D * p.m + j0, p.m, cols, D, scores.data());
+          tile_product(do_rows, rows, vt.data() + kv * D * p.m + j0, p.m, cols, D, dprobs.data());
+          backward_tile(p, b, h, i0, rows, j0, cols, lse_base + row0, delta.data() + row0, scores.data(),
+                        dprobs.data(), probs.data(), dscores.data());
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) {
+              const int64_t at = r * kBlockK + c;
+              if (probs[at] != 0.0f) axpy(probs[at], do_rows + r * D, dv_acc.data() + c * D, D);
+              if (dscores[at] != 0.0f) axpy(dscores[at], q_rows + r * D, dk_acc.data() + c * D, D);
+            }
+        }
+      }
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t j = j0 + c, out = ((b * p.m + j) * p.hkv + kvh) * D;
+        store_row(dk_acc.data() + c * D, rope, b, j, D, dk_base + out * dk.element_size(), p.storage);
+        narrow(dv_acc.data() + c * D, dv_base + out * dv.element_size(), D, p.storage);
+      }
+    }
+  });
+
+  // dq: one task per query block of one (batch, query head).
+  const int64_t q_blocks = (p.n + kBlockQ - 1) / kBlockQ;
+  char* dq_base = static_cast<char*>(dq.data_ptr());
+  at::parallel_for(0, p.batch * p.hq * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK), probs(kBlockQ * kBlockK),
+        dscores(kBlockQ * kBlockK), dq_acc(kBlockQ * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task % q_blocks, h = (task / q_blocks) % p.hq, b = task / (q_blocks * p.hq);
+      const int64_t kv = b * p.hkv + h / p.group, row0 = (b * p.hq + h) * p.n;
+      const int64_t i0 = block * kBlockQ, rows = std::min(kBlockQ, p.n - i0);
+      std::fill(dq_acc.begin(), dq_acc.end(), 0.0f);
+      const auto [lo, hi] = p.key_range(i0, i0 + rows);
+      for (int64_t j0 = lo; j0 < hi; j0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, hi - j0);
+        tile_product(qf.data() + (row0 + i0) * D, rows, kt.data() + kv * D * p.m + j0, p.m, cols, D, scores.data());
+        tile_product(dof.data() + (row0 + i0) * D, rows, vt.data() + kv * D * p.m + j0, p.m, cols, D,
+                     dprobs.data());
+        backward_tile(p, b, h, i0, rows, j0, cols, lse_base + row0, delta.data() + row0, scores.data(),
+                      dprobs.data(), probs.data(), dscores.data());
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            const float ds = dscores[r * kBlockK + c];
+            if (ds != 0.0f) axpy(ds, kf.data() + (kv * p.m + j0 + c) * D, dq_acc.data() + r * D, D);
+          }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        store_row(dq_acc.data() + r * D, rope, b, i + p.shift, D,
+                  dq_base + ((b * p.n + i) * p.hq + h) * D * dq.element_size(), p.storage);
+      }
+    }
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(remat, CPU, m) {
+  m.impl("attention_fwd", &attention_fwd_cpu);
+  m.impl("attention_bwd", &attention_bwd_cpu);
+}
+
+}  // namespace remat

@@ -1,0 +1,220 @@
+"""The attention operators of every backend, behind one signature.
+
+Every backend implements the same two functions (the recompute contract of DESIGN.md section 2):
+
+- ``attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p)
+  -> (o, lse)``
+- ``attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right,
+  dropout_p, deterministic) -> (dq, dk, dv)``
+
+Shapes: q, o, dout ``[B, N, Hq, D]``; k, v ``[B, M, Hkv, D]`` with Hq a multiple of Hkv (query head
+h reads kv head h // (Hq // Hkv)); any strides with unit stride in the last dim. o, dq, dk, dv are
+new contiguous tensors in q's dtype; lse is fp32 ``[B, Hq, N]``.
+
+Math, shared by every backend (csrc/common/attention_math.h and philox.h hold the C++ versions):
+
+- Query i sits at position i + M - N (bottom-right alignment, as FlashAttention >= 2.1). It sees
+  key j when ``window_left < 0 or j >= i + M - N - window_left`` and ``window_right < 0 or
+  j <= i + M - N + window_right``; causal is window_right = 0.
+- cos, sin: None or fp32 contiguous ``[1 or B, S >= M, D/2]``; q at position p and k at position
+  j are rotated (rotate-half convention) in fp32 and rounded to the dtype: the operands of QK^T.
+- logit = softcap * tanh(scale * q.k / softcap) with softcap > 0, else scale * q.k; softmax in
+  fp32; lse = logsumexp over the visible keys, +inf (and o = 0) for a row that sees none.
+- Dropout: rng is an int64 ``[2]`` = (seed, offset) tensor when dropout_p > 0. Probability
+  (b, h, i, j) is kept when Triton's ``tl.rand(seed, offset + ((b*Hq + h)*N + i)*M + j)`` (Philox4x32-10)
+  is >= dropout_p, and then scaled by 1 / (1 - dropout_p); lse is of the undropped softmax.
+- The probabilities (after dropout) are rounded to the dtype before the PV product, dS before the
+  dq/dk products; everything accumulates in fp32. The backward recomputes the probabilities from
+  q, k and lse and the mask from rng: nothing of size N x M is ever stored.
+- ``deterministic`` selects the GPU backward without atomics; the CPU and torch backwards are
+  always deterministic.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from remat import _extension
+from remat.reference import attention_dropout_keep
+
+# Query rows per step of the torch backend: bounds its [B, Hq, rows, M] fp32 temporaries.
+_TORCH_ROWS_PER_STEP = 256
+
+
+class AttentionOps(NamedTuple):
+    attention_fwd: object
+    attention_bwd: object
+
+
+def _round(x, dtype):
+    return x.to(dtype).float()
+
+
+def _rotate(x, cos, sin, first_position):
+    """x [B, L, H, D] -> [B, H, L, D] fp32, rotated at positions first_position .. and rounded to
+    x's dtype when cos/sin are given."""
+    heads_first = x.transpose(1, 2).float()
+    if cos is None:
+        return heads_first
+    half = x.shape[-1] // 2
+    length = x.shape[1]
+    c = cos[:, None, first_position : first_position + length, :]
+    s = sin[:, None, first_position : first_position + length, :]
+    x1, x2 = heads_first[..., :half], heads_first[..., half:]
+    return _round(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1), x.dtype)
+
+
+def _unrotate(grad, cos, sin, first_position):
+    """The transpose of _rotate for a gradient [B, H, L, D] fp32."""
+    if cos is None:
+        return grad
+    half = grad.shape[-1] // 2
+    length = grad.shape[2]
+    c = cos[:, None, first_position : first_position + length, :]
+    s = sin[:, None, first_position : first_position + length, :]
+    g1, g2 = grad[..., :half], grad[..., half:]
+    return torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1)
+
+
+def _visible(i0, i1, n, m, window_left, window_right, device):
+    """Bool [i1 - i0, M]: which keys query rows i0 .. i1 - 1 see."""
+    position = torch.arange(i0, i1, device=device)[:, None] + (m - n)
+    key = torch.arange(m, device=device)[None, :]
+    visible = torch.ones(i1 - i0, m, dtype=torch.bool, device=device)
+    if window_left >= 0:
+        visible &= key >= position - window_left
+    if window_right >= 0:
+        visible &= key <= position + window_right
+    return visible
+
+
+def _logits(q_rows, k_heads, scale, softcap):
+    dots = torch.matmul(q_rows, k_heads.transpose(-1, -2))
+    if softcap > 0:
+        return softcap * torch.tanh(dots * scale / softcap)
+    return dots * scale
+
+
+def _keep_factor(rng, shape, rows, dropout_p, device):
+    """1/(1-p) where the mask keeps, 0 where it drops ([B, Hq, rows, M] fp32), or None."""
+    if dropout_p == 0:
+        return None
+    keep = attention_dropout_keep(rng[0], rng[1], shape, dropout_p, device, rows=rows)
+    return keep.float() / (1.0 - dropout_p)
+
+
+def torch_attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
+    """Plain-PyTorch flash-attention contract: the probabilities exist only for one block of query
+    rows at a time and are not kept."""
+    batch, n, hq, _ = q.shape
+    m, group = k.shape[1], hq // k.shape[2]
+    q_heads = _rotate(q, cos, sin, m - n)
+    k_heads = _rotate(k, cos, sin, 0).repeat_interleave(group, dim=1)
+    v_heads = v.transpose(1, 2).float().repeat_interleave(group, dim=1)
+    o = torch.empty(batch, hq, n, q.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, hq, n, dtype=torch.float32, device=q.device)
+    for i0 in range(0, n, _TORCH_ROWS_PER_STEP):
+        i1 = min(n, i0 + _TORCH_ROWS_PER_STEP)
+        logits = _logits(q_heads[:, :, i0:i1], k_heads, scale, softcap)
+        logits = logits.masked_fill(~_visible(i0, i1, n, m, window_left, window_right, q.device), float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)
+        row_lse = torch.where(torch.isneginf(row_lse), torch.full_like(row_lse, float("inf")), row_lse)
+        probs = torch.exp(logits - row_lse[..., None])
+        keep = _keep_factor(rng, (batch, hq, n, m), (i0, i1), dropout_p, q.device)
+        if keep is not None:
+            probs = probs * keep
+        o[:, :, i0:i1] = torch.matmul(_round(probs, q.dtype), v_heads)
+        lse[:, :, i0:i1] = row_lse
+    return o.transpose(1, 2).to(q.dtype).contiguous(), lse
+
+
+def torch_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p,
+                        deterministic):
+    """Backward of torch_attention_fwd: recomputes each block of probabilities from q, k and lse."""
+    batch, n, hq, head_dim = q.shape
+    m, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    q_heads = _rotate(q, cos, sin, m - n)
+    k_heads = _rotate(k, cos, sin, 0).repeat_interleave(group, dim=1)
+    v_heads = v.transpose(1, 2).float().repeat_interleave(group, dim=1)
+    dout_heads = dout.transpose(1, 2).float()
+    delta = (dout_heads * o.transpose(1, 2).float()).sum(dim=-1)
+    dq = torch.empty(batch, hq, n, head_dim, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(batch, hq, m, head_dim, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    for i0 in range(0, n, _TORCH_ROWS_PER_STEP):
+        i1 = min(n, i0 + _TORCH_ROWS_PER_STEP)
+        dots = torch.matmul(q_heads[:, :, i0:i1], k_heads.transpose(-1, -2))
+        logits = softcap * torch.tanh(dots * scale / softcap) if softcap > 0 else dots * scale
+        visible = _visible(i0, i1, n, m, window_left, window_right, q.device)
+        probs = torch.exp(logits - lse[:, :, i0:i1, None]).masked_fill(~visible, 0.0)
+        keep = _keep_factor(rng, (batch, hq, n, m), (i0, i1), dropout_p, q.device)
+        dprobs = torch.matmul(dout_heads[:, :, i0:i1], v_heads.transpose(-1, -2))
+        if keep is not None:
+            dprobs = dprobs * keep
+        dv += torch.matmul(_round(probs * keep if keep is not None else probs, q.dtype).transpose(-1, -2),
+                           dout_heads[:, :, i0:i1])
+        logit_grad = scale * (1 - (logits / softcap) ** 2) if softcap > 0 else scale
+        dlogits = _round(probs * (dprobs - delta[:, :, i0:i1, None]) * logit_grad, q.dtype)
+        dq[:, :, i0:i1] = torch.matmul(dlogits, k_heads)
+        dk += torch.matmul(dlogits.transpose(-1, -2), q_heads[:, :, i0:i1])
+    dq = _unrotate(dq, cos, sin, m - n)
+    dk = _unrotate(dk.view(batch, hkv, group, m, head_dim).sum(dim=2), cos, sin, 0)
+    dv = dv.view(batch, hkv, group, m, head_dim).sum(dim=2)
+    return tuple(g.transpose(1, 2).to(q.dtype).contiguous() for g in (dq, dk, dv))
+
+
+TORCH_OPS = AttentionOps(torch_attention_fwd, torch_attention_bwd)
+
+
+def _fake_attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
+    batch, n, hq, head_dim = q.shape
+    return q.new_empty(batch, n, hq, head_dim), q.new_empty(batch, hq, n, dtype=torch.float32)
+
+
+def _fake_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p,
+                        deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+EXTENSION_OPS = None
+if _extension.LOADED:
+    torch.library.register_fake("remat::attention_fwd")(_fake_attention_fwd)
+    torch.library.register_fake("remat::attention_bwd")(_fake_attention_bwd)
+    EXTENSION_OPS = AttentionOps(torch.ops.remat.attention_fwd, torch.ops.remat.attention_bwd)
+
+
+@torch.library.custom_op("remat_triton::attention_fwd", mutates_args=())
+def triton_attention_fwd(q: Tensor, k: Tensor, v: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
+                         rng: Optional[Tensor], scale: float, softcap: float, window_left: int, window_right: int,
+                         dropout_p: float) -> tuple[Tensor, Tensor]:
+    from remat.kernels import attention
+
+    return attention.attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p)
+
+
+@torch.library.custom_op("remat_triton::attention_bwd", mutates_args=())
+def triton_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cos: Optional[Tensor],
+                         sin: Optional[Tensor], rng: Optional[Tensor], scale: float, softcap: float,
+                         window_left: int, window_right: int, dropout_p: float,
+                         deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from remat.kernels import attention
+
+    return attention.attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right,
+                                   dropout_p, deterministic)
+
+
+triton_attention_fwd.register_fake(_fake_attention_fwd)
+triton_attention_bwd.register_fake(_fake_attention_bwd)
+
+TRITON_OPS = AttentionOps(triton_attention_fwd, triton_attention_bwd)
+
+
+def ops_for(backend):
+    """The AttentionOps of a resolved backend name."""
+    if backend == "torch":
+        return TORCH_OPS
+    if backend == "triton":
+        return TRITON_OPS
+    return EXTENSION_OPS
