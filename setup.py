@@ -72,7 +72,8 @@ def extension_modules():
     os.environ.setdefault("MAX_JOBS", str(build_jobs()))
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
-    cpp_sources = ["csrc/ops.cpp", "csrc/norm/norm_cpu.cpp", "csrc/mlp/act_cpu.cpp"]
+    cpp_sources = ["csrc/ops.cpp", "csrc/norm/norm_cpu.cpp", "csrc/mlp/act_cpu.cpp",
+                   "csrc/attention/attention_cpu.cpp"]
     cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if cuda_root:
