@@ -1,0 +1,433 @@
+"""Flash attention, every backend that runs here, against a float64 eager reference: forward and
+dq, dk, dv under the 2x-stock-PyTorch rule (DESIGN.md section 7), over dtypes, lengths 1, 17,
+100, 257 with N != M, head dims 16, 64, 80, 128, GQA 4:1 and MQA, causal, sliding windows, softcap,
+rope and dropout (the reference applies the same Philox mask); plus the dropout mask itself, bitwise
+determinism, the saved-bytes contract, torch.compile, opcheck and bad input."""
+
+import pytest
+import torch
+
+import remat
+from remat import _extension
+from remat.autograd.attention import draw_rng_state
+from remat.memory import SavedTensorLog, saved_bytes
+from remat.reference import attention_dropout_keep, attention_reference
+
+from _checks import assert_within_2x_of_stock
+from test_norm import cpu_backends
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def case(name, b, n, m, hq, hkv, d, **options):
+    return pytest.param(dict(b=b, n=n, m=m, hq=hq, hkv=hkv, d=d, **options), id=name)
+
+
+# Shapes and options for the C++ CPU and torch backends.
+CASES = [
+    case("b2-n17-d64", 2, 17, 17, 2, 2, 64),
+    case("b2-n17-d64-causal", 2, 17, 17, 2, 2, 64, causal=True),
+    case("n1-m100-d16-mqa-causal", 1, 1, 100, 4, 1, 16, causal=True),
+    case("n100-m257-d80-gqa4-causal", 1, 100, 257, 8, 2, 80, causal=True),
+    case("n257-m100-d128-gqa4-causal-emptyrows", 1, 257, 100, 4, 1, 128, causal=True),
+    case("n257-d128-rope-causal", 1, 257, 257, 2, 1, 128, causal=True, rope="shared"),
+    case("n100-d64-window16-8", 1, 100, 100, 2, 2, 64, window=(16, 8)),
+    case("n100-m140-d64-window32-causal", 1, 100, 140, 2, 1, 64, window=(32, None), causal=True),
+    case("n17-m33-d64-softcap", 2, 17, 33, 2, 2, 64, softcap=5.0),
+    case("n33-d64-dropout", 2, 33, 33, 2, 1, 64, dropout=0.25),
+    case("n100-d80-rope-batch-window-softcap-dropout-gqa", 2, 100, 100, 4, 2, 80, causal=True,
+         rope="per_batch", window=(40, None), softcap=20.0, dropout=0.1),
+    case("n1-m1-d16", 1, 1, 1, 1, 1, 16),
+    case("noncontig-bhnd-n17-d64-causal", 2, 17, 17, 4, 2, 64, causal=True, layout="bhnd"),
+    case("noncontig-slices-n33-m17-d72", 1, 33, 17, 2, 1, 72, noncontiguous=True),
+]
+
+# The interpreter runs Triton kernels as Python, one program at a time: small shapes only.
+TRITON_CASES = [
+    case("b2-n17-d64-causal", 2, 17, 17, 2, 2, 64, causal=True),
+    case("n1-m33-d16-mqa-causal", 1, 1, 33, 4, 1, 16, causal=True),
+    case("n33-m17-d80-gqa-causal-emptyrows", 1, 33, 17, 4, 1, 80, causal=True),
+    case("n20-d64-rope-window", 1, 20, 20, 2, 1, 64, rope="per_batch", window=(5, 3)),
+    case("n17-m24-d64-softcap-dropout", 1, 17, 24, 2, 2, 64, softcap=5.0, dropout=0.25),
+    case("noncontig-bhnd-n17-d32", 1, 17, 17, 2, 1, 32, layout="bhnd"),
+]
+
+
+def _rope_tables(batch, length, d, kind, g):
+    angles = torch.rand(batch if kind == "per_batch" else 1, length, d // 2, generator=g) * 6.0
+    if kind == "shared":
+        angles = angles[0]
+    return angles.cos(), angles.sin()
+
+
+def make_inputs(spec, dtype, seed=0):
+    """q, k, v (in the case's layout, possibly non-contiguous), dout, and the rope tables."""
+    g = torch.Generator().manual_seed(seed)
+    b, n, m, hq, hkv, d = (spec[key] for key in ("b", "n", "m", "hq", "hkv", "d"))
+    scale_up = 3.0 if spec.get("softcap") else 1.0
+
+    def rnd(length, heads):
+        if spec.get("layout") == "bhnd":
+            return (torch.randn(b, heads, length, d, generator=g) * scale_up).to(dtype)
+        if spec.get("noncontiguous"):
+            return (torch.randn(b, length, heads, d + 8, generator=g) * scale_up).to(dtype)[..., 3 : 3 + d]
+        return (torch.randn(b, length, heads, d, generator=g) * scale_up).to(dtype)
+
+    q, k, v = rnd(n, hq), rnd(m, hkv), rnd(m, hkv)
+    dout = rnd(n, hq)
+    rope = _rope_tables(b, m + 5, d, spec["rope"], g) if spec.get("rope") else None
+    return q, k, v, dout, rope
+
+
+def _reference(q, k, v, dout, rope, spec, keep, dtype):
+    """o, dq, dk, dv of eager attention in ``dtype`` (float64 for the reference), in [B, N, H, D]."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    rope_d = tuple(t.to(dtype) for t in rope) if rope is not None else None
+    o = attention_reference(*leaves, causal=spec.get("causal", False), keep=keep, dropout_p=spec.get("dropout", 0.0),
+                            rope=rope_d, window=spec.get("window"), softcap=spec.get("softcap"))
+    o.backward(dout.to(dtype))
+    return [o.detach()] + [t.grad for t in leaves]
+
+
+def run_and_check(spec, dtype, backend, deterministic=True):
+    q, k, v, dout, rope = make_inputs(spec, dtype)
+    layout = spec.get("layout", "bnhd")
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    dropout = spec.get("dropout", 0.0)
+    torch.manual_seed(1234)
+    rng = draw_rng_state("cpu")
+    torch.manual_seed(1234)
+    o = remat.attention(*leaves, causal=spec.get("causal", False), dropout_p=dropout, rope=rope,
+                        window=spec.get("window"), softcap=spec.get("softcap"), deterministic=deterministic,
+                        layout=layout, backend=backend)
+    o.backward(dout)
+    got = [o.detach()] + [t.grad for t in leaves]
+    if layout == "bhnd":
+        q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))
+        got = [t.transpose(1, 2) for t in got]
+    keep = None
+    if dropout:
+        keep = attention_dropout_keep(rng[0], rng[1], (spec["b"], spec["hq"], spec["n"], spec["m"]), dropout)
+    reference = _reference(q, k, v, dout, rope, spec, keep, torch.float64)
+    stock = _reference(q, k, v, dout, rope, spec, keep, dtype)
+    for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
+        assert value.dtype == dtype
+        assert_within_2x_of_stock(name, value, stock_value, ref, dtype)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", CASES)
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
+def test_attention_matches_reference(backend, spec, dtype):
+    run_and_check(spec, dtype, backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("spec", TRITON_CASES)
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton runs on the CPU only under TRITON_INTERPRET=1")
+def test_triton_attention_matches_reference(spec, dtype):
+    run_and_check(spec, dtype, "triton", deterministic=True)
+
+
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton runs on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("spec", [TRITON_CASES[0], TRITON_CASES[2], TRITON_CASES[4]])
+def test_triton_fast_backward_matches_reference(spec):
+    """deterministic=False: dq accumulated with fp32 atomics."""
+    run_and_check(spec, torch.float32, "triton", deterministic=False)
+
+
+def _mask_from_output(backend, b, hq, n, m, p, seed):
+    """The dropout mask a backend applied, read back from its output: with q = 0 every visible
+    probability is 1/M, and with v = I (M = D) row i of o is keep[i, :] / (M (1 - p))."""
+    q = torch.zeros(b, n, hq, m)
+    v = torch.eye(m)[None, :, None, :].expand(b, m, 1, m).contiguous()
+    k = torch.randn(b, m, 1, m)
+    torch.manual_seed(seed)
+    o = remat.attention(q, k, v, dropout_p=p, backend=backend)
+    return (o * m * (1 - p)).transpose(1, 2) > 0.5
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_dropout_mask_is_the_reference_philox_stream(backend):
+    b, hq, n, m, p = 2, 3, 5, 32, 0.3
+    torch.manual_seed(7)
+    rng = draw_rng_state("cpu")
+    expected = attention_dropout_keep(rng[0], rng[1], (b, hq, n, m), p)
+    got = _mask_from_output(backend, b, hq, n, m, p, seed=7)
+    assert torch.equal(got, expected)
+    assert 0.5 < expected.float().mean().item() < 0.9
+    # A different generator state gives a different mask.
+    assert not torch.equal(_mask_from_output(backend, b, hq, n, m, p, seed=8), expected)
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_deterministic_backward_is_bitwise_reproducible(backend):
+    spec = dict(b=1, n=17, m=24, hq=4, hkv=2, d=32, causal=True, dropout=0.2)
+    runs = []
+    for _ in range(2):
+        q, k, v, dout, _ = make_inputs(spec, torch.float32)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(3)
+        remat.attention(*leaves, causal=True, dropout_p=0.2, deterministic=True, backend=backend).backward(dout)
+        runs.append([t.grad for t in leaves])
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["plain", "dropout"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_saves_qkv_o_lse_and_rng_only(backend, dtype, dropout):
+    b, n, m, hq, hkv, d = 2, 24, 40, 4, 2, 32
+    q = torch.randn(b, n, hq, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, m, hkv, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, m, hkv, d, dtype=dtype, requires_grad=True)
+    element = q.element_size()
+    contract = (2 * q.numel() + k.numel() + v.numel()) * element + b * hq * n * 4 + (16 if dropout else 0)
+    assert saved_bytes(remat.attention, q, k, v, causal=True, dropout_p=dropout, backend=backend) == contract
+    # Eager attention at the same shape keeps the [B, Hq, N, M] probabilities (and more).
+    eager = saved_bytes(attention_reference, q, k, v, causal=True)
+    assert eager >= contract - b * hq * n * 4 + b * hq * n * m * element
+
+
+def test_saved_tensors_are_the_contract_tensors_with_rope():
+    b, n, hq, d = 1, 9, 2, 16
+    q, k, v = (torch.randn(b, n, hq, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    angles = torch.rand(n, d // 2)
+    cos, sin = angles.cos(), angles.sin()
+    with SavedTensorLog() as log:
+        remat.attention(q, k, v, rope=(cos, sin), dropout_p=0.5, backend="torch")
+    shapes = sorted((tuple(s.shape), s.dtype) for s in log.saved)
+    expected = [((b, hq, n), torch.float32), ((n, d // 2), torch.float32), ((n, d // 2), torch.float32),
+                ((2,), torch.int64)] + [((b, n, hq, d), torch.bfloat16)] * 4
+    assert shapes == sorted(expected)
+
+
+@pytest.mark.skipif(not _extension.LOADED, reason="remat._C is not built")
+def test_cpp_and_torch_backends_agree():
+    spec = dict(b=2, n=33, m=40, hq=4, hkv=2, d=64, causal=True, rope="per_batch", softcap=10.0, dropout=0.2)
+    results = {}
+    for backend in ("cpp", "torch"):
+        q, k, v, dout, rope = make_inputs(spec, torch.float32)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(11)
+        o = remat.attention(*leaves, causal=True, rope=rope, softcap=10.0, dropout_p=0.2, backend=backend)
+        o.backward(dout)
+        results[backend] = [o] + [t.grad for t in leaves]
+    for got, want in zip(results["cpp"], results["torch"]):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+class _CompileCounter:
+    def __init__(self):
+        self.frames = 0
+
+    def __call__(self, gm, example_inputs):
+        self.frames += 1
+        return gm.forward
+
+
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
+def test_compile_fullgraph_matches_eager(backend):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 12, 4, 32, generator=g, requires_grad=True)
+    k = torch.randn(2, 12, 2, 32, generator=g, requires_grad=True)
+    v = torch.randn(2, 12, 2, 32, generator=g, requires_grad=True)
+    angles = torch.rand(12, 16, generator=g)
+    rope = (angles.cos(), angles.sin())
+
+    def block(q, k, v):
+        return (remat.attention(q, k, v, causal=True, rope=rope, softcap=30.0, backend=backend) ** 2).sum()
+
+    counter = _CompileCounter()
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    loss_c = compiled(q, k, v)
+    grads_c = torch.autograd.grad(loss_c, [q, k, v])
+    loss_e = block(q, k, v)
+    grads_e = torch.autograd.grad(loss_e, [q, k, v])
+    assert counter.frames == 1
+    torch.testing.assert_close(loss_c, loss_e)
+    for gc, ge in zip(grads_c, grads_e):
+        torch.testing.assert_close(gc, ge)
+
+
+def _op_samples():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 7, 4, 16, generator=g)
+    k = torch.randn(1, 9, 2, 24, generator=g)[..., :16]
+    v = torch.randn(1, 9, 2, 16, generator=g)
+    angles = torch.rand(1, 9, 8, generator=g)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    rng = torch.tensor([5, 6])
+    fwd = [(q, k, v, None, None, None, 0.25, 0.0, -1, 0, 0.0), (q, k, v, cos, sin, rng, 0.3, 2.0, 3, 1, 0.2)]
+    bwd = []
+    for args in fwd:
+        o, lse = remat.ops.attention.TORCH_OPS.attention_fwd(*args)
+        bwd.append((torch.randn_like(o), q, k, v, o, lse, *args[3:], True))
+    return {"attention_fwd": fwd, "attention_bwd": bwd}
+
+
+def _opcheck_cases():
+    namespaces = []
+    if _extension.LOADED:
+        namespaces.append(("remat", "cpp"))
+    if "triton" in cpu_backends():
+        namespaces.append(("remat_triton", "triton"))
+    return [pytest.param(ns, name, args, id=f"{label}-{name}-{i}") for ns, label in namespaces
+            for name, samples in _op_samples().items() for i, args in enumerate(samples)]
+
+
+@pytest.mark.parametrize("namespace,name,args", _opcheck_cases())
+def test_opcheck(namespace, name, args):
+    torch.library.opcheck(getattr(getattr(torch.ops, namespace), name), args)
+
+
+def _qkv(b=1, n=5, m=5, hq=2, hkv=1, d=16, dtype=torch.float32):
+    return torch.randn(b, n, hq, d, dtype=dtype), torch.randn(b, m, hkv, d, dtype=dtype), torch.randn(
+        b, m, hkv, d, dtype=dtype)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(), TypeError, "float32, float16 or bfloat16"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p"),
+    (dict(window=(-1, 2)), ValueError, "window left"),
+    (dict(window=5), TypeError, "window"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(scale=0.0), ValueError, "scale"),
+    (dict(layout="nbhd"), ValueError, "layout"),
+    (dict(causal=1), TypeError, "causal"),
+], ids=["int-q", "dropout", "window-left", "window-type", "softcap", "scale", "layout", "causal"])
+def test_bad_options_raise(kwargs, error, match):
+    q, k, v = _qkv()
+    if match.startswith("float32"):
+        q = q.to(torch.int32)
+    with pytest.raises(error, match=match):
+        remat.attention(q, k, v, **kwargs)
+
+
+def test_bad_shapes_raise():
+    q, k, v = _qkv(hq=3, hkv=2)
+    with pytest.raises(ValueError, match="multiple of k/v's heads"):
+        remat.attention(q, k, v)
+    q, k, v = _qkv(d=264)
+    with pytest.raises(ValueError, match="head dim"):
+        remat.attention(q, k, v)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="one shape"):
+        remat.attention(q, k, v[:, :3])
+    with pytest.raises(TypeError, match="q's dtype"):
+        remat.attention(q, k.half(), v.half())
+    with pytest.raises(ValueError, match="4-D"):
+        remat.attention(q[0], k, v)
+    angles = torch.rand(5, 8)
+    with pytest.raises(ValueError, match="N <= M"):
+        remat.attention(*_qkv(n=6, m=5), rope=(angles.cos(), angles.sin()))
+    with pytest.raises(ValueError, match="S >= M"):
+        remat.attention(*_qkv(m=6, n=6), rope=(angles.cos(), angles.sin()))
+    with pytest.raises(ValueError, match="even head dim"):
+        remat.attention(*_qkv(d=15), rope=(angles.cos(), angles.sin()))
+
+
+def test_cuda_backend_on_cpu_tensors_raises():
+    with pytest.raises(remat.BackendUnavailableError, match="cuda"):
+        remat.attention(*_qkv(), backend="cuda")
+
+
+def test_inputs_are_not_modified():
+    q, k, v = (t.requires_grad_() for t in _qkv(n=9, m=9, hq=4, hkv=2))
+    copies = [t.detach().clone() for t in (q, k, v)]
+    angles = torch.rand(9, 8)
+    remat.attention(q, k, v, causal=True, rope=(angles.cos(), angles.sin())).sum().backward()
+    for t, c in zip((q, k, v), copies):
+        assert torch.equal(t.detach(), c)
+
+
+def test_second_backward_raises():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    o = remat.attention(q, k, v)
+    o.sum().backward(retain_graph=False)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        o.sum().backward()
+
+
+def _eager_attention_module(module, x, position_ids):
+    """What the stock Llama attention computes, in x's dtype, with the module's weights."""
+    batch, n, _ = x.shape
+    w = {name: getattr(module, name).weight.to(x.dtype) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    q = (x @ w["q_proj"].T).view(batch, n, module.num_heads, module.head_dim)
+    k = (x @ w["k_proj"].T).view(batch, n, module.num_kv_heads, module.head_dim)
+    v = (x @ w["v_proj"].T).view(batch, n, module.num_kv_heads, module.head_dim)
+    cos, sin = module.rope_tables(position_ids, x.device)
+    o = attention_reference(q, k, v, causal=True, rope=(cos.to(x.dtype), sin.to(x.dtype)))
+    return o.reshape(batch, n, -1) @ w["o_proj"].T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_module_matches_eager_llama_attention(dtype):
+    torch.manual_seed(0)
+    module = remat.nn.Attention(64, num_heads=4, num_kv_heads=2, rope_theta=10000.0)
+    x = torch.randn(2, 11, 64)
+    position_ids = torch.stack([torch.arange(11), torch.arange(3, 14)])
+    xs = [x.to(dtype).requires_grad_() for _ in range(3)]
+    module64 = remat.nn.Attention(64, num_heads=4, num_kv_heads=2, rope_theta=10000.0, dtype=torch.float64)
+    module64.load_state_dict(module.state_dict())
+    reference = _eager_attention_module(module64, xs[0].detach().double().requires_grad_(), position_ids)
+    stock = _eager_attention_module(module.to(dtype), xs[1], position_ids)
+    got = module.to(dtype)(xs[2], position_ids=position_ids)
+    assert_within_2x_of_stock("out", got.detach(), stock.detach(), reference.detach(), dtype)
+    grad = torch.randn_like(reference)
+    ref_x = xs[0].detach().double().requires_grad_()
+    reference = _eager_attention_module(module64, ref_x, position_ids)
+    reference.backward(grad)
+    stock.backward(grad.to(dtype))
+    got.backward(grad.to(dtype))
+    assert_within_2x_of_stock("dx", xs[2].grad, xs[1].grad, ref_x.grad, dtype)
+
+
+def test_attention_module_from_module_shares_parameters():
+    class LlamaLikeAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("Config", (), dict(num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0,
+                                                  attention_dropout=0.0))()
+            self.head_dim = 8
+            self.q_proj = torch.nn.Linear(32, 32, bias=False)
+            self.k_proj = torch.nn.Linear(32, 8, bias=False)
+            self.v_proj = torch.nn.Linear(32, 8, bias=False)
+            self.o_proj = torch.nn.Linear(32, 32, bias=False)
+
+    stock = LlamaLikeAttention()
+    module = remat.nn.Attention.from_module(stock)
+    assert (module.num_heads, module.num_kv_heads, module.head_dim, module.rope_theta) == (4, 1, 8, 500000.0)
+    assert module.q_proj.weight is stock.q_proj.weight and module.o_proj.weight is stock.o_proj.weight
+    assert set(module.state_dict()) == {f"{p}_proj.weight" for p in "qkvo"}
+    with pytest.raises(TypeError, match="q_proj"):
+        remat.nn.Attention.from_module(torch.nn.Linear(4, 4))
+
+
+def test_attention_module_dropout_only_in_training():
+    torch.manual_seed(0)
+    module = remat.nn.Attention(32, num_heads=2, dropout=0.5)
+    x = torch.randn(1, 6, 32)
+    module.eval()
+    assert torch.equal(module(x), module(x))
+    module.train()
+    torch.manual_seed(1)
+    first = module(x)
+    torch.manual_seed(1)
+    assert torch.equal(first, module(x))
+    torch.manual_seed(2)
+    assert not torch.equal(first, module(x))
+
+
+def test_attention_module_saves_no_attention_matrix():
+    module = remat.nn.Attention(64, num_heads=4, num_kv_heads=2, rope_theta=10000.0).to(torch.bfloat16)
+    x = torch.randn(2, 50, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved = saved_bytes(module, x)
+    # x (for the three input projections), q, k, v, o (for o_proj's weight gradient and attention),
+    # fp32 lse, the fp32 rope tables [1, N, D/2] x 2.
+    tokens = 2 * 50
+    expected = tokens * (64 + 64 + 32 + 32 + 64) * 2 + 2 * 4 * 50 * 4 + 2 * 50 * 8 * 4
+    assert saved == expected
