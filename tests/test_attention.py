@@ -60,8 +60,9 @@ def _rope_tables(batch, length, d, kind, g):
     return angles.cos(), angles.sin()
 
 
-def make_inputs(spec, dtype, seed=0):
-    """q, k, v (in the case's layout, possibly non-contiguous), dout, and the rope tables."""
+def make_inputs(spec, dtype, seed=0, device="cpu"):
+    """q, k, v (in the case's layout, possibly non-contiguous), dout, and the rope tables, drawn
+    on the CPU and moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
     b, n, m, hq, hkv, d = (spec[key] for key in ("b", "n", "m", "hq", "hkv", "d"))
     scale_up = 3.0 if spec.get("softcap") else 1.0
@@ -76,32 +77,38 @@ def make_inputs(spec, dtype, seed=0):
     q, k, v = rnd(n, hq), rnd(m, hkv), rnd(m, hkv)
     dout = rnd(n, hq)
     rope = _rope_tables(b, m + 5, d, spec["rope"], g) if spec.get("rope") else None
+    if device != "cpu":
+        q, k, v, dout = (t.to(device) for t in (q, k, v, dout))
+        rope = tuple(t.to(device) for t in rope) if rope is not None else None
     return q, k, v, dout, rope
 
 
 def _reference(q, k, v, dout, rope, spec, keep, dtype):
     """o, dq, dk, dv of eager attention in ``dtype`` (float64 for the reference), in [B, N, H, D]."""
-    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    rope_d = tuple(t.to(dtype) for t in rope) if rope is not None else None
+    leaves = [t.detach().cpu().to(dtype).requires_grad_() for t in (q, k, v)]
+    rope_d = tuple(t.cpu().to(dtype) for t in rope) if rope is not None else None
     o = attention_reference(*leaves, causal=spec.get("causal", False), keep=keep, dropout_p=spec.get("dropout", 0.0),
                             rope=rope_d, window=spec.get("window"), softcap=spec.get("softcap"))
-    o.backward(dout.to(dtype))
+    o.backward(dout.cpu().to(dtype))
     return [o.detach()] + [t.grad for t in leaves]
 
 
-def run_and_check(spec, dtype, backend, deterministic=True):
-    q, k, v, dout, rope = make_inputs(spec, dtype)
+def run_and_check(spec, dtype, backend, deterministic=True, device="cpu"):
+    """Runs remat.attention on the case and checks o, dq, dk, dv against the float64 CPU
+    reference under the 2x-stock rule (stock: the same eager computation in ``dtype`` on the CPU).
+    Returns remat's outputs."""
+    q, k, v, dout, rope = make_inputs(spec, dtype, device=device)
     layout = spec.get("layout", "bnhd")
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     dropout = spec.get("dropout", 0.0)
     torch.manual_seed(1234)
-    rng = draw_rng_state("cpu")
+    rng = draw_rng_state(device).cpu()
     torch.manual_seed(1234)
     o = remat.attention(*leaves, causal=spec.get("causal", False), dropout_p=dropout, rope=rope,
                         window=spec.get("window"), softcap=spec.get("softcap"), deterministic=deterministic,
                         layout=layout, backend=backend)
     o.backward(dout)
-    got = [o.detach()] + [t.grad for t in leaves]
+    got = [o.detach().cpu()] + [t.grad.cpu() for t in leaves]
     if layout == "bhnd":
         q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))
         got = [t.transpose(1, 2) for t in got]
@@ -137,15 +144,15 @@ def test_triton_fast_backward_matches_reference(spec):
     run_and_check(spec, torch.float32, "triton", deterministic=False)
 
 
-def _mask_from_output(backend, b, hq, n, m, p, seed):
+def mask_from_output(backend, b, hq, n, m, p, seed, device="cpu", dtype=torch.float32):
     """The dropout mask a backend applied, read back from its output: with q = 0 every visible
     probability is 1/M, and with v = I (M = D) row i of o is keep[i, :] / (M (1 - p))."""
-    q = torch.zeros(b, n, hq, m)
-    v = torch.eye(m)[None, :, None, :].expand(b, m, 1, m).contiguous()
-    k = torch.randn(b, m, 1, m)
+    q = torch.zeros(b, n, hq, m, device=device, dtype=dtype)
+    v = torch.eye(m, device=device, dtype=dtype)[None, :, None, :].expand(b, m, 1, m).contiguous()
+    k = torch.randn(b, m, 1, m, device=device, dtype=dtype)
     torch.manual_seed(seed)
     o = remat.attention(q, k, v, dropout_p=p, backend=backend)
-    return (o * m * (1 - p)).transpose(1, 2) > 0.5
+    return ((o.float() * m * (1 - p)).transpose(1, 2) > 0.5).cpu()
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
@@ -154,11 +161,11 @@ def test_dropout_mask_is_the_reference_philox_stream(backend):
     torch.manual_seed(7)
     rng = draw_rng_state("cpu")
     expected = attention_dropout_keep(rng[0], rng[1], (b, hq, n, m), p)
-    got = _mask_from_output(backend, b, hq, n, m, p, seed=7)
+    got = mask_from_output(backend, b, hq, n, m, p, seed=7)
     assert torch.equal(got, expected)
     assert 0.5 < expected.float().mean().item() < 0.9
     # A different generator state gives a different mask.
-    assert not torch.equal(_mask_from_output(backend, b, hq, n, m, p, seed=8), expected)
+    assert not torch.equal(mask_from_output(backend, b, hq, n, m, p, seed=8), expected)
 
 
 @pytest.mark.parametrize("backend", cpu_backends())

@@ -10,6 +10,9 @@ from remat import backend as backend_mod
 from remat.memory import saved_bytes
 
 from _checks import assert_within_2x_of_stock
+from remat.autograd.attention import draw_rng_state
+from remat.reference import attention_dropout_keep
+from test_attention import case, make_inputs, mask_from_output, run_and_check
 from test_mlp import _grads, eager_gated, eager_gelu
 from test_norm import check_against_reference, make_case, run_norm
 
@@ -119,3 +122,72 @@ def test_gpu_mlp_block_saves_only_input(backend):
     x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mlp = remat.nn.SwiGLUMLP(1024, 2816, device="cuda", dtype=torch.bfloat16, backend=backend)
     assert saved_bytes(mlp, x) == 2048 * 1024 * 2
+
+
+# Real sizes, odd lengths, every feature; the float64 reference runs on the CPU.
+GPU_ATTENTION_CASES = [
+    case("b2-n1024-d128-gqa4-causal", 2, 1024, 1024, 8, 2, 128, causal=True),
+    case("b1-n1000-d64", 1, 1000, 1000, 4, 4, 64),
+    case("n1-m4099-d64-mqa-causal", 1, 1, 4099, 8, 1, 64, causal=True),
+    case("n257-m100-d80-causal-emptyrows", 1, 257, 100, 4, 2, 80, causal=True),
+    case("n300-m511-d96-rope-window-softcap-dropout", 2, 300, 511, 4, 2, 96, causal=True, rope="per_batch",
+         window=(100, None), softcap=30.0, dropout=0.1),
+    case("n333-d192-noncontig-bhnd", 1, 333, 333, 2, 1, 192, layout="bhnd"),
+    case("n129-d256-window-both", 1, 129, 129, 2, 2, 256, window=(17, 9)),
+    case("n77-d16-dropout", 2, 77, 77, 2, 1, 16, dropout=0.3),
+]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomics"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", GPU_ATTENTION_CASES)
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_attention_matches_float64_reference(backend, spec, dtype, deterministic):
+    if backend == "cuda" and dtype == torch.float32:
+        pytest.skip("the cuda attention kernels take float16/bfloat16 (fp32 raises ValueError)")
+    run_and_check(spec, dtype, backend, deterministic=deterministic, device="cuda")
+
+
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_attention_fp32_on_cuda_backend_raises_or_runs(backend):
+    q = torch.randn(1, 8, 2, 64, device="cuda")
+    if backend == "cuda":
+        with pytest.raises(ValueError, match="float16/bfloat16"):
+            remat.attention(q, q, q, backend=backend)
+    else:
+        assert torch.isfinite(remat.attention(q, q, q, backend=backend)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_dropout_masks_agree_across_backends(dtype):
+    """The CUDA and Triton kernels draw the reference Philox stream: the same mask for the same
+    generator state."""
+    b, hq, n, m, p = 2, 3, 70, 64, 0.25
+    torch.manual_seed(5)
+    rng = draw_rng_state("cuda").cpu()
+    expected = attention_dropout_keep(rng[0], rng[1], (b, hq, n, m), p)
+    for backend in gpu_backends():
+        assert torch.equal(mask_from_output(backend, b, hq, n, m, p, seed=5, device="cuda", dtype=dtype), expected)
+
+
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_attention_deterministic_backward_bitwise(backend):
+    spec = dict(b=2, n=1024, m=1024, hq=8, hkv=2, d=128, causal=True)
+    runs = []
+    for _ in range(2):
+        q, k, v, dout, _ = make_inputs(spec, torch.bfloat16, device="cuda")
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        remat.attention(*leaves, causal=True, deterministic=True, backend=backend).backward(dout)
+        runs.append([t.grad for t in leaves])
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_attention_saves_no_attention_matrix(backend):
+    b, n, hq, hkv, d = 2, 2048, 8, 2, 128
+    q = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    contract = (2 * q.numel() + k.numel() + v.numel()) * 2 + b * hq * n * 4 + 16
+    assert saved_bytes(remat.attention, q, k, v, causal=True, dropout_p=0.1, backend=backend) == contract
