@@ -83,7 +83,8 @@ def extension_modules():
         ext = CUDAExtension(
             "remat._C",
             sources=cpp_sources
-            + ["csrc/norm/norm_cuda.cpp", "csrc/norm/norm.cu", "csrc/mlp/act_cuda.cpp", "csrc/mlp/act.cu"],
+            + ["csrc/norm/norm_cuda.cpp", "csrc/norm/norm.cu", "csrc/mlp/act_cuda.cpp", "csrc/mlp/act.cu",
+               "csrc/attention/attention_cuda.cpp", "csrc/attention/attention.cu"],
             include_dirs=include_dirs,
             define_macros=[("REMAT_WITH_CUDA", "1")],
             extra_compile_args={

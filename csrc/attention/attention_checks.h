@@ -57,8 +57,8 @@ inline void check_attention_options(const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
   TORCH_CHECK((dropout_p > 0) == rng.has_value(), "rng (seed, offset) must be given exactly when dropout_p > 0");
   if (rng.has_value()) {
-    TORCH_CHECK(rng->dim() == 1 && rng->size(0) == 2 && rng->scalar_type() == at::kLong,
-                "rng must be an int64 tensor [2] = (seed, offset)");
+    TORCH_CHECK(rng->dim() == 1 && rng->size(0) == 2 && rng->scalar_type() == at::kLong && rng->is_contiguous(),
+                "rng must be a contiguous int64 tensor [2] = (seed, offset)");
     TORCH_CHECK(rng->device() == q.device(), "rng must be on ", q.device());
   }
 }

@@ -381,8 +381,8 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
             (``layout="bhnd"``, as ``scaled_dot_product_attention``); float32, float16 or
             bfloat16; any strides (a tensor whose last dim is strided is copied once).
         k, v: ``[B, M, Hkv, D]`` (or ``[B, Hkv, M, D]``) in q's dtype and device; Hq a multiple of
-            Hkv (GQA; Hkv = 1 is MQA). N, M >= 1 any length; D in 1..256 (the cuda backend: a
-            multiple of 8 up to 256, float16/bfloat16).
+            Hkv (GQA; Hkv = 1 is MQA). N, M >= 1 any length; D in 1..256 (the cuda backend takes
+            float16/bfloat16 only).
         causal: mask keys after the query. With N != M the last query is aligned with the last
             key (bottom-right, as FlashAttention >= 2.1): query i sits at position i + M - N.
         scale: logit scale; default ``1 / sqrt(D)``.
@@ -423,9 +423,9 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     left, right = _window_bounds(window, causal)
     name = resolve_backend(backend, q)
     head_dim = q.shape[-1]
-    if name == "cuda" and (q.dtype == torch.float32 or head_dim % 8):
-        raise ValueError(f"the cuda attention kernels take float16/bfloat16 with a head dim that is a multiple of 8, "
-                         f"got {q.dtype}, D={head_dim}; use backend='triton' or 'torch'")
+    if name == "cuda" and q.dtype == torch.float32:
+        raise ValueError("the cuda attention kernels take float16/bfloat16, got float32; use backend='triton' or "
+                         "'torch', or autocast")
     cos, sin = rope if rope is not None else (None, None)
     (q, k, v), autocast_off = _autocast_cast(q, k, v)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
