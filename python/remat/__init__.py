@@ -6,11 +6,13 @@ from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
 from remat.functional import attention, geglu_mlp, gelu_mlp, layer_norm, norm_mlp, rms_norm, swiglu_mlp
 from remat.info import info
+from remat.patch import PatchReport, patch, unpatch
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
     "attention",
+    "PatchReport",
     "Plan",
     "checkpoint",
     "checkpoint_sequential",
@@ -21,9 +23,11 @@ __all__ = [
     "memory",
     "nn",
     "norm_mlp",
+    "patch",
     "plan",
     "rms_norm",
     "swiglu_mlp",
+    "unpatch",
     "use_backend",
 ]
 __version__ = "0.1.0"

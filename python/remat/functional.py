@@ -255,9 +255,10 @@ def gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, *, approximate="none", recompute="bl
 
 
 def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms", eps=None, activation="silu",
-             b_gate=None, b_up=None, b_down=None, backend=None):
+             b_gate=None, b_up=None, b_down=None, recompute="block", backend=None):
     """Pre-norm gated MLP sub-block: ``gated_mlp(norm(x))``, keeping only x and the fp32 norm
     statistics for backward (the normalized input is recomputed in backward and never stored).
+    ``recompute="activation"`` also keeps gate and up, so no GEMM is recomputed.
 
     Args:
         x: ``[..., H]``.
@@ -265,6 +266,8 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
         w_gate, w_up, w_down, b_gate, b_up, b_down: as for :func:`swiglu_mlp`.
         norm: ``"rms"`` or ``"layer"``. eps: default 1e-6 (rms) or 1e-5 (layer).
         activation: ``"silu"`` (SwiGLU), ``"gelu"`` or ``"gelu_tanh"`` (GeGLU).
+        recompute: ``"block"`` (default; keeps x and the statistics) or ``"activation"`` (also
+            keeps gate and up).
         backend: as for :func:`rms_norm`.
 
     Returns:
@@ -272,6 +275,7 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
     """
     _check_input(x)
     _check_choice(norm, "norm", ("rms", "layer"))
+    _check_choice(recompute, "recompute", ("block", "activation"))
     _check_choice(activation, "activation", ACTIVATIONS)
     _check_vector(norm_weight, "norm_weight", x)
     _check_vector(norm_bias, "norm_bias", x)
@@ -284,7 +288,7 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
     (x_rows, *params), autocast_off = _autocast_cast(_as_rows(x), norm_weight, norm_bias, w_gate, w_up, w_down,
                                                      b_gate, b_up, b_down)
     with autocast_off:
-        y = NormGatedMLPFunction.apply(x_rows, *params, norm, float(eps), activation, name)
+        y = NormGatedMLPFunction.apply(x_rows, *params, norm, float(eps), activation, recompute, name)
     return y.view(*x.shape[:-1], hidden)
 
 
@@ -324,12 +328,15 @@ def _check_qkv_shapes(q, k, v):
 
 
 def _check_rope(rope, q, k):
+    _check_rope_tables(rope, q.shape[0], q.shape[1], k.shape[1], q.shape[-1], q.device)
+
+
+def _check_rope_tables(rope, batch, n, m, head_dim, device):
+    """rope: None or (cos, sin) for N queries and M keys of dim D on ``device``."""
     if rope is None:
         return
     if not isinstance(rope, (tuple, list)) or len(rope) != 2:
         raise TypeError("rope must be a (cos, sin) pair of tensors or None")
-    batch, n, _, head_dim = q.shape
-    m = k.shape[1]
     if head_dim % 2:
         raise ValueError(f"rope needs an even head dim, got {head_dim}")
     if n > m:
@@ -337,8 +344,8 @@ def _check_rope(rope, q, k):
     for name, t in zip(("cos", "sin"), rope):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"rope {name} must be a floating-point tensor")
-        if t.device != q.device:
-            raise ValueError(f"rope {name} must be on q's device {q.device}, got {t.device}")
+        if t.device != device:
+            raise ValueError(f"rope {name} must be on q's device {device}, got {t.device}")
         if (t.dim() not in (2, 3) or t.shape[-1] not in (head_dim // 2, head_dim) or t.shape[-2] < m
                 or (t.dim() == 3 and t.shape[0] not in (1, batch))):
             raise ValueError(f"rope {name} must be [S, D/2], [B, S, D/2], [S, D] or [B, S, D] with S >= M={m}, "

@@ -72,10 +72,17 @@ class RMSNorm(nn.Module):
 
     @classmethod
     def from_module(cls, stock, *, backend=None):
-        """A remat RMSNorm sharing ``stock``'s parameter (no copy) and settings."""
-        if not isinstance(stock, nn.RMSNorm):
-            raise TypeError(f"from_module expects torch.nn.RMSNorm, got {type(stock).__name__}")
-        module = cls(stock.normalized_shape, stock.eps, stock.elementwise_affine, device="meta", backend=backend)
+        """A remat RMSNorm sharing ``stock``'s parameter (no copy) and settings: a
+        ``torch.nn.RMSNorm``, or a Hugging Face RMSNorm (a 1-D ``weight`` and ``variance_epsilon``,
+        as LlamaRMSNorm, MistralRMSNorm and Qwen2RMSNorm have)."""
+        if isinstance(stock, nn.RMSNorm):
+            module = cls(stock.normalized_shape, stock.eps, stock.elementwise_affine, device="meta", backend=backend)
+        elif isinstance(getattr(stock, "weight", None), nn.Parameter) and hasattr(stock, "variance_epsilon"):
+            if stock.weight.dim() != 1:
+                raise TypeError(f"from_module expects a 1-D RMSNorm weight, got shape {tuple(stock.weight.shape)}")
+            module = cls(stock.weight.shape[0], float(stock.variance_epsilon), device="meta", backend=backend)
+        else:
+            raise TypeError(f"from_module expects torch.nn.RMSNorm or a Hugging Face RMSNorm, got {type(stock).__name__}")
         module.weight = stock.weight
         return module
 
@@ -354,3 +361,144 @@ class Attention(nn.Module):
             backend=self.backend)
         o = o.reshape(batch, n, self.num_heads * self.head_dim)
         return nn.functional.linear(o, _cast_like(self.o_proj.weight, o), _cast_like(self.o_proj.bias, o))
+
+
+LAYER_POLICIES = ("speed", "balanced", "memory")
+
+
+class LlamaLayer(nn.Module):
+    """A Llama decoder layer (also Mistral and Qwen2, which differ only in configuration: q/k/v
+    biases, sliding windows) built from remat's fused blocks, with Hugging Face's
+    ``LlamaDecoderLayer`` parameter names: ``input_layernorm``, ``self_attn`` (q/k/v/o_proj),
+    ``post_attention_layernorm``, ``mlp`` (gate/up/down_proj).
+
+    ``x -> h = x + o_proj(attention(rmsnorm(x))) -> h + mlp(rmsnorm(h))``, with rope and causal
+    GQA attention. ``policy`` chooses what the layer keeps for backward (per token, bf16, h hidden,
+    I intermediate, Hq / Hkv heads of dim D, with Hq*D = h; 16 more bytes per call with dropout):
+
+    - ``"speed"``: no matmul is recomputed. Keeps x, q, k, v, o, the second residual h, gate and
+      up, and fp32 statistics: ``2(4h + 2 Hkv D + 2I) + 4 Hq + 8`` bytes.
+    - ``"balanced"`` (default): the MLP keeps only its input h (its gate/up GEMMs are recomputed):
+      ``2(4h + 2 Hkv D) + 4 Hq + 8``.
+    - ``"memory"``: the q/k/v projections are recomputed from x too: ``2(3h) + 4 Hq + 8`` (x, o,
+      h, lse and two fp32 rstd).
+
+    Norms, rope, the attention probabilities and the MLP activation are always recomputed.
+
+    Args:
+        hidden, intermediate, num_heads, num_kv_heads, head_dim: sizes (num_kv_heads default
+            num_heads; head_dim default hidden // num_heads).
+        eps: RMSNorm epsilon (default 1e-6). rope_theta: default 10000.
+        attention_bias: q/k/v biases (Qwen2: True); mlp_bias: MLP biases.
+        sliding_window: Mistral's window (keys within the last ``sliding_window`` positions), or None.
+        attention_dropout: dropout on the attention probabilities in training (Philox; recomputed,
+            never stored).
+        policy, backend: as above; backend as for remat.attention.
+
+    ``forward(hidden_states, attention_mask=None, position_ids=None, position_embeddings=None)``:
+    ``hidden_states`` [B, N, hidden]. ``attention_mask`` must be None (causal attention; remat.patch
+    checks a Hugging Face model's padding mask, see there). ``position_embeddings``
+    (cos, sin) from a Hugging Face rotary module override the built-in rope tables.
+    """
+
+    def __init__(self, hidden, intermediate, num_heads, num_kv_heads=None, head_dim=None, *, eps=1e-6,
+                 rope_theta=10000.0, attention_bias=False, mlp_bias=False, sliding_window=None,
+                 attention_dropout=0.0, policy="balanced", backend=None, device=None, dtype=None):
+        super().__init__()
+        functional._check_choice(policy, "policy", LAYER_POLICIES)
+        window = None if sliding_window is None else (int(sliding_window) - 1, None)
+        self.self_attn = Attention(hidden, num_heads, num_kv_heads, head_dim, bias=attention_bias, o_bias=False,
+                                   rope_theta=rope_theta, dropout=attention_dropout, causal=True, window=window,
+                                   backend=backend, device=device, dtype=dtype)
+        self.mlp = SwiGLUMLP(hidden, intermediate, bias=mlp_bias, backend=backend, device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
+        self.policy, self.backend = policy, backend
+
+    @classmethod
+    def from_module(cls, stock, *, policy="balanced", backend=None):
+        """A LlamaLayer sharing every parameter (no copy) of a Hugging Face Llama, Mistral or
+        Qwen2 decoder layer (``self_attn``, ``mlp``, ``input_layernorm``,
+        ``post_attention_layernorm``); sizes, eps, rope theta, dropout and window from its config."""
+        for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+            if not hasattr(stock, name):
+                raise TypeError(f"from_module expects a decoder layer with {name}, got {type(stock).__name__}")
+        functional._check_choice(policy, "policy", LAYER_POLICIES)
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.self_attn = Attention.from_module(stock.self_attn, backend=backend)
+        config = getattr(stock.self_attn, "config", None)
+        window = getattr(config, "sliding_window", None) if config is not None else None
+        if window is not None and getattr(config, "use_sliding_window", True):
+            layer_types = getattr(config, "layer_types", None)
+            layer_idx = getattr(stock.self_attn, "layer_idx", None)
+            if layer_types is None or layer_idx is None or layer_types[layer_idx] == "sliding_attention":
+                module.self_attn.window = (int(window) - 1, None)
+        module.mlp = SwiGLUMLP.from_module(stock.mlp, backend=backend)
+        module.input_layernorm = RMSNorm.from_module(stock.input_layernorm, backend=backend)
+        module.post_attention_layernorm = RMSNorm.from_module(stock.post_attention_layernorm, backend=backend)
+        module.policy, module.backend = policy, backend
+        return module
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
+        x = hidden_states
+        if attention_mask is not None:
+            raise ValueError("LlamaLayer does causal attention and takes no attention_mask; for Hugging Face models "
+                             "use remat.patch, which checks the model's padding mask")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"hidden_states must be [B, N, hidden], got {getattr(x, 'shape', type(x).__name__)}")
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or kwargs.get("use_cache"):
+            raise ValueError("remat's LlamaLayer is for training: a KV cache (use_cache / past_key_values) is not "
+                             "supported; call remat.unpatch(model) before generating")
+        attn = self.self_attn
+        batch, n, hidden = x.shape
+        rope = position_embeddings
+        if rope is None and attn.rope_theta is not None:
+            positions = position_ids if position_ids is not None else torch.arange(n, device=x.device)
+            rope = attn.rope_tables(positions, x.device)
+        o = attention_block(x, self.input_layernorm, attn, rope, keep_qkv=self.policy != "memory")
+        h = x + nn.functional.linear(o.reshape(batch, n, -1), _cast_like(attn.o_proj.weight, x),
+                                     _cast_like(attn.o_proj.bias, x))
+        mlp = self.mlp
+        norm = self.post_attention_layernorm
+        mlp_out = functional.norm_mlp(
+            h, _param_as(norm.weight, h), _cast_like(mlp.gate_proj.weight, h), _cast_like(mlp.up_proj.weight, h),
+            _cast_like(mlp.down_proj.weight, h), norm="rms", eps=_norm_eps(norm, h), activation=mlp.activation,
+            b_gate=_cast_like(mlp.gate_proj.bias, h), b_up=_cast_like(mlp.up_proj.bias, h),
+            b_down=_cast_like(mlp.down_proj.bias, h), recompute="activation" if self.policy == "speed" else "block",
+            backend=self.backend)
+        return h + mlp_out
+
+
+def _norm_eps(norm, x):
+    return norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+
+
+def attention_block(x, norm, attn, rope, keep_qkv):
+    """o = attention(rope(q), rope(k), v) of the pre-norm sub-block, through NormAttentionFunction
+    (see remat.autograd.layer for what it saves). x [B, N, hidden]; returns o [B, N, Hq, D]."""
+    from remat.autograd.layer import NormAttentionFunction
+
+    functional._check_input(x)
+    batch, n, _ = x.shape
+    shape = (batch, n, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    functional._check_rope_tables(rope, batch, n, n, attn.head_dim, x.device)
+    backend = resolve_backend_for(attn.backend, x)
+    left, right = functional._window_bounds(attn.window, attn.causal)
+    scale = attn.scale if attn.scale is not None else attn.head_dim**-0.5
+    cos, sin = rope if rope is not None else (None, None)
+    params = [_param_as(norm.weight, x)] + [_cast_like(getattr(attn, f"{p}_proj").weight, x) for p in "qkv"]
+    biases = [_cast_like(getattr(attn, f"{p}_proj").bias, x) for p in "qkv"]
+    (x, *params), autocast_off = functional._autocast_cast(x, *params, *biases)
+    weights, biases = params[:4], params[4:]
+    with autocast_off:
+        return NormAttentionFunction.apply(
+            x, weights[0], None, weights[1], weights[2], weights[3], *biases, cos, sin, shape, "rms",
+            float(_norm_eps(norm, x)), float(scale), float(attn.softcap or 0.0), left, right,
+            attn.dropout if attn.training else 0.0, True, keep_qkv, backend)
+
+
+def resolve_backend_for(name, x):
+    from remat.backend import resolve_backend
+
+    return resolve_backend(name, x)

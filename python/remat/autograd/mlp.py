@@ -151,15 +151,18 @@ class GELUMLPFunction(torch.autograd.Function):
 
 
 class NormGatedMLPFunction(torch.autograd.Function):
-    """y = GatedMLP(norm(x)): the pre-norm sub-block. Keeps only x and the fp32 norm statistics;
-    the backward recomputes the normalized input with the same norm kernel (into a temporary that
-    is freed at once), the up/gate GEMMs from it, and then every gradient, the norm's included."""
+    """y = GatedMLP(norm(x)): the pre-norm sub-block. With recompute="block" it keeps only x and
+    the fp32 norm statistics; the backward recomputes the normalized input with the same norm
+    kernel (into a temporary that is freed at once), the up/gate GEMMs from it, and then every
+    gradient, the norm's included. With recompute="activation" it also keeps gate and up (no GEMM
+    is recomputed; the normalized input still is, for the gate/up weight gradients)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                norm, eps, activation, backend):
+                norm, eps, activation, recompute, backend):
         ops = ops_for(backend)
-        fused = _fused_gate_up(backend, "block", b_gate, b_up)
+        fused = _fused_gate_up(backend, "block", b_gate, b_up) and recompute == "block"
+        gate = up = None
         if fused:
             # Statistics only, then the normalized input is computed per tile in the matmul's
             # prologue: it is never written to memory.
@@ -167,19 +170,22 @@ class NormGatedMLPFunction(torch.autograd.Function):
             h, _, _ = triton_glu_matmul(x, w_gate, w_up, activation, False, norm, mean, rstd, norm_weight, norm_bias)
         else:
             normed, mean, rstd = _norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
-            h = ops.glu_fwd(F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up), activation)
+            gate, up = F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up)
             del normed
+            h = ops.glu_fwd(gate, up, activation)
+            if recompute == "block":
+                gate = up = None
         y = F.linear(h, w_down, b_down)
         if mean is not None and mean.numel() == 0:
             mean = None
-        ctx.save_for_backward(x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd)
+        ctx.save_for_backward(x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up)
         ctx.norm, ctx.eps, ctx.activation, ctx.backend, ctx.fused = norm, eps, activation, backend, fused
         ctx.has_bias = (norm_bias is not None, b_gate is not None, b_up is not None, b_down is not None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd = ctx.saved_tensors
+        x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up = ctx.saved_tensors
         need = ctx.needs_input_grad
         ops = ops_for(ctx.backend)
         # The normalized input, recomputed into a temporary for the gate/up weight gradients and
@@ -191,8 +197,10 @@ class NormGatedMLPFunction(torch.autograd.Function):
             dgate, dup, h = triton_glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[5], ctx.norm, mean, rstd,
                                                   norm_weight, norm_bias)
         else:
-            dgate, dup, h = ops.glu_bwd(dh, F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up),
-                                        ctx.activation, need[5])
+            if gate is None:
+                gate, up = F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up)
+            dgate, dup, h = ops.glu_bwd(dh, gate, up, ctx.activation, need[5])
+            del gate, up
         _, d_w_down, d_b_down = _linear_grads(dy, h, w_down, False, need[5], need[8] and ctx.has_bias[3])
         del h
         d_normed_gate, d_w_gate, d_b_gate = _linear_grads(dgate, normed, w_gate, True, need[3],
@@ -203,7 +211,7 @@ class NormGatedMLPFunction(torch.autograd.Function):
         dx, d_norm_weight, d_norm_bias = _norm_backward(d_normed, x, norm_weight, mean, rstd, ctx.norm,
                                                          ctx.has_bias[0], ctx.backend)
         return (dx, d_norm_weight if need[1] else None, d_norm_bias if need[2] else None, d_w_gate, d_w_up,
-                d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None, None)
+                d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None, None, None)
 
 
 def _norm_forward(x, weight, bias, norm, eps, backend):

@@ -1,0 +1,214 @@
+"""One-call patching of real models: ``remat.patch(model)`` swaps, in place, the submodules remat
+has fused versions of, sharing their parameters (no copies; ``state_dict`` unchanged), and
+``remat.unpatch(model)`` puts the originals back.
+
+What is replaced:
+
+- Hugging Face Llama, Mistral and Qwen2 decoder layers (``self_attn``, ``mlp``,
+  ``input_layernorm``, ``post_attention_layernorm``), when ``modules`` has all of "norm", "mlp"
+  and "attention": by :class:`remat.nn.LlamaLayer` with the chosen ``policy``.
+- Otherwise, one by one: RMSNorms (``torch.nn.RMSNorm`` and Hugging Face's) and
+  ``torch.nn.LayerNorm`` ("norm"), Llama-style MLPs with gate/up/down_proj ("mlp"), and Llama-style
+  attention with q/k/v/o_proj ("attention", by an adapter with Hugging Face's calling convention).
+
+Hugging Face masks: remat's kernels do causal (and sliding-window) attention, not arbitrary masks.
+A patched model checks the ``attention_mask`` it is called with: rows that are all ones, or ones
+followed by zeros (right padding), are accepted, because under a causal mask a real token never
+sees a later pad token; padded positions then attend causally to the pad tokens before them, so
+their outputs (which a loss with label -100 at pads ignores) differ from the stock model's.
+Left padding or other masks raise ValueError. A patched model is for training: it sets
+``config.use_cache = False`` (restored by unpatch), and a KV cache raises ValueError.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from remat import nn as remat_nn
+
+MODULE_KINDS = ("norm", "mlp", "attention")
+_ORIGINAL = "_remat_original"
+_HOOK = "_remat_mask_hook"
+_USE_CACHE = "_remat_saved_use_cache"
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did: ``replaced`` holds (qualified name, original type, remat type),
+    ``left_alone`` (qualified name, type, reason) for modules of a kind it was asked for but
+    could not take."""
+
+    replaced: list = field(default_factory=list)
+    left_alone: list = field(default_factory=list)
+
+    def __str__(self):
+        lines = [f"remat.patch: replaced {len(self.replaced)} modules, left {len(self.left_alone)} alone"]
+        lines += [f"  {name}: {old} -> {new}" for name, old, new in self.replaced]
+        lines += [f"  {name}: {kind} left alone ({why})" for name, kind, why in self.left_alone]
+        return "\n".join(lines)
+
+
+class HFAttention(remat_nn.Attention):
+    """remat.nn.Attention with Hugging Face's attention calling convention:
+    ``forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs) ->
+    (output, None)``. The mask is checked at the model (see remat.patch)."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        _refuse_cache(kwargs)
+        return super().forward(hidden_states, position_embeddings=position_embeddings), None
+
+
+class HFLlamaLayer(remat_nn.LlamaLayer):
+    """remat.nn.LlamaLayer taking a Hugging Face decoder layer's arguments; the 4-D mask the model
+    builds is not read (remat.patch has checked the model's 2-D mask)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
+        _refuse_cache(kwargs)
+        return super().forward(hidden_states, position_ids=position_ids, position_embeddings=position_embeddings)
+
+
+def _refuse_cache(kwargs):
+    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        raise ValueError("a remat-patched model is for training: KV caches (use_cache, past_key_values) are not "
+                         "supported; call remat.unpatch(model) before generating")
+
+
+def _is_hf_rms_norm(module):
+    return isinstance(getattr(module, "weight", None), nn.Parameter) and hasattr(module, "variance_epsilon")
+
+
+def _is_llama_layer(module):
+    return all(hasattr(module, name) for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
+
+
+def _is_llama_mlp(module):
+    return all(isinstance(getattr(module, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _is_llama_attention(module):
+    return all(isinstance(getattr(module, f"{p}_proj", None), nn.Linear) for p in "qkvo")
+
+
+def _kind_of(module):
+    if isinstance(module, (nn.RMSNorm, nn.LayerNorm)) or _is_hf_rms_norm(module):
+        return "norm"
+    if _is_llama_mlp(module):
+        return "mlp"
+    if _is_llama_attention(module):
+        return "attention"
+    return None
+
+
+def _gpt2_like(module):
+    return type(module).__name__ in ("GPT2Block", "GPT2Attention", "GPT2MLP")
+
+
+def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
+    """Replaces, in place, the submodules of ``model`` that remat has fused versions of (see the
+    module docstring), keeping their parameters, and returns a :class:`PatchReport`.
+
+    Args:
+        model: an ``nn.Module``: a Hugging Face Llama / Mistral / Qwen2 model (built from a config
+            or loaded from a checkpoint), or any PyTorch model with ``torch.nn.RMSNorm`` /
+            ``LayerNorm`` layers.
+        policy: ``"speed"``, ``"balanced"`` (default) or ``"memory"``: what whole decoder layers
+            keep for backward (see remat.nn.LlamaLayer).
+        modules: which kinds to replace, a subset of ``("norm", "mlp", "attention")``.
+        backend: remat backend for the new modules, or None for the default choice.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    modules = tuple(modules)
+    unknown = [m for m in modules if m not in MODULE_KINDS]
+    if unknown or not modules:
+        raise ValueError(f"modules must be a non-empty subset of {MODULE_KINDS}, got {modules!r}")
+    if policy not in remat_nn.LAYER_POLICIES:
+        raise ValueError(f"policy must be one of {remat_nn.LAYER_POLICIES}, got {policy!r}")
+    if getattr(model, _HOOK, None) is not None:
+        raise ValueError("model is already patched; call remat.unpatch(model) first")
+    report = PatchReport()
+    whole_layers = set(MODULE_KINDS) <= set(modules)
+    _patch_children(model, "", modules, whole_layers, policy, backend, report)
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", None):
+        setattr(model, _USE_CACHE, config.use_cache)
+        config.use_cache = False
+    setattr(model, _HOOK, model.register_forward_pre_hook(_check_attention_mask, with_kwargs=True))
+    return report
+
+
+def _patch_children(parent, prefix, modules, whole_layers, policy, backend, report):
+    for name, child in list(parent.named_children()):
+        qualified = f"{prefix}{name}"
+        replacement = None
+        if _gpt2_like(child):
+            report.left_alone.append((qualified, type(child).__name__, "GPT-2 blocks are not patched yet (their "
+                                      "Conv1D layers and learned positions need remat.nn.GPT2Layer)"))
+            continue
+        if whole_layers and _is_llama_layer(child) and _is_llama_attention(child.self_attn) and _is_llama_mlp(child.mlp):
+            replacement = HFLlamaLayer.from_module(child, policy=policy, backend=backend)
+        else:
+            kind = _kind_of(child)
+            if kind in modules:
+                replacement = _replace_one(child, kind, backend, qualified, report)
+        if replacement is not None:
+            object.__setattr__(replacement, _ORIGINAL, child)
+            setattr(parent, name, replacement)
+            report.replaced.append((qualified, type(child).__name__, type(replacement).__name__))
+        else:
+            _patch_children(child, f"{qualified}.", modules, whole_layers, policy, backend, report)
+
+
+def _replace_one(child, kind, backend, qualified, report):
+    try:
+        if kind == "norm":
+            if isinstance(child, nn.LayerNorm):
+                return remat_nn.LayerNorm.from_module(child, backend=backend)
+            return remat_nn.RMSNorm.from_module(child, backend=backend)
+        if kind == "mlp":
+            return remat_nn.SwiGLUMLP.from_module(child, backend=backend)
+        return HFAttention.from_module(child, backend=backend)
+    except (TypeError, ValueError) as error:
+        report.left_alone.append((qualified, type(child).__name__, str(error)))
+        return None
+
+
+def _check_attention_mask(module, args, kwargs):
+    """Forward pre-hook of a patched model: the 2-D attention mask must be causal-compatible."""
+    mask = kwargs.get("attention_mask")
+    if mask is None or not isinstance(mask, torch.Tensor):
+        return None
+    if mask.dim() != 2:
+        raise ValueError(f"a remat-patched model takes a 2-D [B, N] attention_mask (ones, then zeros for right "
+                         f"padding), got shape {tuple(mask.shape)}")
+    ones = mask.to(torch.bool)
+    # Right padding: along each row, once a position is 0 every later one is too.
+    if bool((ones[:, 1:] & ~ones[:, :-1]).any()):
+        raise ValueError("remat's attention supports causal masks with right padding only; this attention_mask has "
+                         "a pad before a real token (left padding or holes); pad on the right "
+                         "(tokenizer.padding_side = 'right') or call remat.unpatch(model)")
+    return None
+
+
+def unpatch(model):
+    """Restores the modules :func:`patch` replaced (the originals, with their shared parameters)
+    and the model's ``config.use_cache``; removes the mask check."""
+    hook = getattr(model, _HOOK, None)
+    if hook is None:
+        raise ValueError("model is not patched by remat.patch")
+    hook.remove()
+    delattr(model, _HOOK)
+    if hasattr(model, _USE_CACHE):
+        model.config.use_cache = getattr(model, _USE_CACHE)
+        delattr(model, _USE_CACHE)
+    _unpatch_children(model)
+
+
+def _unpatch_children(parent):
+    for name, child in list(parent.named_children()):
+        original = child.__dict__.get(_ORIGINAL)
+        if original is not None:
+            setattr(parent, name, original)
+        else:
+            _unpatch_children(child)
