@@ -29,7 +29,7 @@ from remat import nn as remat_nn
 
 MODULE_KINDS = ("norm", "mlp", "attention")
 _ORIGINAL = "_remat_original"
-_HOOK = "_remat_mask_hook"
+_HOOK = "_remat_patched"
 _USE_CACHE = "_remat_saved_use_cache"
 
 
@@ -125,7 +125,7 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
         raise ValueError(f"modules must be a non-empty subset of {MODULE_KINDS}, got {modules!r}")
     if policy not in remat_nn.LAYER_POLICIES:
         raise ValueError(f"policy must be one of {remat_nn.LAYER_POLICIES}, got {policy!r}")
-    if getattr(model, _HOOK, None) is not None:
+    if getattr(model, _HOOK, False):
         raise ValueError("model is already patched; call remat.unpatch(model) first")
     report = PatchReport()
     whole_layers = set(MODULE_KINDS) <= set(modules)
@@ -134,7 +134,16 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
     if config is not None and getattr(config, "use_cache", None):
         setattr(model, _USE_CACHE, config.use_cache)
         config.use_cache = False
-    setattr(model, _HOOK, model.register_forward_pre_hook(_check_attention_mask, with_kwargs=True))
+    setattr(model, _HOOK, True)
+    stock_forward = model.forward
+
+    # The check runs inside the model's own forward (an instance attribute shadowing the class's),
+    # not in a forward pre-hook, so torch.compile traces it into the model's graph.
+    def forward(*args, **kwargs):
+        _check_attention_mask(kwargs.get("attention_mask"))
+        return stock_forward(*args, **kwargs)
+
+    model.forward = forward
     return report
 
 
@@ -174,9 +183,8 @@ def _replace_one(child, kind, backend, qualified, report):
         return None
 
 
-def _check_attention_mask(module, args, kwargs):
-    """Forward pre-hook of a patched model: the 2-D attention mask must be causal-compatible."""
-    mask = kwargs.get("attention_mask")
+def _check_attention_mask(mask):
+    """A patched model's 2-D attention mask must be causal-compatible (None or right padding)."""
     if mask is None or not isinstance(mask, torch.Tensor):
         return None
     if mask.dim() != 2:
@@ -184,21 +192,26 @@ def _check_attention_mask(module, args, kwargs):
                          f"padding), got shape {tuple(mask.shape)}")
     ones = mask.to(torch.bool)
     # Right padding: along each row, once a position is 0 every later one is too.
-    if bool((ones[:, 1:] & ~ones[:, :-1]).any()):
-        raise ValueError("remat's attention supports causal masks with right padding only; this attention_mask has "
-                         "a pad before a real token (left padding or holes); pad on the right "
-                         "(tokenizer.padding_side = 'right') or call remat.unpatch(model)")
+    pad_before_token = (ones[:, 1:] & ~ones[:, :-1]).any()
+    message = ("remat's attention supports causal masks with right padding only; this attention_mask has a pad "
+               "before a real token (left padding or holes); pad on the right (tokenizer.padding_side = 'right') "
+               "or call remat.unpatch(model)")
+    if torch.compiler.is_compiling():
+        # Inside a compiled graph a Python branch on tensor data would break the graph; the check
+        # becomes an assertion op in the graph instead.
+        torch._assert_async(~pad_before_token, message)
+    elif bool(pad_before_token):
+        raise ValueError(message)
     return None
 
 
 def unpatch(model):
     """Restores the modules :func:`patch` replaced (the originals, with their shared parameters)
     and the model's ``config.use_cache``; removes the mask check."""
-    hook = getattr(model, _HOOK, None)
-    if hook is None:
+    if not getattr(model, _HOOK, False):
         raise ValueError("model is not patched by remat.patch")
-    hook.remove()
     delattr(model, _HOOK)
+    del model.forward
     if hasattr(model, _USE_CACHE):
         model.config.use_cache = getattr(model, _USE_CACHE)
         delattr(model, _USE_CACHE)
