@@ -276,3 +276,54 @@ def test_deepcopy_of_layer_is_independent():
     assert clone.self_attn.q_proj.weight is not layer.self_attn.q_proj.weight
     x = torch.randn(1, 5, HIDDEN)
     torch.testing.assert_close(clone(x), layer(x))
+
+
+def gpt2_model(dtype=torch.float32, seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_embd=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=96, n_positions=32,
+                                     attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=0.0, use_cache=False,
+                                     attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(config).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+def test_gpt2_layer_saves_the_documented_bytes(policy, dtype):
+    layer = remat.nn.GPT2Layer(HIDDEN, HEADS, policy=policy, resid_dropout=0.1, dtype=dtype)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
+    s = x.element_size()
+    per_token = {"memory": 4 * s * HIDDEN, "balanced": 7 * s * HIDDEN,
+                 "speed": 7 * s * HIDDEN + s * 4 * HIDDEN}[policy] + 4 * HEADS + 16
+    assert saved_bytes(layer, x) == BATCH * LENGTH * per_token + 2 * 16  # two residual dropouts' RNG state
+
+
+@pytest.mark.parametrize("policy", ["speed", "memory"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_patched_gpt2_matches_stock(dtype, policy):
+    reference, stock, patched = gpt2_model(torch.float64), gpt2_model(dtype), gpt2_model(dtype)
+    report = remat.patch(patched, policy=policy)
+    assert [old for _, old, _ in report.replaced] == ["GPT2Block", "GPT2Block", "LayerNorm"]
+    ids, mask, labels = batch()
+    real = mask.bool()
+    want, base, got = (_logits_and_grads(m, ids, mask, labels) for m in (reference, stock, patched))
+    assert_within_2x_of_stock("logits", got[0][real], base[0][real], want[0][real], dtype)
+    for name in want[2]:
+        assert_within_2x_of_stock(name, got[2][name], base[2][name], want[2][name], dtype)
+
+
+def test_gpt2_dropout_is_reproducible_and_stores_no_mask():
+    model = gpt2_model(dropout=0.2)
+    remat.patch(model)
+    model.train()
+    ids, mask, labels = batch()
+    torch.manual_seed(9)
+    first = _logits_and_grads(model, ids, mask, labels)
+    torch.manual_seed(9)
+    second = _logits_and_grads(model, ids, mask, labels)
+    for name in first[2]:
+        assert torch.equal(first[2][name], second[2][name])
+    layer = model.transformer.h[0]
+    x = torch.randn(BATCH, LENGTH, HIDDEN, requires_grad=True)
+    layer.policy = "memory"
+    # The memory-policy bytes plus three RNG states (attention and two residual dropouts): no mask.
+    assert saved_bytes(layer, x) == BATCH * LENGTH * (16 * HIDDEN + 4 * HEADS + 16) + 3 * 16

@@ -4,7 +4,7 @@ recompute the fused intermediates inside the backward kernels."""
 from remat import memory, nn
 from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
-from remat.functional import attention, geglu_mlp, gelu_mlp, layer_norm, norm_mlp, rms_norm, swiglu_mlp
+from remat.functional import attention, dropout, geglu_mlp, gelu_mlp, layer_norm, norm_mlp, rms_norm, swiglu_mlp
 from remat.info import info
 from remat.patch import PatchReport, patch, unpatch
 
@@ -16,6 +16,7 @@ __all__ = [
     "Plan",
     "checkpoint",
     "checkpoint_sequential",
+    "dropout",
     "geglu_mlp",
     "gelu_mlp",
     "info",

@@ -10,6 +10,7 @@ import math
 import torch
 
 from remat.autograd.attention import AttentionFunction
+from remat.autograd.dropout import PhiloxDropoutFunction
 from remat.autograd.mlp import RECOMPUTE_MODES, GatedMLPFunction, GELUMLPFunction, NormGatedMLPFunction
 from remat.autograd.norm import LayerNormFunction, RMSNormFunction
 from remat.backend import resolve_backend
@@ -441,3 +442,23 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
         o = AttentionFunction.apply(q, k, v, cos, sin, scale, float(softcap or 0.0), left, right, float(dropout_p),
                                     deterministic, name)
     return o.transpose(1, 2) if layout == "bhnd" else o
+
+
+def dropout(x, p=0.5, training=True):
+    """Dropout that keeps no mask for backward: the mask is a Philox stream keyed by a (seed,
+    offset) pair drawn from PyTorch's generator (16 bytes saved), regenerated in backward.
+
+    Args:
+        x: float tensor, any shape (a non-contiguous one is made contiguous first).
+        p: drop probability in [0, 1). training: False returns x unchanged (as F.dropout).
+
+    Returns:
+        ``x * keep / (1 - p)``, a new tensor.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+    if not training or p == 0:
+        return x
+    return PhiloxDropoutFunction.apply(x.contiguous(), float(p))

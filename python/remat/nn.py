@@ -502,3 +502,125 @@ def resolve_backend_for(name, x):
     from remat.backend import resolve_backend
 
     return resolve_backend(name, x)
+
+
+class Conv1D(nn.Module):
+    """GPT-2's projection layout (as Hugging Face's Conv1D): ``weight`` [in, out], ``bias`` [out],
+    ``y = x @ weight + bias``. Holds parameters for GPT2Layer, which reads them directly."""
+
+    def __init__(self, in_features, out_features, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight.t(), self.bias)
+
+
+class GPT2Layer(nn.Module):
+    """A GPT-2 block built from remat's fused blocks, with Hugging Face's ``GPT2Block`` parameter
+    names and layouts: ``ln_1``, ``attn.c_attn`` ([h, 3h] Conv1D), ``attn.c_proj``, ``ln_2``,
+    ``mlp.c_fc`` ([h, I]), ``mlp.c_proj``. Pre-LayerNorm causal attention with biases, GELU (tanh)
+    MLP, residual dropout after each (Philox, never a stored mask).
+
+    ``policy`` as for LlamaLayer. Bytes kept per token (element size s, Hq heads, I inner size,
+    plus 16 bytes per call for each dropout in use):
+
+    - ``"memory"``: x, o, h (the second residual), the MLP's normalized input, two fp32
+      (mean, rstd) pairs and lse: ``4sh + 4 Hq + 16``.
+    - ``"balanced"`` (default): also q, k, v: ``7sh + 4 Hq + 16``.
+    - ``"speed"``: also the MLP pre-activation: ``7sh + sI + 4 Hq + 16``.
+
+    Args:
+        hidden, num_heads: sizes; intermediate: default 4 * hidden. eps: LayerNorm epsilon (1e-5).
+        attention_dropout, resid_dropout: probabilities, applied in training mode.
+        approximate: GELU flavour, ``"tanh"`` (GPT-2's gelu_new, default) or ``"none"``.
+        policy, backend: as for LlamaLayer.
+    """
+
+    def __init__(self, hidden, num_heads, intermediate=None, *, eps=1e-5, attention_dropout=0.0, resid_dropout=0.0,
+                 approximate="tanh", policy="balanced", backend=None, device=None, dtype=None):
+        super().__init__()
+        functional._check_choice(policy, "policy", LAYER_POLICIES)
+        functional._check_choice(approximate, "approximate", ("none", "tanh"))
+        if hidden % num_heads:
+            raise ValueError(f"hidden ({hidden}) must be a multiple of num_heads ({num_heads})")
+        intermediate = 4 * hidden if intermediate is None else intermediate
+        self.ln_1 = LayerNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
+        self.attn = nn.Module()
+        self.attn.c_attn = Conv1D(hidden, 3 * hidden, device=device, dtype=dtype)
+        self.attn.c_proj = Conv1D(hidden, hidden, device=device, dtype=dtype)
+        self.ln_2 = LayerNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = Conv1D(hidden, intermediate, device=device, dtype=dtype)
+        self.mlp.c_proj = Conv1D(intermediate, hidden, device=device, dtype=dtype)
+        self.num_heads, self.attention_dropout, self.resid_dropout = num_heads, attention_dropout, resid_dropout
+        self.approximate, self.policy, self.backend = approximate, policy, backend
+
+    @classmethod
+    def from_module(cls, stock, *, policy="balanced", backend=None):
+        """A GPT2Layer sharing every parameter (no copy) of a Hugging Face ``GPT2Block``; heads,
+        dropouts and the GELU flavour from its config."""
+        for name in ("ln_1", "attn", "ln_2", "mlp"):
+            if not hasattr(stock, name):
+                raise TypeError(f"from_module expects a GPT2Block with {name}, got {type(stock).__name__}")
+        if hasattr(stock, "crossattention"):
+            raise ValueError("GPT2Layer has no cross-attention; this block has one")
+        config = stock.attn.config
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False) or not getattr(config, "scale_attn_weights", True):
+            raise ValueError("GPT2Layer scales logits by 1/sqrt(head_dim) only (scale_attn_weights=True, "
+                             "scale_attn_by_inverse_layer_idx=False)")
+        activation = getattr(config, "activation_function", "gelu_new")
+        if activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"GPT2Layer takes a GELU activation, got {activation!r}")
+        functional._check_choice(policy, "policy", LAYER_POLICIES)
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.ln_1 = LayerNorm.from_module(stock.ln_1, backend=backend)
+        module.ln_2 = LayerNorm.from_module(stock.ln_2, backend=backend)
+        module.attn = nn.Module()
+        module.attn.c_attn, module.attn.c_proj = stock.attn.c_attn, stock.attn.c_proj
+        module.mlp = nn.Module()
+        module.mlp.c_fc, module.mlp.c_proj = stock.mlp.c_fc, stock.mlp.c_proj
+        module.num_heads = config.num_attention_heads
+        module.attention_dropout, module.resid_dropout = float(config.attn_pdrop), float(config.resid_pdrop)
+        module.approximate = "none" if activation == "gelu" else "tanh"
+        module.policy, module.backend = policy, backend
+        return module
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        from remat.autograd.layer import NormAttentionFunction
+
+        x = hidden_states
+        if attention_mask is not None:
+            raise ValueError("GPT2Layer does causal attention and takes no attention_mask; for Hugging Face models "
+                             "use remat.patch, which checks the model's padding mask")
+        functional._check_input(x)
+        if x.dim() != 3:
+            raise ValueError(f"hidden_states must be [B, N, hidden], got {tuple(x.shape)}")
+        batch, n, hidden = x.shape
+        head_dim = hidden // self.num_heads
+        backend = resolve_backend_for(self.backend, x)
+        c_attn, c_proj = self.attn.c_attn, self.attn.c_proj
+        w_qkv, b_qkv = _cast_like(c_attn.weight, x), _cast_like(c_attn.bias, x)
+        weights = [w_qkv[:, i * hidden : (i + 1) * hidden].t() for i in range(3)]
+        biases = [b_qkv[i * hidden : (i + 1) * hidden] for i in range(3)]
+        norm = [_param_as(self.ln_1.weight, x), _param_as(self.ln_1.bias, x)]
+        (x, *params), autocast_off = functional._autocast_cast(x, *norm, *weights, *biases)
+        with autocast_off:
+            o = NormAttentionFunction.apply(
+                x, *params, None, None, (batch, n, self.num_heads, self.num_heads, head_dim), "layer",
+                float(self.ln_1.eps), head_dim**-0.5, 0.0, -1, 0, self.attention_dropout if self.training else 0.0,
+                True, self.policy != "memory", backend)
+        attn_out = nn.functional.linear(o.reshape(batch, n, hidden), _cast_like(c_proj.weight, x).t(),
+                                        _cast_like(c_proj.bias, x))
+        h = x + functional.dropout(attn_out, self.resid_dropout, self.training)
+        normed = self.ln_2(h)
+        c_fc, c_proj = self.mlp.c_fc, self.mlp.c_proj
+        mlp_out = functional.gelu_mlp(normed, _cast_like(c_fc.weight, h).t(), _cast_like(c_fc.bias, h),
+                                      _cast_like(c_proj.weight, h).t(), _cast_like(c_proj.bias, h),
+                                      approximate=self.approximate,
+                                      recompute="activation" if self.policy == "speed" else "block",
+                                      backend=self.backend)
+        return h + functional.dropout(mlp_out, self.resid_dropout, self.training)

@@ -5,8 +5,9 @@ has fused versions of, sharing their parameters (no copies; ``state_dict`` uncha
 What is replaced:
 
 - Hugging Face Llama, Mistral and Qwen2 decoder layers (``self_attn``, ``mlp``,
-  ``input_layernorm``, ``post_attention_layernorm``), when ``modules`` has all of "norm", "mlp"
-  and "attention": by :class:`remat.nn.LlamaLayer` with the chosen ``policy``.
+  ``input_layernorm``, ``post_attention_layernorm``) and GPT-2 blocks, when ``modules`` has all of
+  "norm", "mlp" and "attention": by :class:`remat.nn.LlamaLayer` / :class:`remat.nn.GPT2Layer`
+  with the chosen ``policy``.
 - Otherwise, one by one: RMSNorms (``torch.nn.RMSNorm`` and Hugging Face's) and
   ``torch.nn.LayerNorm`` ("norm"), Llama-style MLPs with gate/up/down_proj ("mlp"), and Llama-style
   attention with q/k/v/o_proj ("attention", by an adapter with Hugging Face's calling convention).
@@ -59,6 +60,17 @@ class HFAttention(remat_nn.Attention):
         return super().forward(hidden_states, position_embeddings=position_embeddings), None
 
 
+class HFGPT2Layer(remat_nn.GPT2Layer):
+    """remat.nn.GPT2Layer taking a Hugging Face GPT2Block's arguments (the 4-D mask is not read;
+    remat.patch has checked the model's 2-D mask)."""
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None, **kwargs):
+        _refuse_cache(dict(kwargs, cache=cache))
+        if encoder_hidden_states is not None:
+            raise ValueError("remat's GPT2Layer has no cross-attention (encoder_hidden_states)")
+        return super().forward(hidden_states)
+
+
 class HFLlamaLayer(remat_nn.LlamaLayer):
     """remat.nn.LlamaLayer taking a Hugging Face decoder layer's arguments; the 4-D mask the model
     builds is not read (remat.patch has checked the model's 2-D mask)."""
@@ -100,8 +112,8 @@ def _kind_of(module):
     return None
 
 
-def _gpt2_like(module):
-    return type(module).__name__ in ("GPT2Block", "GPT2Attention", "GPT2MLP")
+def _is_gpt2_block(module):
+    return type(module).__name__ == "GPT2Block" and all(hasattr(module, n) for n in ("ln_1", "attn", "ln_2", "mlp"))
 
 
 def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
@@ -151,11 +163,17 @@ def _patch_children(parent, prefix, modules, whole_layers, policy, backend, repo
     for name, child in list(parent.named_children()):
         qualified = f"{prefix}{name}"
         replacement = None
-        if _gpt2_like(child):
-            report.left_alone.append((qualified, type(child).__name__, "GPT-2 blocks are not patched yet (their "
-                                      "Conv1D layers and learned positions need remat.nn.GPT2Layer)"))
+        if whole_layers and _is_gpt2_block(child):
+            try:
+                replacement = HFGPT2Layer.from_module(child, policy=policy, backend=backend)
+            except ValueError as error:
+                report.left_alone.append((qualified, type(child).__name__, str(error)))
+                continue
+        elif type(child).__name__ in ("GPT2Attention", "GPT2MLP") and ("attention" in modules or "mlp" in modules):
+            report.left_alone.append((qualified, type(child).__name__, "GPT-2's attention and MLP are replaced "
+                                      "only as whole blocks: pass all of modules=('norm', 'mlp', 'attention')"))
             continue
-        if whole_layers and _is_llama_layer(child) and _is_llama_attention(child.self_attn) and _is_llama_mlp(child.mlp):
+        elif whole_layers and _is_llama_layer(child) and _is_llama_attention(child.self_attn) and _is_llama_mlp(child.mlp):
             replacement = HFLlamaLayer.from_module(child, policy=policy, backend=backend)
         else:
             kind = _kind_of(child)
