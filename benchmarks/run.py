@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from benchmarks import bench_attention, bench_checkpoint, bench_mlp, bench_norm
+from benchmarks import bench_attention, bench_checkpoint, bench_layers, bench_mlp, bench_norm
 from benchmarks.common import RESULTS_DIR, print_table, write_csv
 
 
@@ -53,7 +53,7 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     parser.add_argument("--out", default=None, help=f"output folder (default {RESULTS_DIR})")
     parser.add_argument("--no-plots", action="store_true", help="write CSVs only")
-    parser.add_argument("--only", choices=["norm", "mlp", "attention", "checkpoint"], default=None, help="run one benchmark")
+    parser.add_argument("--only", choices=["norm", "mlp", "attention", "layers", "checkpoint"], default=None, help="run one benchmark")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tag = ("gpu" if device.type == "cuda" else "cpu") + ("-quick" if args.quick else "")
@@ -74,6 +74,11 @@ def main(argv=None):
         rows = bench_attention.run(device, quick=args.quick)
         print_table(rows, bench_attention.summary_columns)
         path = write_csv(rows, f"attention-{tag}.csv", args.out)
+        print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
+    if args.only in (None, "layers"):
+        rows = bench_layers.run(device, quick=args.quick)
+        print_table(rows, bench_layers.summary_columns)
+        path = write_csv(rows, f"layers-{tag}.csv", args.out)
         print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
     if args.only in (None, "checkpoint"):
         rows = bench_checkpoint.run(device, quick=args.quick)
