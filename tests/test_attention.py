@@ -42,7 +42,14 @@ CASES = [
     case("noncontig-slices-n33-m17-d72", 1, 33, 17, 2, 1, 72, noncontiguous=True),
 ]
 
-# The interpreter runs Triton kernels as Python, one program at a time: small shapes only.
+def _interpreter_sized(param):
+    """The interpreter runs Triton kernels as Python, one program at a time: cases up to
+    4 x 100 x 100 scores (the larger ones take 10-15 s each there)."""
+    spec = param.values[0]
+    return spec["n"] * spec["m"] * spec["hq"] <= 40_000
+
+
+# Small cases for the interpreter, beyond the CASES it also runs.
 TRITON_CASES = [
     case("b2-n17-d64-causal", 2, 17, 17, 2, 2, 64, causal=True),
     case("n1-m33-d16-mqa-causal", 1, 1, 33, 4, 1, 16, causal=True),
@@ -130,8 +137,8 @@ def test_attention_matches_reference(backend, spec, dtype):
     run_and_check(spec, dtype, backend)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("spec", TRITON_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", TRITON_CASES + [c for c in CASES if _interpreter_sized(c)])
 @pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton runs on the CPU only under TRITON_INTERPRET=1")
 def test_triton_attention_matches_reference(spec, dtype):
     run_and_check(spec, dtype, "triton", deterministic=True)
