@@ -2,9 +2,9 @@
 
 The recompute contract (DESIGN.md section 2; python/remat/ops/attention.py states it for every
 backend): the forward keeps q, k, v, o, lse (fp32 [B, Hq, N], natural log) and the dropout
-seed/offset (the int64 rng tensor). The backward recomputes the probabilities P = exp(t - lse) tile by tile from q, k and lse, the dropout
-mask from (seed, offset), and the rotary embedding of q and k from cos/sin; the [N, M] matrices
-and the rotated q/k are never written to memory.
+seed/offset (the int64 rng tensor). The backward recomputes the probabilities P = exp(t - lse) tile
+by tile from q, k and lse, the dropout mask from (seed, offset), and the rotary embedding of q and
+k from cos/sin; the [N, M] matrices and the rotated q/k are never written to memory.
 
 Shapes: q [B, N, Hq, D]; k, v [B, M, Hkv, D] (query head h reads kv head h // (Hq / Hkv)); any
 strides with a unit last-dimension stride. Query i sits at position i + M - N (bottom-right
