@@ -54,7 +54,7 @@ def run(device, quick=False):
 
     if device.type == "cuda":
         shape = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, tokens=4096)
-        depths, dtype, budget = [1, 4], torch.bfloat16, 0.5
+        depths, dtype, budget = ([1] if quick else [1, 4]), torch.bfloat16, 0.5
     else:
         shape = dict(hidden=512, inter=1376, heads=8, kv_heads=4, tokens=128 if quick else 256)
         depths, dtype, budget = ([1] if quick else [1, 4]), torch.float32, 0.3
