@@ -34,6 +34,7 @@ CASES = [
     case("n100-d64-window16-8", 1, 100, 100, 2, 2, 64, window=(16, 8)),
     case("n100-m140-d64-window32-causal", 1, 100, 140, 2, 1, 64, window=(32, None), causal=True),
     case("n17-m33-d64-softcap", 2, 17, 33, 2, 2, 64, softcap=5.0),
+    case("n17-m40-d64-rope-causal-gqa", 1, 17, 40, 4, 2, 64, causal=True, rope="per_batch"),
     case("n33-d64-dropout", 2, 33, 33, 2, 1, 64, dropout=0.25),
     case("n100-d80-rope-batch-window-softcap-dropout-gqa", 2, 100, 100, 4, 2, 80, causal=True,
          rope="per_batch", window=(40, None), softcap=20.0, dropout=0.1),
@@ -329,6 +330,10 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="head dim"):
         remat.attention(q, k, v)
     q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"k must be \[B=1"):
+        remat.attention(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
+    with pytest.raises(ValueError, match=r"D=16\] in bnhd layout"):
+        remat.attention(q, k[..., :8], v[..., :8])
     with pytest.raises(ValueError, match="one shape"):
         remat.attention(q, k, v[:, :3])
     with pytest.raises(TypeError, match="q's dtype"):
@@ -445,3 +450,24 @@ def test_attention_module_saves_no_attention_matrix():
     tokens = 2 * 50
     expected = tokens * (64 + 64 + 32 + 32 + 64) * 2 + 2 * 4 * 50 * 4 + 2 * 50 * 8 * 4
     assert saved == expected
+
+
+def test_philox_dropout_regenerates_its_mask_and_stores_none():
+    x = torch.randn(4, 257, requires_grad=True)
+    torch.manual_seed(3)
+    rng = draw_rng_state("cpu")
+    torch.manual_seed(3)
+    y = remat.dropout(x, 0.3)
+    from remat.reference import philox_randint, philox_uniform
+
+    keep = (philox_uniform(philox_randint(rng[0], torch.arange(x.numel()) + rng[1])) >= 0.3).view(x.shape)
+    torch.testing.assert_close(y, x * keep / 0.7)
+    assert 0.6 < keep.float().mean().item() < 0.8
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    torch.testing.assert_close(x.grad, dy * keep / 0.7)
+    torch.manual_seed(3)
+    assert saved_bytes(remat.dropout, x, 0.3) == 16
+    assert remat.dropout(x, 0.3, training=False) is x
+    with pytest.raises(ValueError, match="p must be"):
+        remat.dropout(x, 1.0)

@@ -5,6 +5,7 @@ saved bytes, unpatch, torch.compile, autocast, no_grad / inference_mode, eval an
 accumulation."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -327,3 +328,55 @@ def test_gpt2_dropout_is_reproducible_and_stores_no_mask():
     layer.policy = "memory"
     # The memory-policy bytes plus three RNG states (attention and two residual dropouts): no mask.
     assert saved_bytes(layer, x) == BATCH * LENGTH * (16 * HIDDEN + 4 * HEADS + 16) + 3 * 16
+
+
+def test_patch_keeps_eval_mode():
+    model = gpt2_model(dropout=0.3)
+    model.eval()
+    ids, mask, _ = batch()
+    want = model(input_ids=ids, attention_mask=mask).logits
+    remat.patch(model)
+    assert not model.transformer.h[0].training
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits[mask.bool()], want[mask.bool()],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_patch_attention_alone_keeps_the_sliding_window():
+    stock, patched = causal_lm("mistral"), causal_lm("mistral")
+    report = remat.patch(patched, modules=("attention",))
+    assert {old for _, old, _ in report.replaced} == {"MistralAttention"}
+    assert patched.model.layers[0].self_attn.window == (3, None)
+    ids, mask, _ = batch()
+    real = mask.bool()
+    torch.testing.assert_close(patched(input_ids=ids, attention_mask=mask).logits[real],
+                               stock(input_ids=ids, attention_mask=mask).logits[real], rtol=1e-5, atol=1e-5)
+
+
+def test_patched_model_deepcopies_and_checks_positional_masks():
+    model = causal_lm("llama")
+    remat.patch(model)
+    ids, mask, _ = batch()
+    with pytest.raises(ValueError, match="right padding"):
+        model(ids, mask.flip(1))
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.zero_()
+    assert not torch.equal(clone(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert "input_ids" in inspect.signature(model.forward).parameters
+
+
+def test_lookalike_models_are_left_alone():
+    """Qwen3's layers have q/k norms that remat's LlamaLayer does not compute: not replaced."""
+    if not hasattr(transformers, "Qwen3ForCausalLM"):
+        pytest.skip("this transformers has no Qwen3")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=96, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                      use_cache=False, attn_implementation="eager")
+    model = transformers.Qwen3ForCausalLM(config)
+    ids, mask, _ = batch()
+    want = model(input_ids=ids, attention_mask=mask).logits
+    report = remat.patch(model)
+    assert report.replaced == []
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, want)

@@ -295,3 +295,23 @@ def test_unknown_activation_raises_before_any_kernel():
                                     None, None, None, "relu", "block", "torch")
     with pytest.raises(ValueError, match="recompute must be one of"):
         remat.nn.GELUMLP(8, 16, recompute="sometimes")
+
+
+def test_norm_mlp_activation_mode_matches_block_and_keeps_gate_up():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 48, generator=g, requires_grad=True)
+    nw = nn.Parameter(torch.randn(48, generator=g))
+    wg, wu = (nn.Parameter(torch.randn(96, 48, generator=g)) for _ in range(2))
+    wd = nn.Parameter(torch.randn(48, 96, generator=g))
+    dy = torch.randn(7, 48, generator=g)
+    results = {}
+    for mode in ("block", "activation"):
+        y = remat.norm_mlp(x, nw, wg, wu, wd, recompute=mode)
+        results[mode] = [y] + list(torch.autograd.grad(y, [x, nw, wg, wu, wd], dy))
+    for got, want in zip(results["activation"], results["block"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    block = saved_bytes(remat.norm_mlp, x, nw, wg, wu, wd)
+    assert block == 7 * 48 * 4 + 7 * 4
+    assert saved_bytes(remat.norm_mlp, x, nw, wg, wu, wd, recompute="activation") == block + 2 * 7 * 96 * 4
+    with pytest.raises(ValueError, match="recompute"):
+        remat.norm_mlp(x, nw, wg, wu, wd, recompute="none")

@@ -307,7 +307,7 @@ def _check_qkv_types(q, k, v, layout):
             raise ValueError(f"{name} must be 4-D ({layout} layout), got shape {tuple(t.shape)}")
 
 
-def _check_qkv_shapes(q, k, v):
+def _check_qkv_shapes(q, k, v, layout):
     """q, k, v in [B, N, H, D] order (after any layout transpose)."""
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
@@ -380,6 +380,13 @@ def _check_positive(value, name, allow_none=True):
         raise ValueError(f"{name} must be a positive finite number{' or None' if allow_none else ''}, got {value!r}")
 
 
+def check_attention_dtype(backend, dtype):
+    """The cuda attention kernels take float16/bfloat16 only."""
+    if backend == "cuda" and dtype == torch.float32:
+        raise ValueError("the cuda attention kernels take float16/bfloat16, got float32; use backend='triton' or "
+                         "'torch', or autocast")
+
+
 def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, window=None, softcap=None,
               deterministic=True, layout="bnhd", backend=None):
     """Flash attention: ``softmax(q k^T * scale) v`` without storing the attention matrix.
@@ -420,7 +427,7 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     _check_qkv_types(q, k, v, layout)
     if layout == "bhnd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    _check_qkv_shapes(q, k, v)
+    _check_qkv_shapes(q, k, v, layout)
     _check_rope(rope, q, k)
     _check_positive(scale, "scale")
     _check_positive(softcap, "softcap")
@@ -431,11 +438,9 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     left, right = _window_bounds(window, causal)
     name = resolve_backend(backend, q)
     head_dim = q.shape[-1]
-    if name == "cuda" and q.dtype == torch.float32:
-        raise ValueError("the cuda attention kernels take float16/bfloat16, got float32; use backend='triton' or "
-                         "'torch', or autocast")
     cos, sin = rope if rope is not None else (None, None)
     (q, k, v), autocast_off = _autocast_cast(q, k, v)
+    check_attention_dtype(name, q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     scale = float(scale) if scale is not None else head_dim**-0.5
     with autocast_off:
@@ -453,7 +458,7 @@ def dropout(x, p=0.5, training=True):
         p: drop probability in [0, 1). training: False returns x unchanged (as F.dropout).
 
     Returns:
-        ``x * keep / (1 - p)``, a new tensor.
+        ``x * keep / (1 - p)``, a new tensor; x itself when not training or p == 0.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")

@@ -14,6 +14,7 @@ from torch import nn
 
 from remat import functional
 from remat.autograd.mlp import RECOMPUTE_MODES
+from remat.backend import resolve_backend
 from remat.ops.mlp import ACTIVATIONS
 
 
@@ -29,6 +30,26 @@ def _flatten_hidden(x, normalized_shape):
     if tuple(x.shape[x.dim() - k:]) != normalized_shape or x.dim() < k:
         raise ValueError(f"input's trailing dimensions must be {normalized_shape}, got shape {tuple(x.shape)}")
     return x.reshape(*x.shape[: x.dim() - k], -1)
+
+
+def is_hf_rms_norm(module):
+    """A Hugging Face RMSNorm: a 1-D ``weight`` and ``variance_epsilon`` (LlamaRMSNorm and kin)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, nn.Parameter) and weight.dim() == 1 and hasattr(module, "variance_epsilon")
+
+
+def refuse_kv_cache(kwargs):
+    """remat's layers are for training: a KV cache among Hugging Face's call arguments raises."""
+    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        raise ValueError("remat's layers are for training: a KV cache (use_cache, past_key_values) is not "
+                         "supported; call remat.unpatch(model) before generating")
+
+
+def _check_hidden_states(x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"hidden_states must be [B, N, hidden], got shape {tuple(x.shape)}")
 
 
 def _cast_like(p, x):
@@ -77,9 +98,7 @@ class RMSNorm(nn.Module):
         as LlamaRMSNorm, MistralRMSNorm and Qwen2RMSNorm have)."""
         if isinstance(stock, nn.RMSNorm):
             module = cls(stock.normalized_shape, stock.eps, stock.elementwise_affine, device="meta", backend=backend)
-        elif isinstance(getattr(stock, "weight", None), nn.Parameter) and hasattr(stock, "variance_epsilon"):
-            if stock.weight.dim() != 1:
-                raise TypeError(f"from_module expects a 1-D RMSNorm weight, got shape {tuple(stock.weight.shape)}")
+        elif is_hf_rms_norm(stock):
             module = cls(stock.weight.shape[0], float(stock.variance_epsilon), device="meta", backend=backend)
         else:
             raise TypeError(f"from_module expects torch.nn.RMSNorm or a Hugging Face RMSNorm, got {type(stock).__name__}")
@@ -253,6 +272,27 @@ class GELUMLP(nn.Module):
                                    approximate=self.approximate, recompute=self.recompute, backend=self.backend)
 
 
+def _rope_type(config):
+    """"default" for plain rotary embedding, else the config's rope_type (llama3, yarn, ...)."""
+    for source in (getattr(config, "rope_scaling", None), getattr(config, "rope_parameters", None)):
+        if isinstance(source, dict) and source.get("rope_type", source.get("type", "default")) != "default":
+            return source.get("rope_type", source.get("type"))
+    return "default"
+
+
+def _sliding_window(stock, config):
+    """(window - 1, None) for a Hugging Face attention whose layer uses sliding-window attention
+    (Mistral: keys within the last ``sliding_window`` positions), else None."""
+    window = getattr(config, "sliding_window", None) if config is not None else None
+    if window is None or not getattr(config, "use_sliding_window", True):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    layer_idx = getattr(stock, "layer_idx", None)
+    if layer_types is not None and layer_idx is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    return (int(window) - 1, None)
+
+
 class Attention(nn.Module):
     """Self-attention with the parameter names of Hugging Face's ``LlamaAttention``: ``q_proj``
     (``[Hq * D, hidden]``), ``k_proj``, ``v_proj`` (``[Hkv * D, hidden]``) and ``o_proj``
@@ -299,6 +339,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta, self.dropout, self.causal = rope_theta, float(dropout), causal
         self.window, self.softcap, self.scale, self.backend = window, softcap, scale, backend
+        self.rope_type = "default"
         o_bias = bias if o_bias is None else o_bias
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias, device=device, dtype=dtype)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias, device=device, dtype=dtype)
@@ -320,17 +361,34 @@ class Attention(nn.Module):
             raise ValueError("from_module needs num_heads (the module has no config.num_attention_heads)")
         num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(stock, "head_dim", None) or stock.q_proj.out_features // num_heads
-        if rope_theta is None and config is not None:
+        rope_type = _rope_type(config)
+        if rope_theta is None and config is not None and rope_type == "default":
             rope_theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get(
                 "rope_theta")
         if dropout is None:
             dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
         module = cls(stock.q_proj.in_features, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
-                     dropout=dropout, causal=causal, scale=getattr(stock, "scaling", None), backend=backend,
+                     dropout=dropout, causal=causal and getattr(stock, "is_causal", True),
+                     window=_sliding_window(stock, config), scale=getattr(stock, "scaling", None), backend=backend,
                      device="meta")
         module.q_proj, module.k_proj, module.v_proj, module.o_proj = (stock.q_proj, stock.k_proj, stock.v_proj,
                                                                       stock.o_proj)
+        module.rope_type = rope_type
+        module.train(stock.training)
         return module
+
+    def rope_for(self, n, device, position_ids=None, position_embeddings=None):
+        """The (cos, sin) to use for N tokens: ``position_embeddings`` if given, else the built-in
+        tables at ``position_ids`` (default 0 .. N - 1), else None (no rope)."""
+        if position_embeddings is not None:
+            return position_embeddings
+        if self.rope_type != "default":
+            raise ValueError(f"this attention uses rope_type {self.rope_type!r}, which remat does not compute; pass "
+                             "position_embeddings=(cos, sin) from the model's rotary module")
+        if self.rope_theta is None:
+            return None
+        positions = position_ids if position_ids is not None else torch.arange(n, device=device)
+        return self.rope_tables(positions, device)
 
     def rope_tables(self, position_ids, device):
         """fp32 (cos, sin) ``[B or 1, N, D/2]`` of the default rotary embedding at ``position_ids``:
@@ -344,16 +402,12 @@ class Attention(nn.Module):
         return angles.cos(), angles.sin()
 
     def forward(self, x, position_ids=None, position_embeddings=None):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError(f"x must be a [B, N, hidden] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+        _check_hidden_states(x)
         batch, n, _ = x.shape
         q = nn.functional.linear(x, _cast_like(self.q_proj.weight, x), _cast_like(self.q_proj.bias, x))
         k = nn.functional.linear(x, _cast_like(self.k_proj.weight, x), _cast_like(self.k_proj.bias, x))
         v = nn.functional.linear(x, _cast_like(self.v_proj.weight, x), _cast_like(self.v_proj.bias, x))
-        rope = position_embeddings
-        if rope is None and self.rope_theta is not None:
-            positions = position_ids if position_ids is not None else torch.arange(n, device=x.device)
-            rope = self.rope_tables(positions, x.device)
+        rope = self.rope_for(n, x.device, position_ids, position_embeddings)
         o = functional.attention(
             q.view(batch, n, self.num_heads, self.head_dim), k.view(batch, n, self.num_kv_heads, self.head_dim),
             v.view(batch, n, self.num_kv_heads, self.head_dim), causal=self.causal, scale=self.scale,
@@ -427,17 +481,11 @@ class LlamaLayer(nn.Module):
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.self_attn = Attention.from_module(stock.self_attn, backend=backend)
-        config = getattr(stock.self_attn, "config", None)
-        window = getattr(config, "sliding_window", None) if config is not None else None
-        if window is not None and getattr(config, "use_sliding_window", True):
-            layer_types = getattr(config, "layer_types", None)
-            layer_idx = getattr(stock.self_attn, "layer_idx", None)
-            if layer_types is None or layer_idx is None or layer_types[layer_idx] == "sliding_attention":
-                module.self_attn.window = (int(window) - 1, None)
         module.mlp = SwiGLUMLP.from_module(stock.mlp, backend=backend)
         module.input_layernorm = RMSNorm.from_module(stock.input_layernorm, backend=backend)
         module.post_attention_layernorm = RMSNorm.from_module(stock.post_attention_layernorm, backend=backend)
         module.policy, module.backend = policy, backend
+        module.train(stock.training)
         return module
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
@@ -445,17 +493,11 @@ class LlamaLayer(nn.Module):
         if attention_mask is not None:
             raise ValueError("LlamaLayer does causal attention and takes no attention_mask; for Hugging Face models "
                              "use remat.patch, which checks the model's padding mask")
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError(f"hidden_states must be [B, N, hidden], got {getattr(x, 'shape', type(x).__name__)}")
-        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or kwargs.get("use_cache"):
-            raise ValueError("remat's LlamaLayer is for training: a KV cache (use_cache / past_key_values) is not "
-                             "supported; call remat.unpatch(model) before generating")
+        _check_hidden_states(x)
+        refuse_kv_cache(kwargs)
         attn = self.self_attn
         batch, n, hidden = x.shape
-        rope = position_embeddings
-        if rope is None and attn.rope_theta is not None:
-            positions = position_ids if position_ids is not None else torch.arange(n, device=x.device)
-            rope = attn.rope_tables(positions, x.device)
+        rope = attn.rope_for(n, x.device, position_ids, position_embeddings)
         o = attention_block(x, self.input_layernorm, attn, rope, keep_qkv=self.policy != "memory")
         h = x + nn.functional.linear(o.reshape(batch, n, -1), _cast_like(attn.o_proj.weight, x),
                                      _cast_like(attn.o_proj.bias, x))
@@ -480,28 +522,30 @@ def attention_block(x, norm, attn, rope, keep_qkv):
     from remat.autograd.layer import NormAttentionFunction
 
     functional._check_input(x)
-    batch, n, _ = x.shape
+    batch, n, hidden = x.shape
+    if hidden != attn.q_proj.in_features:
+        raise ValueError(f"hidden_states' last dim must be {attn.q_proj.in_features}, got {hidden}")
+    for name, p in (("norm weight", norm.weight), ("q_proj weight", attn.q_proj.weight)):
+        if p is not None and p.device != x.device:
+            raise ValueError(f"the layer's {name} is on {p.device}, hidden_states on {x.device}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     shape = (batch, n, attn.num_heads, attn.num_kv_heads, attn.head_dim)
     functional._check_rope_tables(rope, batch, n, n, attn.head_dim, x.device)
-    backend = resolve_backend_for(attn.backend, x)
+    backend = resolve_backend(attn.backend, x)
     left, right = functional._window_bounds(attn.window, attn.causal)
     scale = attn.scale if attn.scale is not None else attn.head_dim**-0.5
     cos, sin = rope if rope is not None else (None, None)
     params = [_param_as(norm.weight, x)] + [_cast_like(getattr(attn, f"{p}_proj").weight, x) for p in "qkv"]
     biases = [_cast_like(getattr(attn, f"{p}_proj").bias, x) for p in "qkv"]
     (x, *params), autocast_off = functional._autocast_cast(x, *params, *biases)
+    functional.check_attention_dtype(backend, x.dtype)
     weights, biases = params[:4], params[4:]
     with autocast_off:
         return NormAttentionFunction.apply(
             x, weights[0], None, weights[1], weights[2], weights[3], *biases, cos, sin, shape, "rms",
             float(_norm_eps(norm, x)), float(scale), float(attn.softcap or 0.0), left, right,
             attn.dropout if attn.training else 0.0, True, keep_qkv, backend)
-
-
-def resolve_backend_for(name, x):
-    from remat.backend import resolve_backend
-
-    return resolve_backend(name, x)
 
 
 class Conv1D(nn.Module):
@@ -587,6 +631,7 @@ class GPT2Layer(nn.Module):
         module.attention_dropout, module.resid_dropout = float(config.attn_pdrop), float(config.resid_pdrop)
         module.approximate = "none" if activation == "gelu" else "tanh"
         module.policy, module.backend = policy, backend
+        module.train(stock.training)
         return module
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
@@ -596,25 +641,30 @@ class GPT2Layer(nn.Module):
         if attention_mask is not None:
             raise ValueError("GPT2Layer does causal attention and takes no attention_mask; for Hugging Face models "
                              "use remat.patch, which checks the model's padding mask")
+        _check_hidden_states(x)
         functional._check_input(x)
-        if x.dim() != 3:
-            raise ValueError(f"hidden_states must be [B, N, hidden], got {tuple(x.shape)}")
+        refuse_kv_cache(kwargs)
         batch, n, hidden = x.shape
+        if hidden != self.attn.c_attn.weight.shape[0]:
+            raise ValueError(f"hidden_states' last dim must be {self.attn.c_attn.weight.shape[0]}, got {hidden}")
         head_dim = hidden // self.num_heads
-        backend = resolve_backend_for(self.backend, x)
+        backend = resolve_backend(self.backend, x)
         c_attn, c_proj = self.attn.c_attn, self.attn.c_proj
         w_qkv, b_qkv = _cast_like(c_attn.weight, x), _cast_like(c_attn.bias, x)
         weights = [w_qkv[:, i * hidden : (i + 1) * hidden].t() for i in range(3)]
         biases = [b_qkv[i * hidden : (i + 1) * hidden] for i in range(3)]
         norm = [_param_as(self.ln_1.weight, x), _param_as(self.ln_1.bias, x)]
-        (x, *params), autocast_off = functional._autocast_cast(x, *norm, *weights, *biases)
+        # Under autocast the attention sub-block runs in the autocast dtype; the residual stream x
+        # keeps its own dtype, as in the stock block.
+        (x_cast, *params), autocast_off = functional._autocast_cast(x.contiguous(), *norm, *weights, *biases)
+        functional.check_attention_dtype(backend, x_cast.dtype)
         with autocast_off:
             o = NormAttentionFunction.apply(
-                x, *params, None, None, (batch, n, self.num_heads, self.num_heads, head_dim), "layer",
+                x_cast, *params, None, None, (batch, n, self.num_heads, self.num_heads, head_dim), "layer",
                 float(self.ln_1.eps), head_dim**-0.5, 0.0, -1, 0, self.attention_dropout if self.training else 0.0,
                 True, self.policy != "memory", backend)
-        attn_out = nn.functional.linear(o.reshape(batch, n, hidden), _cast_like(c_proj.weight, x).t(),
-                                        _cast_like(c_proj.bias, x))
+        attn_out = nn.functional.linear(o.reshape(batch, n, hidden), _cast_like(c_proj.weight, o).t(),
+                                        _cast_like(c_proj.bias, o))
         h = x + functional.dropout(attn_out, self.resid_dropout, self.training)
         normed = self.ln_2(h)
         c_fc, c_proj = self.mlp.c_fc, self.mlp.c_proj

@@ -8,9 +8,13 @@ What is replaced:
   ``input_layernorm``, ``post_attention_layernorm``) and GPT-2 blocks, when ``modules`` has all of
   "norm", "mlp" and "attention": by :class:`remat.nn.LlamaLayer` / :class:`remat.nn.GPT2Layer`
   with the chosen ``policy``.
-- Otherwise, one by one: RMSNorms (``torch.nn.RMSNorm`` and Hugging Face's) and
-  ``torch.nn.LayerNorm`` ("norm"), Llama-style MLPs with gate/up/down_proj ("mlp"), and Llama-style
-  attention with q/k/v/o_proj ("attention", by an adapter with Hugging Face's calling convention).
+- Otherwise, one by one: ``torch.nn.RMSNorm``, ``torch.nn.LayerNorm`` and the Llama-family
+  RMSNorms ("norm"), the Llama-family MLPs ("mlp") and attention modules ("attention", by an
+  adapter with Hugging Face's calling convention, keeping their sliding window and causality).
+
+Only these classes (by name: Llama, Mistral, Qwen2, GPT-2) are replaced; look-alikes whose
+computation differs (Qwen3's q/k norms, Cohere's LayerNorm, non-causal vision attention) are left
+as they are. Replacements keep the originals' train/eval mode.
 
 Hugging Face masks: remat's kernels do causal (and sliding-window) attention, not arbitrary masks.
 A patched model checks the ``attention_mask`` it is called with: rows that are all ones, or ones
@@ -21,6 +25,9 @@ Left padding or other masks raise ValueError. A patched model is for training: i
 ``config.use_cache = False`` (restored by unpatch), and a KV cache raises ValueError.
 """
 
+import functools
+import inspect
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +39,16 @@ MODULE_KINDS = ("norm", "mlp", "attention")
 _ORIGINAL = "_remat_original"
 _HOOK = "_remat_patched"
 _USE_CACHE = "_remat_saved_use_cache"
+_PREVIOUS_FORWARD = "_remat_previous_forward"
+
+# Hugging Face classes whose computation remat's modules reproduce exactly; others with similar
+# attribute names (Qwen3's q/k norms, Cohere's mean-centred norm, non-causal vision attention)
+# are not replaced.
+_LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2")
+_HF_LAYERS = tuple(f"{family}DecoderLayer" for family in _LLAMA_FAMILY)
+_HF_ATTENTIONS = tuple(f"{family}Attention" for family in _LLAMA_FAMILY)
+_HF_MLPS = tuple(f"{family}MLP" for family in _LLAMA_FAMILY)
+_HF_RMS_NORMS = tuple(f"{family}RMSNorm" for family in _LLAMA_FAMILY)
 
 
 @dataclass
@@ -56,7 +73,7 @@ class HFAttention(remat_nn.Attention):
     (output, None)``. The mask is checked at the model (see remat.patch)."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        _refuse_cache(kwargs)
+        remat_nn.refuse_kv_cache(kwargs)
         return super().forward(hidden_states, position_embeddings=position_embeddings), None
 
 
@@ -65,7 +82,7 @@ class HFGPT2Layer(remat_nn.GPT2Layer):
     remat.patch has checked the model's 2-D mask)."""
 
     def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None, **kwargs):
-        _refuse_cache(dict(kwargs, cache=cache))
+        remat_nn.refuse_kv_cache(dict(kwargs, cache=cache))
         if encoder_hidden_states is not None:
             raise ValueError("remat's GPT2Layer has no cross-attention (encoder_hidden_states)")
         return super().forward(hidden_states)
@@ -76,44 +93,24 @@ class HFLlamaLayer(remat_nn.LlamaLayer):
     builds is not read (remat.patch has checked the model's 2-D mask)."""
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
-        _refuse_cache(kwargs)
+        remat_nn.refuse_kv_cache(kwargs)
         return super().forward(hidden_states, position_ids=position_ids, position_embeddings=position_embeddings)
 
 
-def _refuse_cache(kwargs):
-    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
-        raise ValueError("a remat-patched model is for training: KV caches (use_cache, past_key_values) are not "
-                         "supported; call remat.unpatch(model) before generating")
-
-
-def _is_hf_rms_norm(module):
-    return isinstance(getattr(module, "weight", None), nn.Parameter) and hasattr(module, "variance_epsilon")
-
-
-def _is_llama_layer(module):
-    return all(hasattr(module, name) for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
-
-
-def _is_llama_mlp(module):
-    return all(isinstance(getattr(module, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))
-
-
-def _is_llama_attention(module):
-    return all(isinstance(getattr(module, f"{p}_proj", None), nn.Linear) for p in "qkvo")
-
-
 def _kind_of(module):
-    if isinstance(module, (nn.RMSNorm, nn.LayerNorm)) or _is_hf_rms_norm(module):
+    """"norm", "mlp", "attention", "llama_layer", "gpt2_block" or None (not a class remat takes)."""
+    name = type(module).__name__
+    if type(module) in (nn.RMSNorm, nn.LayerNorm) or (name in _HF_RMS_NORMS and remat_nn.is_hf_rms_norm(module)):
         return "norm"
-    if _is_llama_mlp(module):
+    if name in _HF_MLPS:
         return "mlp"
-    if _is_llama_attention(module):
+    if name in _HF_ATTENTIONS:
         return "attention"
+    if name in _HF_LAYERS:
+        return "llama_layer"
+    if name == "GPT2Block":
+        return "gpt2_block"
     return None
-
-
-def _is_gpt2_block(module):
-    return type(module).__name__ == "GPT2Block" and all(hasattr(module, n) for n in ("ln_1", "attn", "ln_2", "mlp"))
 
 
 def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
@@ -147,39 +144,29 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
         setattr(model, _USE_CACHE, config.use_cache)
         config.use_cache = False
     setattr(model, _HOOK, True)
-    stock_forward = model.forward
-
-    # The check runs inside the model's own forward (an instance attribute shadowing the class's),
-    # not in a forward pre-hook, so torch.compile traces it into the model's graph.
-    def forward(*args, **kwargs):
-        _check_attention_mask(kwargs.get("attention_mask"))
-        return stock_forward(*args, **kwargs)
-
-    model.forward = forward
+    _install_mask_check(model)
     return report
 
 
 def _patch_children(parent, prefix, modules, whole_layers, policy, backend, report):
     for name, child in list(parent.named_children()):
         qualified = f"{prefix}{name}"
-        replacement = None
-        if whole_layers and _is_gpt2_block(child):
-            try:
-                replacement = HFGPT2Layer.from_module(child, policy=policy, backend=backend)
-            except ValueError as error:
-                report.left_alone.append((qualified, type(child).__name__, str(error)))
-                continue
-        elif type(child).__name__ in ("GPT2Attention", "GPT2MLP") and ("attention" in modules or "mlp" in modules):
+        kind = _kind_of(child)
+        if kind in ("llama_layer", "gpt2_block") and not whole_layers:
+            kind = None
+        if type(child).__name__ in ("GPT2Attention", "GPT2MLP") and ("attention" in modules or "mlp" in modules):
             report.left_alone.append((qualified, type(child).__name__, "GPT-2's attention and MLP are replaced "
                                       "only as whole blocks: pass all of modules=('norm', 'mlp', 'attention')"))
             continue
-        elif whole_layers and _is_llama_layer(child) and _is_llama_attention(child.self_attn) and _is_llama_mlp(child.mlp):
-            replacement = HFLlamaLayer.from_module(child, policy=policy, backend=backend)
-        else:
-            kind = _kind_of(child)
-            if kind in modules:
-                replacement = _replace_one(child, kind, backend, qualified, report)
+        replacement = None
+        if kind is not None and (kind in modules or kind in ("llama_layer", "gpt2_block")):
+            try:
+                replacement = _replacement(child, kind, policy, backend)
+            except (TypeError, ValueError) as error:
+                report.left_alone.append((qualified, type(child).__name__, str(error)))
+                continue
         if replacement is not None:
+            replacement.train(child.training)
             object.__setattr__(replacement, _ORIGINAL, child)
             setattr(parent, name, replacement)
             report.replaced.append((qualified, type(child).__name__, type(replacement).__name__))
@@ -187,18 +174,40 @@ def _patch_children(parent, prefix, modules, whole_layers, policy, backend, repo
             _patch_children(child, f"{qualified}.", modules, whole_layers, policy, backend, report)
 
 
-def _replace_one(child, kind, backend, qualified, report):
-    try:
-        if kind == "norm":
-            if isinstance(child, nn.LayerNorm):
-                return remat_nn.LayerNorm.from_module(child, backend=backend)
-            return remat_nn.RMSNorm.from_module(child, backend=backend)
-        if kind == "mlp":
-            return remat_nn.SwiGLUMLP.from_module(child, backend=backend)
-        return HFAttention.from_module(child, backend=backend)
-    except (TypeError, ValueError) as error:
-        report.left_alone.append((qualified, type(child).__name__, str(error)))
-        return None
+def _replacement(child, kind, policy, backend):
+    if kind == "llama_layer":
+        return HFLlamaLayer.from_module(child, policy=policy, backend=backend)
+    if kind == "gpt2_block":
+        return HFGPT2Layer.from_module(child, policy=policy, backend=backend)
+    if kind == "norm":
+        if isinstance(child, nn.LayerNorm):
+            return remat_nn.LayerNorm.from_module(child, backend=backend)
+        return remat_nn.RMSNorm.from_module(child, backend=backend)
+    if kind == "mlp":
+        return remat_nn.SwiGLUMLP.from_module(child, backend=backend)
+    return HFAttention.from_module(child, backend=backend)
+
+
+def _install_mask_check(model):
+    """Makes model's forward check its attention_mask first. The wrapper is a method bound to the
+    model (so deepcopy binds it to the copy), keeps the wrapped forward's signature (Hugging Face's
+    Trainer reads it), and finds the mask whether passed by name or position. torch.compile traces
+    the check into the model's graph (a forward pre-hook would be a separate graph)."""
+    previous = model.__dict__.get("forward")
+    stock_forward = type(model).forward
+    signature = inspect.signature(stock_forward)
+
+    @functools.wraps(stock_forward)
+    def checked_forward(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs).arguments
+        _check_attention_mask(bound.get("attention_mask"))
+        if previous is not None:
+            return previous(*args, **kwargs)
+        return stock_forward(self, *args, **kwargs)
+
+    if previous is not None:
+        setattr(model, _PREVIOUS_FORWARD, previous)
+    model.forward = types.MethodType(checked_forward, model)
 
 
 def _check_attention_mask(mask):
@@ -224,12 +233,19 @@ def _check_attention_mask(mask):
 
 
 def unpatch(model):
-    """Restores the modules :func:`patch` replaced (the originals, with their shared parameters)
-    and the model's ``config.use_cache``; removes the mask check."""
+    """Restores the modules :func:`patch` replaced (the originals, with their shared parameters),
+    the model's ``config.use_cache`` and its forward (removing the mask check).
+
+    Args:
+        model: a model :func:`patch` returned a report for; anything else raises ValueError.
+    """
     if not getattr(model, _HOOK, False):
         raise ValueError("model is not patched by remat.patch")
     delattr(model, _HOOK)
     del model.forward
+    if hasattr(model, _PREVIOUS_FORWARD):
+        model.forward = getattr(model, _PREVIOUS_FORWARD)
+        delattr(model, _PREVIOUS_FORWARD)
     if hasattr(model, _USE_CACHE):
         model.config.use_cache = getattr(model, _USE_CACHE)
         delattr(model, _USE_CACHE)

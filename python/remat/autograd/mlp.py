@@ -112,7 +112,9 @@ class GELUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, recompute, backend):
         ops = ops_for(backend)
-        fused = backend == "triton" and recompute != "none"
+        # The fused kernel reads w_fc as a contiguous [I, H] matrix; a transposed view (GPT-2's
+        # Conv1D layout) takes the cuBLAS GEMM and Triton's activation kernel instead.
+        fused = backend == "triton" and recompute != "none" and w_fc.is_contiguous()
         if fused:
             h, pre = triton_act_matmul(x, w_fc, b_fc, activation, recompute == "activation")
         else:

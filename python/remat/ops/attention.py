@@ -145,8 +145,7 @@ def torch_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, wi
     dv = torch.zeros_like(dk)
     for i0 in range(0, n, _TORCH_ROWS_PER_STEP):
         i1 = min(n, i0 + _TORCH_ROWS_PER_STEP)
-        dots = torch.matmul(q_heads[:, :, i0:i1], k_heads.transpose(-1, -2))
-        logits = softcap * torch.tanh(dots * scale / softcap) if softcap > 0 else dots * scale
+        logits = _logits(q_heads[:, :, i0:i1], k_heads, scale, softcap)
         visible = _visible(i0, i1, n, m, window_left, window_right, q.device)
         probs = torch.exp(logits - lse[:, :, i0:i1, None]).masked_fill(~visible, 0.0)
         keep = _keep_factor(rng, (batch, hq, n, m), (i0, i1), dropout_p, q.device)
