@@ -1,17 +1,16 @@
-// Host launchers of the flash-attention kernels (attention_kernel.cuh): argument checks, the
-// 16-byte access conditions, the head-dim bucket and dtype dispatch, shared-memory opt-in, grids.
-// Only CUDA headers, so this file compiles without torch.
+// Host launchers of the flash-attention kernels (attention_kernel.cuh): the launch logic
+// (attention_launch.h) with the CUDA launch itself, the shared-memory opt-in and the shared-memory
+// query. Only CUDA headers, so this file compiles without torch.
 #include "attention/attention.h"
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
+#include <type_traits>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "attention/attention_kernel.cuh"
+#include "attention/attention_launch.h"
 
 namespace remat {
 namespace {
@@ -19,65 +18,26 @@ namespace {
 using attn_detail::DkDvTiles;
 using attn_detail::DqTiles;
 using attn_detail::FwdTiles;
-using attn_detail::head_dim_bucket;
-using attn_detail::kSmallThreads;
-using attn_detail::TileFlags;
 
 constexpr int kDefaultSmemLimit = 48 * 1024;  // dynamic shared memory without the opt-in
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Launches on a stream. Kernels that need more than 48 KB of dynamic shared memory opt in first
+// (per device; cheap to repeat), which fails with cudaErrorInvalidValue when the device has less
+// than that per block.
+struct StreamLauncher {
+  static constexpr int64_t kMaxGridStrideBlocks = int64_t{1} << 16;
+  cudaStream_t stream;
 
-bool aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
-// A [*, *, *, D] operand can be moved in 16-byte packs of 8 elements when every row chunk of 8
-// starts 16-byte aligned.
-bool packs_ok(const void* ptr, int64_t head_dim, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
-  return head_dim % 8 == 0 && aligned_16(ptr) && batch_stride % 8 == 0 && row_stride % 8 == 0 &&
-         head_stride % 8 == 0;
-}
-
-// The rope tables are read 8 floats at a time (two float4) from position * D/2 + c, c % 8 == 0.
-bool rope_packs_ok(const float* cos, const float* sin, int64_t head_dim) {
-  return cos != nullptr && (head_dim / 2) % 8 == 0 && aligned_16(cos) && aligned_16(sin);
-}
-
-// Kernels that need more than 48 KB of dynamic shared memory must opt in first (per device; cheap
-// to repeat). Fails with cudaErrorInvalidValue when the device has less than `bytes` per block.
-template <typename Kernel>
-cudaError_t allow_smem(Kernel kernel, int bytes) {
-  if (bytes <= kDefaultSmemLimit) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-}
-
-// Calls launch.template operator()<T, DP>() for the dtype and the head-dim bucket.
-template <typename Launch>
-cudaError_t dispatch(ScalarKind kind, int64_t head_dim, const Launch& launch) {
-  const int bucket = head_dim_bucket(head_dim);
-  auto by_bucket = [&]<typename T>() -> cudaError_t {
-    switch (bucket) {
-      case 32: return launch.template operator()<T, 32>();
-      case 64: return launch.template operator()<T, 64>();
-      case 96: return launch.template operator()<T, 96>();
-      case 128: return launch.template operator()<T, 128>();
-      case 192: return launch.template operator()<T, 192>();
-      case 256: return launch.template operator()<T, 256>();
+  template <typename... Params, typename... Args>
+  cudaError_t operator()(void (*kernel)(Params...), dim3 grid, int threads, int smem_bytes, const Args&... args) const {
+    if (smem_bytes > kDefaultSmemLimit) {
+      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+      if (err != cudaSuccess) return err;
     }
-    return cudaErrorInvalidValue;
-  };
-  switch (kind) {
-    case ScalarKind::kFloat16: return by_bucket.template operator()<__half>();
-    case ScalarKind::kBFloat16: return by_bucket.template operator()<__nv_bfloat16>();
-    case ScalarKind::kFloat32: return cudaErrorInvalidValue;  // fp32: the Triton and torch backends
+    kernel<<<grid, threads, smem_bytes, stream>>>(args...);
+    return cudaGetLastError();
   }
-  return cudaErrorInvalidValue;
-}
-
-// Shapes every kernel relies on (the ATen glue checks them with messages first).
-bool valid_shape(int64_t batch, int64_t n, int64_t m, int64_t hq, int64_t hkv, int64_t head_dim) {
-  return batch >= 1 && n >= 1 && m >= 1 && hq >= 1 && hkv >= 1 && hq % hkv == 0 && head_dim >= 1 &&
-         head_dim <= kAttentionCudaMaxHeadDim && batch <= kAttentionCudaMaxGridYZ && hq <= kAttentionCudaMaxGridYZ &&
-         ceil_div(std::max(n, m), 32) <= INT_MAX;
-}
+};
 
 }  // namespace
 
@@ -87,7 +47,7 @@ size_t attention_cuda_smem_bytes(int64_t head_dim) {
     return static_cast<size_t>(
         std::max({FwdTiles<kDp>::kBytes, DkDvTiles<kDp>::kBytes, DqTiles<kDp>::kBytes}));
   };
-  switch (head_dim_bucket(head_dim)) {
+  switch (attn_detail::head_dim_bucket(head_dim)) {
     case 32: return bytes(std::integral_constant<int, 32>{});
     case 64: return bytes(std::integral_constant<int, 64>{});
     case 96: return bytes(std::integral_constant<int, 96>{});
@@ -98,95 +58,11 @@ size_t attention_cuda_smem_bytes(int64_t head_dim) {
 }
 
 cudaError_t attention_fwd_cuda(const AttentionFwdParams& p, ScalarKind kind, cudaStream_t stream) {
-  if (!valid_shape(p.batch, p.n, p.m, p.hq, p.hkv, p.head_dim)) return cudaErrorInvalidValue;
-  if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.o == nullptr || p.lse == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  if ((p.cos == nullptr) != (p.sin == nullptr) || (p.cos != nullptr && p.head_dim % 2 != 0)) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.dropout_p < 0.0f || p.dropout_p >= 1.0f || (p.dropout_p > 0.0f && p.rng == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
-  TileFlags flags{};
-  flags.q_vec = packs_ok(p.q, p.head_dim, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
-  flags.k_vec = packs_ok(p.k, p.head_dim, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-  flags.v_vec = packs_ok(p.v, p.head_dim, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
-  flags.rope_vec = rope_packs_ok(p.cos, p.sin, p.head_dim);
-  flags.out_vec = p.head_dim % 8 == 0 && aligned_16(p.o);
-  return dispatch(kind, p.head_dim, [&]<typename T, int DP>() -> cudaError_t {
-    using L = FwdTiles<DP>;
-    const auto kernel = attn_detail::attention_fwd_kernel<T, DP>;
-    const cudaError_t err = allow_smem(kernel, L::kBytes);
-    if (err != cudaSuccess) return err;
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.n, L::kBlockM)), static_cast<unsigned>(p.hq),
-                    static_cast<unsigned>(p.batch));
-    kernel<<<grid, L::kThreads, L::kBytes, stream>>>(p, flags);
-    return cudaGetLastError();
-  });
+  return attn_launch::attention_fwd(p, kind, StreamLauncher{stream});
 }
 
 cudaError_t attention_bwd_cuda(const AttentionBwdParams& p, ScalarKind kind, cudaStream_t stream) {
-  if (!valid_shape(p.batch, p.n, p.m, p.hq, p.hkv, p.head_dim)) return cudaErrorInvalidValue;
-  if (p.dout == nullptr || p.q == nullptr || p.k == nullptr || p.v == nullptr || p.o == nullptr ||
-      p.lse == nullptr || p.dq == nullptr || p.dk == nullptr || p.dv == nullptr || p.delta == nullptr ||
-      (!p.deterministic && p.dq_accum == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
-  if ((p.cos == nullptr) != (p.sin == nullptr) || (p.cos != nullptr && p.head_dim % 2 != 0)) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.dropout_p < 0.0f || p.dropout_p >= 1.0f || (p.dropout_p > 0.0f && p.rng == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
-  TileFlags flags{};
-  flags.q_vec = packs_ok(p.q, p.head_dim, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
-  flags.k_vec = packs_ok(p.k, p.head_dim, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-  flags.v_vec = packs_ok(p.v, p.head_dim, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
-  flags.do_vec = packs_ok(p.dout, p.head_dim, p.dout_batch_stride, p.dout_row_stride, p.dout_head_stride);
-  flags.rope_vec = rope_packs_ok(p.cos, p.sin, p.head_dim);
-  flags.out_vec = false;  // the backward epilogues store element by element
-
-  return dispatch(kind, p.head_dim, [&]<typename T, int DP>() -> cudaError_t {
-    // 1. Delta = rowsum(dout * o), a warp per row.
-    const int64_t rows = p.batch * p.hq * p.n;
-    const int64_t delta_blocks = ceil_div(rows, kSmallThreads / 32);
-    if (delta_blocks > INT_MAX) return cudaErrorInvalidValue;
-    attn_detail::attention_bwd_delta_kernel<T>
-        <<<static_cast<unsigned>(delta_blocks), kSmallThreads, 0, stream>>>(p);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-
-    // 2. dK, dV (and, non-deterministic, dq into dq_accum with atomics).
-    using KV = DkDvTiles<DP>;
-    const auto dkdv = p.deterministic ? attn_detail::attention_bwd_dkdv_kernel<T, DP, false>
-                                      : attn_detail::attention_bwd_dkdv_kernel<T, DP, true>;
-    err = allow_smem(dkdv, KV::kBytes);
-    if (err != cudaSuccess) return err;
-    const dim3 kv_grid(static_cast<unsigned>(ceil_div(p.m, KV::kBlockN)), static_cast<unsigned>(p.hkv),
-                       static_cast<unsigned>(p.batch));
-    dkdv<<<kv_grid, KV::kThreads, KV::kBytes, stream>>>(p, flags);
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-
-    if (p.deterministic) {
-      // 3a. dQ, one block per query block, no atomics.
-      using Q = DqTiles<DP>;
-      const auto dq = attn_detail::attention_bwd_dq_kernel<T, DP>;
-      err = allow_smem(dq, Q::kBytes);
-      if (err != cudaSuccess) return err;
-      const dim3 q_grid(static_cast<unsigned>(ceil_div(p.n, Q::kBlockM)), static_cast<unsigned>(p.hq),
-                        static_cast<unsigned>(p.batch));
-      dq<<<q_grid, Q::kThreads, Q::kBytes, stream>>>(p, flags);
-      return cudaGetLastError();
-    }
-    // 3b. dq = inverse rope of dq_accum, cast (grid-stride; the cap only bounds the grid).
-    const int64_t per_row = p.cos != nullptr ? p.head_dim / 2 : p.head_dim;
-    const int64_t items = p.batch * p.n * p.hq * per_row;
-    const int64_t blocks = std::min<int64_t>(ceil_div(items, kSmallThreads), int64_t{1} << 16);
-    attn_detail::attention_bwd_dq_convert_kernel<T><<<static_cast<unsigned>(blocks), kSmallThreads, 0, stream>>>(p);
-    return cudaGetLastError();
-  });
+  return attn_launch::attention_bwd(p, kind, StreamLauncher{stream});
 }
 
 }  // namespace remat

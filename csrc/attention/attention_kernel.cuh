@@ -289,11 +289,15 @@ __device__ __forceinline__ void zero8_shared(T* dst) {
 // 16 bytes global -> shared without passing through registers (sm_80 cp.async, L2 only: the
 // tiles are read once per block). Completion: cp_async_wait_all() by the issuing thread, then a
 // barrier before other threads read the data.
-// (The host branches serve a host build of these kernels that emulates threads, for testing.)
+// Host builds of these kernels (the CPU emulation of tests/cuda_emulation) define
+// REMAT_HOST_CP_ASYNC_16(dst, src) and REMAT_HOST_CP_ASYNC_WAIT_ALL(), which defer each copy to
+// the issuing thread's wait; without them a host build copies at once.
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
 #if defined(__CUDA_ARCH__) && !defined(REMAT_ATTENTION_ARCH_UNSUPPORTED)
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+#elif defined(REMAT_HOST_CP_ASYNC_16)
+  REMAT_HOST_CP_ASYNC_16(smem_dst, gmem_src);
 #else
   memcpy(smem_dst, gmem_src, 16);
 #endif
@@ -302,6 +306,8 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
 __device__ __forceinline__ void cp_async_wait_all() {
 #if defined(__CUDA_ARCH__) && !defined(REMAT_ATTENTION_ARCH_UNSUPPORTED)
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+#elif defined(REMAT_HOST_CP_ASYNC_WAIT_ALL)
+  REMAT_HOST_CP_ASYNC_WAIT_ALL();
 #endif
 }
 
