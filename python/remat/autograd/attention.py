@@ -3,8 +3,9 @@
 Recompute contract (DESIGN.md section 2), checked byte for byte in tests/test_attention.py:
 
 - saved: q, k, v, o, the fp32 logsumexp lse [B, Hq, N], and with dropout the 16-byte int64
-  (seed, offset) pair; with rope, the caller's cos and sin tables (typically shared by every layer).
-  Nothing of size N x M.
+  (seed, offset) pair; with rope, the cos and sin tables as passed in (a Hugging Face model passes
+  one pair to every layer; remat.nn.Attention and LlamaLayer build their own per call). Nothing of
+  size N x M.
 - recomputed in the backward kernels: the rotated q and k, the logits and probabilities from q, k
   and lse, the dropout mask from (seed, offset).
 
