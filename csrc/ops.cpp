@@ -38,6 +38,10 @@ TORCH_LIBRARY(remat, m) {
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cos,"
         " Tensor? sin, Tensor? rng, float scale, float softcap, int window_left, int window_right,"
         " float dropout_p, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Dropout with a Philox mask that is never stored: y = keep ? x / (1 - p) : 0, keep(i) the
+  // Philox stream of rng = (seed, offset) at counter offset + i (common/philox.h). x contiguous.
+  // The backward applies the same op to dy.
+  m.def("philox_dropout(Tensor x, Tensor rng, float p) -> Tensor y");
 }
 
 // The module carries no functions: importing it runs the registrations above, and Python calls

@@ -452,22 +452,41 @@ def test_attention_module_saves_no_attention_matrix():
     assert saved == expected
 
 
-def test_philox_dropout_regenerates_its_mask_and_stores_none():
-    x = torch.randn(4, 257, requires_grad=True)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_philox_dropout_regenerates_its_mask_and_stores_none(backend, dtype):
+    from remat.reference import philox_randint, philox_uniform
+
+    x = torch.randn(4, 2053).to(dtype).requires_grad_()
     torch.manual_seed(3)
     rng = draw_rng_state("cpu")
     torch.manual_seed(3)
-    y = remat.dropout(x, 0.3)
-    from remat.reference import philox_randint, philox_uniform
-
+    y = remat.dropout(x, 0.3, backend=backend)
     keep = (philox_uniform(philox_randint(rng[0], torch.arange(x.numel()) + rng[1])) >= 0.3).view(x.shape)
-    torch.testing.assert_close(y, x * keep / 0.7)
+    want = torch.where(keep, x.detach().float() / 0.7, 0.0).to(dtype)
+    assert torch.equal(y, want)
     assert 0.6 < keep.float().mean().item() < 0.8
     dy = torch.randn_like(y)
     y.backward(dy)
-    torch.testing.assert_close(x.grad, dy * keep / 0.7)
+    assert torch.equal(x.grad, torch.where(keep, dy.float() / 0.7, 0.0).to(dtype))
     torch.manual_seed(3)
-    assert saved_bytes(remat.dropout, x, 0.3) == 16
+    assert saved_bytes(remat.dropout, x, 0.3, backend=backend) == 16
     assert remat.dropout(x, 0.3, training=False) is x
     with pytest.raises(ValueError, match="p must be"):
         remat.dropout(x, 1.0)
+
+
+def _dropout_opcheck_cases():
+    x = torch.randn(3, 1000).bfloat16()
+    rng = torch.tensor([7, 2**40 + 3])
+    cases = []
+    if _extension.LOADED:
+        cases.append(pytest.param("remat", id="cpp"))
+    if "triton" in cpu_backends():
+        cases.append(pytest.param("remat_triton", id="triton"))
+    return [pytest.param(c.values[0], (x, rng, 0.25), id=c.id) for c in cases]
+
+
+@pytest.mark.parametrize("namespace,args", _dropout_opcheck_cases())
+def test_philox_dropout_opcheck(namespace, args):
+    torch.library.opcheck(getattr(torch.ops, namespace).philox_dropout, args)

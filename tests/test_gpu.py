@@ -191,3 +191,20 @@ def test_gpu_attention_saves_no_attention_matrix(backend):
     v = torch.randn_like(k, requires_grad=True)
     contract = (2 * q.numel() + k.numel() + v.numel()) * 2 + b * hq * n * 4 + 16
     assert saved_bytes(remat.attention, q, k, v, causal=True, dropout_p=0.1, backend=backend) == contract
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_philox_dropout_is_the_reference_stream(backend, dtype):
+    from remat.reference import philox_randint, philox_uniform
+
+    x = torch.randn(1000, 4099, device="cuda").to(dtype).requires_grad_()
+    torch.manual_seed(2)
+    rng = draw_rng_state("cuda")
+    torch.manual_seed(2)
+    y = remat.dropout(x, 0.2, backend=backend)
+    keep = (philox_uniform(philox_randint(rng[0], torch.arange(x.numel(), device="cuda") + rng[1])) >= 0.2)
+    want = torch.where(keep.view(x.shape), x.detach().float() / 0.8, 0.0).to(dtype)
+    assert torch.equal(y, want)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, torch.where(keep.view(x.shape), 1 / 0.8, 0.0).to(dtype))

@@ -449,21 +449,23 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     return o.transpose(1, 2) if layout == "bhnd" else o
 
 
-def dropout(x, p=0.5, training=True):
+def dropout(x, p=0.5, training=True, *, backend=None):
     """Dropout that keeps no mask for backward: the mask is a Philox stream keyed by a (seed,
-    offset) pair drawn from PyTorch's generator (16 bytes saved), regenerated in backward.
+    offset) pair drawn from PyTorch's generator (16 bytes saved), regenerated in backward. Every
+    backend draws the same mask for the same generator state.
 
     Args:
-        x: float tensor, any shape (a non-contiguous one is made contiguous first).
+        x: float32, float16 or bfloat16 tensor, any shape (a non-contiguous one is copied first).
         p: drop probability in [0, 1). training: False returns x unchanged (as F.dropout).
+        backend: ``"cuda"``, ``"cpp"``, ``"triton"``, ``"torch"`` or None (see remat.backend).
 
     Returns:
         ``x * keep / (1 - p)``, a new tensor; x itself when not training or p == 0.
     """
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    _check_input(x)
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
         raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+    name = resolve_backend(backend, x)
     if not training or p == 0:
         return x
-    return PhiloxDropoutFunction.apply(x.contiguous(), float(p))
+    return PhiloxDropoutFunction.apply(x.contiguous(), float(p), name)

@@ -665,7 +665,7 @@ class GPT2Layer(nn.Module):
                 True, self.policy != "memory", backend)
         attn_out = nn.functional.linear(o.reshape(batch, n, hidden), _cast_like(c_proj.weight, o).t(),
                                         _cast_like(c_proj.bias, o))
-        h = x + functional.dropout(attn_out, self.resid_dropout, self.training)
+        h = x + functional.dropout(attn_out, self.resid_dropout, self.training, backend=self.backend)
         normed = self.ln_2(h)
         c_fc, c_proj = self.mlp.c_fc, self.mlp.c_proj
         mlp_out = functional.gelu_mlp(normed, _cast_like(c_fc.weight, h).t(), _cast_like(c_fc.bias, h),
@@ -673,4 +673,4 @@ class GPT2Layer(nn.Module):
                                       approximate=self.approximate,
                                       recompute="activation" if self.policy == "speed" else "block",
                                       backend=self.backend)
-        return h + functional.dropout(mlp_out, self.resid_dropout, self.training)
+        return h + functional.dropout(mlp_out, self.resid_dropout, self.training, backend=self.backend)

@@ -1,0 +1,71 @@
+"""Triton Philox dropout: y = keep ? x / (1 - p) : 0 with keep(i) = tl.rand(seed, offset + i) >= p,
+the stream of csrc/common/philox.h and remat.reference.philox_randint, so the mask is never stored:
+the backward applies the same kernel to dy. The seed and offset are read on the device from the
+int64 rng = [seed, offset] tensor. x is contiguous; the division is IEEE (div_rn), done in fp32
+and rounded once, as the C++ and CUDA kernels and torch's `x / (1 - p)` do.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from .norm import _round
+except ImportError:
+    # Loaded by file path (tests/test_triton_aot.py), with no parent package: load the sibling
+    # file under a private name.
+    _norm_spec = importlib.util.spec_from_file_location(f"{__name__}_norm", Path(__file__).with_name("norm.py"))
+    _norm = importlib.util.module_from_spec(_norm_spec)
+    _norm_spec.loader.exec_module(_norm)
+    _round = _norm._round
+
+# 1024 elements per program: 8 per thread at 4 warps, enough independent Philox rounds in flight.
+_BLOCK = 1024
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _philox_dropout_kernel(x_ptr, y_ptr, rng_ptr, n_elements, p, keep_divisor, BLOCK: tl.constexpr,
+                           INTERPRETED: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offsets < n_elements
+    seed = tl.load(rng_ptr)
+    base = tl.load(rng_ptr + 1)
+    keep = tl.rand(seed, base + offsets) >= p
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    y = tl.where(keep, tl.math.div_rn(x, keep_divisor), 0.0)
+    tl.store(y_ptr + offsets, _round(y, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+_INTERPRETED = not isinstance(_philox_dropout_kernel, triton.runtime.JITFunction)
+
+
+def philox_dropout(x, rng, p):
+    """y = x * keep / (1 - p) for contiguous x (fp32/fp16/bf16) and rng int64 [2] on x's device."""
+    if not x.is_contiguous() or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be a contiguous float32/float16/bfloat16 tensor, got {x.dtype}")
+    if rng.shape != (2,) or rng.dtype != torch.int64 or rng.device != x.device:
+        raise ValueError("rng must be an int64 [2] = (seed, offset) tensor on x's device")
+    if not 0 <= p < 1:
+        raise ValueError(f"p must be in [0, 1), got {p}")
+    y = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _philox_dropout_kernel[(triton.cdiv(n, _BLOCK),)](x, y, rng, n, float(p), float(1.0 - p), BLOCK=_BLOCK,
+                                                          INTERPRETED=_INTERPRETED, num_warps=_NUM_WARPS)
+    return y
+
+
+def aot_specs():
+    """(name, kernel, signature, constexprs, num_warps) for the ahead-of-time compile test: one
+    spec per dtype."""
+    for type_name in ("fp32", "fp16", "bf16"):
+        element = f"*{type_name}"
+        signature = {"x_ptr": element, "y_ptr": element, "rng_ptr": "*i64", "n_elements": "i64", "p": "fp32",
+                     "keep_divisor": "fp32", "BLOCK": "constexpr", "INTERPRETED": "constexpr"}
+        yield (f"philox_dropout-{type_name}", _philox_dropout_kernel, signature,
+               {"BLOCK": _BLOCK, "INTERPRETED": False}, _NUM_WARPS)

@@ -1,0 +1,46 @@
+"""The Philox dropout operator of every backend: ``philox_dropout(x, rng, p) -> y`` with
+y = keep ? x / (1 - p) : 0, keep(i) = uniform(seed, offset + i) >= p for the Philox4x32-10 stream
+of csrc/common/philox.h (Triton's tl.rand), rng = int64 [seed, offset], x contiguous. The
+division is done in fp32 and rounded once."""
+
+import torch
+from torch import Tensor
+
+from remat import _extension
+from remat.reference import philox_randint, philox_uniform
+
+
+def torch_philox_dropout(x, rng, p):
+    """The plain-PyTorch version: the Philox stream as int64 tensor arithmetic."""
+    counters = torch.arange(x.numel(), dtype=torch.int64, device=x.device) + rng[1]
+    keep = (philox_uniform(philox_randint(rng[0], counters)) >= p).view(x.shape)
+    return torch.where(keep, x.float() / (1.0 - p), 0.0).to(x.dtype)
+
+
+def _fake_philox_dropout(x, rng, p):
+    return torch.empty_like(x)
+
+
+EXTENSION_OP = None
+if _extension.LOADED:
+    torch.library.register_fake("remat::philox_dropout")(_fake_philox_dropout)
+    EXTENSION_OP = torch.ops.remat.philox_dropout
+
+
+@torch.library.custom_op("remat_triton::philox_dropout", mutates_args=())
+def triton_philox_dropout(x: Tensor, rng: Tensor, p: float) -> Tensor:
+    from remat.kernels import dropout
+
+    return dropout.philox_dropout(x, rng, p)
+
+
+triton_philox_dropout.register_fake(_fake_philox_dropout)
+
+
+def op_for(backend):
+    """The philox_dropout implementation of a resolved backend name."""
+    if backend == "torch":
+        return torch_philox_dropout
+    if backend == "triton":
+        return triton_philox_dropout
+    return EXTENSION_OP
