@@ -380,3 +380,15 @@ def test_lookalike_models_are_left_alone():
     report = remat.patch(model)
     assert report.replaced == []
     torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, want)
+
+
+def test_patch_model_loaded_from_a_local_checkpoint(tmp_path):
+    causal_lm("qwen2").save_pretrained(tmp_path)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    patched = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    report = remat.patch(patched, policy="memory")
+    assert len(report.replaced) == 3 and not patched.training
+    ids, mask, labels = batch()
+    real = mask.bool()
+    torch.testing.assert_close(patched(input_ids=ids, attention_mask=mask).logits[real],
+                               stock(input_ids=ids, attention_mask=mask).logits[real], rtol=1e-5, atol=1e-5)
