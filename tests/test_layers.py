@@ -293,8 +293,8 @@ def test_gpt2_layer_saves_the_documented_bytes(policy, dtype):
     layer = remat.nn.GPT2Layer(HIDDEN, HEADS, policy=policy, resid_dropout=0.1, dtype=dtype)
     x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
     s = x.element_size()
-    per_token = {"memory": 4 * s * HIDDEN, "balanced": 7 * s * HIDDEN,
-                 "speed": 7 * s * HIDDEN + s * 4 * HIDDEN}[policy] + 4 * HEADS + 16
+    per_token = {"memory": 3 * s * HIDDEN, "balanced": 6 * s * HIDDEN,
+                 "speed": 6 * s * HIDDEN + s * 4 * HIDDEN}[policy] + 4 * HEADS + 16
     assert saved_bytes(layer, x) == BATCH * LENGTH * per_token + 2 * 16  # two residual dropouts' RNG state
 
 
@@ -327,7 +327,7 @@ def test_gpt2_dropout_is_reproducible_and_stores_no_mask():
     x = torch.randn(BATCH, LENGTH, HIDDEN, requires_grad=True)
     layer.policy = "memory"
     # The memory-policy bytes plus three RNG states (attention and two residual dropouts): no mask.
-    assert saved_bytes(layer, x) == BATCH * LENGTH * (16 * HIDDEN + 4 * HEADS + 16) + 3 * 16
+    assert saved_bytes(layer, x) == BATCH * LENGTH * (12 * HIDDEN + 4 * HEADS + 16) + 3 * 16
 
 
 def test_patch_keeps_eval_mode():

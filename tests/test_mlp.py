@@ -315,3 +315,34 @@ def test_norm_mlp_activation_mode_matches_block_and_keeps_gate_up():
     assert saved_bytes(remat.norm_mlp, x, nw, wg, wu, wd, recompute="activation") == block + 2 * 7 * 96 * 4
     with pytest.raises(ValueError, match="recompute"):
         remat.norm_mlp(x, nw, wg, wu, wd, recompute="none")
+
+
+@pytest.mark.parametrize("recompute", ["block", "activation"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_norm_gelu_mlp_matches_reference_and_saves_its_contract(dtype, recompute):
+    g = torch.Generator().manual_seed(6)
+    tokens, hidden, inter = 9, 40, 72
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    params = [torch.randn(hidden, generator=g).to(dtype), torch.randn(hidden, generator=g).to(dtype),
+              (torch.randn(inter, hidden, generator=g) / hidden**0.5).to(dtype), torch.randn(inter, generator=g).to(dtype),
+              (torch.randn(hidden, inter, generator=g) / inter**0.5).to(dtype), torch.randn(hidden, generator=g).to(dtype)]
+    dy = torch.randn(tokens, hidden, generator=g).to(dtype)
+
+    def eager(x, nw, nb, w_fc, b_fc, w_proj, b_proj):
+        normed = F.layer_norm(x, (hidden,), nw, nb, 1e-5)
+        return F.linear(F.gelu(F.linear(normed, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)
+
+    def fused(x, *p):
+        return remat.norm_gelu_mlp(x, *p, approximate="tanh", recompute=recompute)
+
+    tensors = [x] + params
+    got, stock = _grads(fused, tensors, dy), _grads(eager, tensors, dy)
+    want = _grads(eager, [t.double() for t in tensors], dy.double())
+    for i, (a, s, w) in enumerate(zip(got, stock, want)):
+        assert_within_2x_of_stock(f"output {i}", a, s, w, dtype)
+    weights = [nn.Parameter(p) for p in params]
+    leaf = x.clone().requires_grad_()
+    expected = tokens * hidden * leaf.element_size() + 2 * tokens * 4
+    if recompute == "activation":
+        expected += tokens * inter * leaf.element_size()
+    assert saved_bytes(fused, leaf, *weights) == expected

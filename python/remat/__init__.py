@@ -4,7 +4,17 @@ recompute the fused intermediates inside the backward kernels."""
 from remat import memory, nn
 from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
-from remat.functional import attention, dropout, geglu_mlp, gelu_mlp, layer_norm, norm_mlp, rms_norm, swiglu_mlp
+from remat.functional import (
+    attention,
+    dropout,
+    geglu_mlp,
+    gelu_mlp,
+    layer_norm,
+    norm_gelu_mlp,
+    norm_mlp,
+    rms_norm,
+    swiglu_mlp,
+)
 from remat.info import info
 from remat.patch import PatchReport, patch, unpatch
 
@@ -22,6 +32,7 @@ __all__ = [
     "info",
     "layer_norm",
     "memory",
+    "norm_gelu_mlp",
     "nn",
     "norm_mlp",
     "patch",

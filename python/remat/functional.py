@@ -11,7 +11,13 @@ import torch
 
 from remat.autograd.attention import AttentionFunction
 from remat.autograd.dropout import PhiloxDropoutFunction
-from remat.autograd.mlp import RECOMPUTE_MODES, GatedMLPFunction, GELUMLPFunction, NormGatedMLPFunction
+from remat.autograd.mlp import (
+    RECOMPUTE_MODES,
+    GatedMLPFunction,
+    GELUMLPFunction,
+    NormGatedMLPFunction,
+    NormGELUMLPFunction,
+)
 from remat.autograd.norm import LayerNormFunction, RMSNormFunction
 from remat.backend import resolve_backend
 from remat.ops.mlp import ACTIVATIONS
@@ -290,6 +296,49 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
                                                      b_gate, b_up, b_down)
     with autocast_off:
         y = NormGatedMLPFunction.apply(x_rows, *params, norm, float(eps), activation, recompute, name)
+    return y.view(*x.shape[:-1], hidden)
+
+
+def norm_gelu_mlp(x, norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, *, norm="layer", eps=None,
+                  approximate="none", recompute="block", backend=None):
+    """Pre-norm plain MLP sub-block (GPT-2): ``proj(gelu(fc(norm(x))))``, keeping x and the fp32
+    norm statistics for backward; the normalized input is recomputed in backward, never stored.
+
+    Args:
+        x: ``[..., H]``.
+        norm_weight, norm_bias: ``[H]`` or None (norm_bias for ``norm="layer"`` only).
+        w_fc, b_fc, w_proj, b_proj: as for :func:`gelu_mlp` (``nn.Linear`` layout; any strides).
+        norm: ``"layer"`` (default) or ``"rms"``. eps: default 1e-5 (layer) or 1e-6 (rms).
+        approximate: ``"none"`` (erf) or ``"tanh"`` (GPT-2's ``gelu_new``).
+        recompute: ``"block"`` (default; the fc GEMM is recomputed) or ``"activation"`` (also
+            keeps fc's output).
+        backend: as for :func:`rms_norm`; the GEMMs are PyTorch's.
+
+    Returns:
+        ``[..., H]`` (the MLP output; add the residual outside).
+    """
+    _check_input(x)
+    _check_choice(norm, "norm", ("rms", "layer"))
+    _check_choice(approximate, "approximate", ("none", "tanh"))
+    _check_choice(recompute, "recompute", ("block", "activation"))
+    _check_vector(norm_weight, "norm_weight", x)
+    _check_vector(norm_bias, "norm_bias", x)
+    if norm == "rms" and norm_bias is not None:
+        raise ValueError("norm_bias is only for norm='layer'")
+    eps = (1e-6 if norm == "rms" else 1e-5) if eps is None else eps
+    _check_eps(eps)
+    _check_matrix(w_fc, "w_fc")
+    hidden, inter = x.shape[-1], w_fc.shape[0]
+    _check_weight(w_fc, "w_fc", (inter, hidden), x)
+    _check_weight(b_fc, "b_fc", (inter,), x, optional=True)
+    _check_weight(w_proj, "w_proj", (hidden, inter), x)
+    _check_weight(b_proj, "b_proj", (hidden,), x, optional=True)
+    name = resolve_backend(backend, x)
+    activation = "gelu" if approximate == "none" else "gelu_tanh"
+    (x_rows, *params), autocast_off = _autocast_cast(_as_rows(x), norm_weight, norm_bias, w_fc, b_fc, w_proj,
+                                                     b_proj)
+    with autocast_off:
+        y = NormGELUMLPFunction.apply(x_rows, *params, norm, float(eps), activation, recompute, name)
     return y.view(*x.shape[:-1], hidden)
 
 

@@ -571,10 +571,10 @@ class GPT2Layer(nn.Module):
     ``policy`` as for LlamaLayer. Bytes kept per token (element size s, Hq heads, I inner size,
     plus 16 bytes per call for each dropout in use):
 
-    - ``"memory"``: x, o, h (the second residual), the MLP's normalized input, two fp32
-      (mean, rstd) pairs and lse: ``4sh + 4 Hq + 16``.
-    - ``"balanced"`` (default): also q, k, v: ``7sh + 4 Hq + 16``.
-    - ``"speed"``: also the MLP pre-activation: ``7sh + sI + 4 Hq + 16``.
+    - ``"memory"``: x, o, h (the second residual), two fp32 (mean, rstd) pairs and lse:
+      ``3sh + 4 Hq + 16``.
+    - ``"balanced"`` (default): also q, k, v: ``6sh + 4 Hq + 16``.
+    - ``"speed"``: also the MLP pre-activation: ``6sh + sI + 4 Hq + 16``.
 
     Args:
         hidden, num_heads: sizes; intermediate: default 4 * hidden. eps: LayerNorm epsilon (1e-5).
@@ -666,11 +666,10 @@ class GPT2Layer(nn.Module):
         attn_out = nn.functional.linear(o.reshape(batch, n, hidden), _cast_like(c_proj.weight, o).t(),
                                         _cast_like(c_proj.bias, o))
         h = x + functional.dropout(attn_out, self.resid_dropout, self.training, backend=self.backend)
-        normed = self.ln_2(h)
         c_fc, c_proj = self.mlp.c_fc, self.mlp.c_proj
-        mlp_out = functional.gelu_mlp(normed, _cast_like(c_fc.weight, h).t(), _cast_like(c_fc.bias, h),
-                                      _cast_like(c_proj.weight, h).t(), _cast_like(c_proj.bias, h),
-                                      approximate=self.approximate,
-                                      recompute="activation" if self.policy == "speed" else "block",
-                                      backend=self.backend)
+        mlp_out = functional.norm_gelu_mlp(
+            h, _param_as(self.ln_2.weight, h), _param_as(self.ln_2.bias, h), _cast_like(c_fc.weight, h).t(),
+            _cast_like(c_fc.bias, h), _cast_like(c_proj.weight, h).t(), _cast_like(c_proj.bias, h), norm="layer",
+            eps=self.ln_2.eps, approximate=self.approximate,
+            recompute="activation" if self.policy == "speed" else "block", backend=self.backend)
         return h + functional.dropout(mlp_out, self.resid_dropout, self.training, backend=self.backend)

@@ -216,6 +216,49 @@ class NormGatedMLPFunction(torch.autograd.Function):
                 d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None, None, None)
 
 
+class NormGELUMLPFunction(torch.autograd.Function):
+    """y = proj(act(fc(norm(x)))): the pre-norm plain (GPT-2) MLP sub-block. Keeps x and the fp32
+    norm statistics (recompute="block"; the fc GEMM is recomputed in backward) or also the
+    pre-activation (recompute="activation"); the normalized input is always recomputed."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, norm, eps, activation, recompute,
+                backend):
+        ops = ops_for(backend)
+        normed, mean, rstd = _norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
+        pre = F.linear(normed, w_fc, b_fc)
+        del normed
+        y = F.linear(ops.act_fwd(pre, activation), w_proj, b_proj)
+        if mean is not None and mean.numel() == 0:
+            mean = None
+        ctx.save_for_backward(x, norm_weight, norm_bias, w_fc, b_fc, w_proj, mean, rstd,
+                              pre if recompute == "activation" else None)
+        ctx.norm, ctx.eps, ctx.activation, ctx.backend = norm, eps, activation, backend
+        ctx.has_bias = (norm_bias is not None, b_fc is not None, b_proj is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, norm_weight, norm_bias, w_fc, b_fc, w_proj, mean, rstd, pre = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        ops = ops_for(ctx.backend)
+        # The normalized input, recomputed into a temporary for the fc weight gradient.
+        normed, _, _ = _norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
+        if pre is None:
+            pre = F.linear(normed, w_fc, b_fc)
+        dy = dy.contiguous()
+        dpre, h = ops.act_bwd(dy @ w_proj, pre, ctx.activation, need[5])
+        del pre
+        _, d_w_proj, d_b_proj = _linear_grads(dy, h, w_proj, False, need[5], need[6] and ctx.has_bias[2])
+        del h
+        d_normed, d_w_fc, d_b_fc = _linear_grads(dpre, normed, w_fc, True, need[3], need[4] and ctx.has_bias[1])
+        del normed
+        dx, d_norm_weight, d_norm_bias = _norm_backward(d_normed.contiguous(), x, norm_weight, mean, rstd, ctx.norm,
+                                                         ctx.has_bias[0], ctx.backend)
+        return (dx, d_norm_weight if need[1] else None, d_norm_bias if need[2] else None, d_w_fc, d_b_fc, d_w_proj,
+                d_b_proj, None, None, None, None, None)
+
+
 def _norm_forward(x, weight, bias, norm, eps, backend):
     from remat.ops.norm import ops_for as norm_ops_for
 
