@@ -2,7 +2,7 @@
 the stream of csrc/common/philox.h and remat.reference.philox_randint, so the mask is never stored:
 the backward applies the same kernel to dy. The seed and offset are read on the device from the
 int64 rng = [seed, offset] tensor. x is contiguous; the division is IEEE (div_rn), done in fp32
-and rounded once, as the C++ and CUDA kernels and torch's `x / (1 - p)` do.
+and rounded once, as the C++ and CUDA kernels and the torch backend do.
 """
 
 import importlib.util

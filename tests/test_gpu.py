@@ -204,7 +204,8 @@ def test_gpu_philox_dropout_is_the_reference_stream(backend, dtype):
     torch.manual_seed(2)
     y = remat.dropout(x, 0.2, backend=backend)
     keep = (philox_uniform(philox_randint(rng[0], torch.arange(x.numel(), device="cuda") + rng[1])) >= 0.2)
-    want = torch.where(keep.view(x.shape), x.detach().float() / 0.8, 0.0).to(dtype)
+    divisor = torch.full((), 0.8, device="cuda")  # a tensor divisor: IEEE division, as the kernels
+    want = torch.where(keep.view(x.shape), x.detach().float() / divisor, 0.0).to(dtype)
     assert torch.equal(y, want)
     y.backward(torch.ones_like(y))
-    assert torch.equal(x.grad, torch.where(keep.view(x.shape), 1 / 0.8, 0.0).to(dtype))
+    assert torch.equal(x.grad, torch.where(keep.view(x.shape), torch.ones_like(x).float() / divisor, 0.0).to(dtype))

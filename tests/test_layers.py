@@ -383,12 +383,45 @@ def test_lookalike_models_are_left_alone():
 
 
 def test_patch_model_loaded_from_a_local_checkpoint(tmp_path):
-    causal_lm("qwen2").save_pretrained(tmp_path)
+    causal_lm("qwen2", attention_dropout=0.3).save_pretrained(tmp_path)
     stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     patched = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     report = remat.patch(patched, policy="memory")
-    assert len(report.replaced) == 3 and not patched.training
+    assert len(report.replaced) == 3 and not any(m.training for m in patched.modules())
     ids, mask, labels = batch()
     real = mask.bool()
     torch.testing.assert_close(patched(input_ids=ids, attention_mask=mask).logits[real],
                                stock(input_ids=ids, attention_mask=mask).logits[real], rtol=1e-5, atol=1e-5)
+
+
+def test_mask_check_sees_masks_behind_kwargs_and_wrapped_forwards():
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **batch):
+            return self.inner(**batch)
+
+    model = Wrapper(causal_lm("llama"))
+    remat.patch(model)
+    ids, mask, _ = batch()
+    with pytest.raises(ValueError, match="right padding"):
+        model(input_ids=ids, attention_mask=mask.flip(1))
+
+    inner = causal_lm("llama")
+    calls = []
+    stock_forward = inner.forward
+
+    def hook_forward(*args, **kwargs):  # an instance forward, as accelerate's hooks install
+        calls.append(1)
+        return stock_forward(*args, **kwargs)
+
+    inner.forward = hook_forward
+    remat.patch(inner)
+    with pytest.raises(ValueError, match="right padding"):
+        inner(input_ids=ids, attention_mask=mask.flip(1))
+    inner(input_ids=ids, attention_mask=mask)
+    assert calls == [1]
+    remat.unpatch(inner)
+    assert inner.forward is hook_forward

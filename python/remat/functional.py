@@ -511,7 +511,10 @@ def dropout(x, p=0.5, training=True, *, backend=None):
     Returns:
         ``x * keep / (1 - p)``, a new tensor; x itself when not training or p == 0.
     """
-    _check_input(x)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
         raise ValueError(f"p must be a number in [0, 1), got {p!r}")
     name = resolve_backend(backend, x)

@@ -355,6 +355,10 @@ class Attention(nn.Module):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if not isinstance(getattr(stock, name, None), nn.Linear):
                 raise TypeError(f"from_module expects a module with nn.Linear {name}, got {type(stock).__name__}")
+        extra = [name for name in ("q_norm", "k_norm") if getattr(stock, name, None) is not None]
+        if extra:
+            raise ValueError(f"{type(stock).__name__} normalizes q/k ({', '.join(extra)}), which remat's Attention "
+                             "does not compute")
         config = getattr(stock, "config", None)
         num_heads = num_heads or getattr(config, "num_attention_heads", None)
         if num_heads is None:
@@ -538,13 +542,13 @@ def attention_block(x, norm, attn, rope, keep_qkv):
     cos, sin = rope if rope is not None else (None, None)
     params = [_param_as(norm.weight, x)] + [_cast_like(getattr(attn, f"{p}_proj").weight, x) for p in "qkv"]
     biases = [_cast_like(getattr(attn, f"{p}_proj").bias, x) for p in "qkv"]
+    eps = float(_norm_eps(norm, x))
     (x, *params), autocast_off = functional._autocast_cast(x, *params, *biases)
     functional.check_attention_dtype(backend, x.dtype)
     weights, biases = params[:4], params[4:]
     with autocast_off:
         return NormAttentionFunction.apply(
-            x, weights[0], None, weights[1], weights[2], weights[3], *biases, cos, sin, shape, "rms",
-            float(_norm_eps(norm, x)), float(scale), float(attn.softcap or 0.0), left, right,
+            x, weights[0], None, weights[1], weights[2], weights[3], *biases, cos, sin, shape, "rms", eps, float(scale), float(attn.softcap or 0.0), left, right,
             attn.dropout if attn.training else 0.0, True, keep_qkv, backend)
 
 

@@ -139,6 +139,8 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
     report = PatchReport()
     whole_layers = set(MODULE_KINDS) <= set(modules)
     _patch_children(model, "", modules, whole_layers, policy, backend, report)
+    if not report.replaced:
+        return report
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", None):
         setattr(model, _USE_CACHE, config.use_cache)
@@ -196,13 +198,19 @@ def _install_mask_check(model):
     previous = model.__dict__.get("forward")
     stock_forward = type(model).forward
     signature = inspect.signature(stock_forward)
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
     @functools.wraps(stock_forward)
     def checked_forward(self, *args, **kwargs):
         bound = signature.bind_partial(self, *args, **kwargs).arguments
-        _check_attention_mask(bound.get("attention_mask"))
-        if previous is not None:
-            return previous(*args, **kwargs)
+        mask = bound.get("attention_mask")
+        if mask is None and var_keyword is not None:
+            mask = bound.get(var_keyword, {}).get("attention_mask")
+        _check_attention_mask(mask)
+        # Looked up on the bound model at call time, so a deepcopy calls its own copy.
+        inner = self.__dict__.get(_PREVIOUS_FORWARD)
+        if inner is not None:
+            return inner(*args, **kwargs)
         return stock_forward(self, *args, **kwargs)
 
     if previous is not None:

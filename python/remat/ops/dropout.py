@@ -14,7 +14,10 @@ def torch_philox_dropout(x, rng, p):
     """The plain-PyTorch version: the Philox stream as int64 tensor arithmetic."""
     counters = torch.arange(x.numel(), dtype=torch.int64, device=x.device) + rng[1]
     keep = (philox_uniform(philox_randint(rng[0], counters)) >= p).view(x.shape)
-    return torch.where(keep, x.float() / (1.0 - p), 0.0).to(x.dtype)
+    # A tensor divisor: with a Python number PyTorch's CUDA division multiplies by the reciprocal,
+    # which differs from the kernels' IEEE division in the last fp32 bit.
+    divisor = torch.full((), 1.0 - p, dtype=torch.float32, device=x.device)
+    return torch.where(keep, x.float() / divisor, 0.0).to(x.dtype)
 
 
 def _fake_philox_dropout(x, rng, p):
