@@ -62,8 +62,14 @@ def _worker(rank, mode, port, out_path):
             state[name] = full.detach().clone()
         if rank == 0:
             torch.save(state, out_path)
+        # Both ranks leave together: a rank that tears down gloo while its peer still talks to it
+        # can abort the peer ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # The work is done and saved: skip interpreter teardown, where gloo's threads have aborted a
+    # process under load (seen once in `make test`). Errors above still propagate to mp.spawn.
+    os._exit(0)
 
 
 def _free_port():
