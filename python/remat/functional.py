@@ -231,6 +231,17 @@ def geglu_mlp(x, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None, a
     return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, backend)
 
 
+def _check_plain_mlp_weights(x, w_fc, b_fc, w_proj, b_proj):
+    """Checks a plain MLP's weights ([I, H], [H, I]) and biases ([I], [H]); returns H."""
+    _check_matrix(w_fc, "w_fc")
+    hidden, inter = x.shape[-1], w_fc.shape[0]
+    _check_weight(w_fc, "w_fc", (inter, hidden), x)
+    _check_weight(b_fc, "b_fc", (inter,), x, optional=True)
+    _check_weight(w_proj, "w_proj", (hidden, inter), x)
+    _check_weight(b_proj, "b_proj", (hidden,), x, optional=True)
+    return hidden
+
+
 def gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, *, approximate="none", recompute="block", backend=None):
     """GPT-2-style MLP: ``proj(gelu(fc(x)))``.
 
@@ -247,12 +258,7 @@ def gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, *, approximate="none", recompute="bl
     _check_input(x)
     _check_choice(approximate, "approximate", ("none", "tanh"))
     _check_choice(recompute, "recompute", RECOMPUTE_MODES)
-    _check_matrix(w_fc, "w_fc")
-    hidden, inter = x.shape[-1], w_fc.shape[0]
-    _check_weight(w_fc, "w_fc", (inter, hidden), x)
-    _check_weight(b_fc, "b_fc", (inter,), x, optional=True)
-    _check_weight(w_proj, "w_proj", (hidden, inter), x)
-    _check_weight(b_proj, "b_proj", (hidden,), x, optional=True)
+    hidden = _check_plain_mlp_weights(x, w_fc, b_fc, w_proj, b_proj)
     name = resolve_backend(backend, x)
     activation = "gelu" if approximate == "none" else "gelu_tanh"
     (x_rows, *params), autocast_off = _autocast_cast(_as_rows(x), w_fc, b_fc, w_proj, b_proj)
@@ -327,12 +333,7 @@ def norm_gelu_mlp(x, norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, *, norm
         raise ValueError("norm_bias is only for norm='layer'")
     eps = (1e-6 if norm == "rms" else 1e-5) if eps is None else eps
     _check_eps(eps)
-    _check_matrix(w_fc, "w_fc")
-    hidden, inter = x.shape[-1], w_fc.shape[0]
-    _check_weight(w_fc, "w_fc", (inter, hidden), x)
-    _check_weight(b_fc, "b_fc", (inter,), x, optional=True)
-    _check_weight(w_proj, "w_proj", (hidden, inter), x)
-    _check_weight(b_proj, "b_proj", (hidden,), x, optional=True)
+    hidden = _check_plain_mlp_weights(x, w_fc, b_fc, w_proj, b_proj)
     name = resolve_backend(backend, x)
     activation = "gelu" if approximate == "none" else "gelu_tanh"
     (x_rows, *params), autocast_off = _autocast_cast(_as_rows(x), norm_weight, norm_bias, w_fc, b_fc, w_proj,
