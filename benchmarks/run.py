@@ -53,7 +53,8 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     parser.add_argument("--out", default=None, help=f"output folder (default {RESULTS_DIR})")
     parser.add_argument("--no-plots", action="store_true", help="write CSVs only")
-    parser.add_argument("--only", choices=["norm", "mlp", "attention", "layers", "checkpoint"], default=None, help="run one benchmark")
+    parser.add_argument("--only", choices=["norm", "mlp", "attention", "layers", "checkpoint"], default=None,
+                        help="run one benchmark")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tag = ("gpu" if device.type == "cuda" else "cpu") + ("-quick" if args.quick else "")
@@ -65,21 +66,12 @@ def main(argv=None):
         print(f"\nwrote {path}" + (f" and {png}" if png else ""))
         print(f"device: {rows[0]['device']}; measured copy bandwidth {rows[0]['copy_gbps']:.1f} GB/s; "
               f"commit {rows[0]['commit']}\n")
-    if args.only in (None, "mlp"):
-        rows = bench_mlp.run(device, quick=args.quick)
-        print_table(rows, bench_mlp.summary_columns)
-        path = write_csv(rows, f"mlp-{tag}.csv", args.out)
-        print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
-    if args.only in (None, "attention"):
-        rows = bench_attention.run(device, quick=args.quick)
-        print_table(rows, bench_attention.summary_columns)
-        path = write_csv(rows, f"attention-{tag}.csv", args.out)
-        print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
-    if args.only in (None, "layers"):
-        rows = bench_layers.run(device, quick=args.quick)
-        print_table(rows, bench_layers.summary_columns)
-        path = write_csv(rows, f"layers-{tag}.csv", args.out)
-        print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
+    for name, bench in (("mlp", bench_mlp), ("attention", bench_attention), ("layers", bench_layers)):
+        if args.only in (None, name):
+            rows = bench.run(device, quick=args.quick)
+            print_table(rows, bench.summary_columns)
+            path = write_csv(rows, f"{name}-{tag}.csv", args.out)
+            print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
     if args.only in (None, "checkpoint"):
         rows = bench_checkpoint.run(device, quick=args.quick)
         print_table(rows, bench_checkpoint.summary_columns)

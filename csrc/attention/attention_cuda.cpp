@@ -72,36 +72,21 @@ RopeArgs rope_args(const c10::optional<at::Tensor>& cos, const c10::optional<at:
   return rope;
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda_op(const at::Tensor& q, const at::Tensor& k,
-                                                         const at::Tensor& v, const c10::optional<at::Tensor>& cos,
-                                                         const c10::optional<at::Tensor>& sin,
-                                                         const c10::optional<at::Tensor>& rng, double scale,
-                                                         double softcap, int64_t window_left, int64_t window_right,
-                                                         double dropout_p) {
-  check_attention_qkv(q, k, v);
-  check_attention_options(q, k, cos, sin, rng, scale, softcap, dropout_p);
-  check_cuda_attention(q);
-  const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t batch = q.size(0), n = q.size(1), hq = q.size(2), head_dim = q.size(3);
-  at::Tensor o = at::empty({batch, n, hq, head_dim}, q.options());
-  at::Tensor lse = at::empty({batch, hq, n}, q.options().dtype(at::kFloat));
-  const RopeArgs rope = rope_args(cos, sin);
-  
-  AttentionFwdParams p{};
-  p.q = q.const_data_ptr();
-  p.k = k.const_data_ptr();
-  p.v = v.const_data_ptr();
-  p.o = o.data_ptr();
-  p.lse = lse.data_ptr<float>();
+// The fields the forward and backward parameter structs share: sizes, q/k/v strides, rope, the
+// mask window, scale, softcap and dropout.
+template <typename Params>
+void set_shared_params(Params& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const RopeArgs& rope, const c10::optional<at::Tensor>& rng, int64_t window_left,
+                       int64_t window_right, double scale, double softcap, double dropout_p) {
   p.cos = rope.cos;
   p.sin = rope.sin;
   p.rng = rng.has_value() ? rng->const_data_ptr<int64_t>() : nullptr;
-  p.batch = batch;
-  p.n = n;
+  p.batch = q.size(0);
+  p.n = q.size(1);
   p.m = k.size(1);
-  p.hq = hq;
+  p.hq = q.size(2);
   p.hkv = k.size(2);
-  p.head_dim = head_dim;
+  p.head_dim = q.size(3);
   p.q_batch_stride = q.stride(0);
   p.q_row_stride = q.stride(1);
   p.q_head_stride = q.stride(2);
@@ -117,6 +102,30 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda_op(const at::Tensor& q, co
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
   p.dropout_p = static_cast<float>(dropout_p);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda_op(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, const c10::optional<at::Tensor>& cos,
+                                                         const c10::optional<at::Tensor>& sin,
+                                                         const c10::optional<at::Tensor>& rng, double scale,
+                                                         double softcap, int64_t window_left, int64_t window_right,
+                                                         double dropout_p) {
+  check_attention_qkv(q, k, v);
+  check_attention_options(q, k, cos, sin, rng, scale, softcap, dropout_p);
+  check_cuda_attention(q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t batch = q.size(0), n = q.size(1), hq = q.size(2), head_dim = q.size(3);
+  at::Tensor o = at::empty({batch, n, hq, head_dim}, q.options());
+  at::Tensor lse = at::empty({batch, hq, n}, q.options().dtype(at::kFloat));
+  const RopeArgs rope = rope_args(cos, sin);
+
+  AttentionFwdParams p{};
+  p.q = q.const_data_ptr();
+  p.k = k.const_data_ptr();
+  p.v = v.const_data_ptr();
+  p.o = o.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  set_shared_params(p, q, k, v, rope, rng, window_left, window_right, scale, softcap, dropout_p);
   C10_CUDA_CHECK(attention_fwd_cuda(p, attention_kind(q.scalar_type()), c10::cuda::getCurrentCUDAStream()));
   return {o, lse};
 }
@@ -140,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda_op(
   at::Tensor delta = at::empty({batch, hq, n}, f32);
   at::Tensor dq_accum = deterministic ? at::Tensor() : at::zeros({batch, n, hq, head_dim}, f32);
   const RopeArgs rope = rope_args(cos, sin);
-  
+
   AttentionBwdParams p{};
   p.dout = dout.const_data_ptr();
   p.q = q.const_data_ptr();
@@ -148,41 +157,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda_op(
   p.v = v.const_data_ptr();
   p.o = o.const_data_ptr();
   p.lse = lse.const_data_ptr<float>();
-  p.cos = rope.cos;
-  p.sin = rope.sin;
-  p.rng = rng.has_value() ? rng->const_data_ptr<int64_t>() : nullptr;
+  set_shared_params(p, q, k, v, rope, rng, window_left, window_right, scale, softcap, dropout_p);
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
   p.delta = delta.data_ptr<float>();
   p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
-  p.batch = batch;
-  p.n = n;
-  p.m = k.size(1);
-  p.hq = hq;
-  p.hkv = k.size(2);
-  p.head_dim = head_dim;
   p.dout_batch_stride = dout.stride(0);
   p.dout_row_stride = dout.stride(1);
   p.dout_head_stride = dout.stride(2);
-  p.q_batch_stride = q.stride(0);
-  p.q_row_stride = q.stride(1);
-  p.q_head_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0);
-  p.k_row_stride = k.stride(1);
-  p.k_head_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0);
-  p.v_row_stride = v.stride(1);
-  p.v_head_stride = v.stride(2);
   p.o_batch_stride = o.stride(0);
   p.o_row_stride = o.stride(1);
   p.o_head_stride = o.stride(2);
-  p.rope_batch_stride = rope.batch_stride;
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.scale = static_cast<float>(scale);
-  p.softcap = static_cast<float>(softcap);
-  p.dropout_p = static_cast<float>(dropout_p);
   p.deterministic = deterministic;
   C10_CUDA_CHECK(attention_bwd_cuda(p, attention_kind(q.scalar_type()), c10::cuda::getCurrentCUDAStream()));
   return {dq, dk, dv};
