@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-requirements
 BUILD_STAMP := $(VENV)/.built-extension
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h') setup.py
 
-.PHONY: test bench build gpu-check clean
+.PHONY: test bench build gpu-check lint clean
 
 $(STAMP): requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,11 @@ build: $(BUILD_STAMP)
 # The main suite runs the Triton kernels under the interpreter on the CPU; tests/test_triton_aot.py
 # compiles them for sm_80/sm_90 in a subprocess without the interpreter.
 test: $(BUILD_STAMP)
+	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 bench: $(BUILD_STAMP)
 	$(PY) -m benchmarks.run

@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCHS = "8.0;9.0"
@@ -115,7 +115,8 @@ setup(
     name="remat",
     version="0.1.0",
     description="Fused transformer kernels that save only block inputs and recompute in backward",
-    packages=["remat", "remat.ops", "remat.autograd", "remat.checkpoint", "remat.kernels"],
+    # Every package under python/remat, and kernels/ (with its subpackages) as remat.kernels.
+    packages=find_packages("python") + ["remat.kernels"] + [f"remat.kernels.{p}" for p in find_packages("kernels")],
     package_dir={"remat": "python/remat", "remat.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -13,11 +13,10 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import remat
+from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
 from remat import backend as backend_mod
 from remat.memory import saved_bytes
 from remat.reference import attention_reference
-
-from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
 
 
 def _sdpa(kernel):

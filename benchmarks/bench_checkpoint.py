@@ -7,10 +7,9 @@ import torch
 from torch import nn
 
 import remat
+from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
 from remat.checkpoint.schedule import minimal_peak
 from remat.memory import PeakSavedBytes
-
-from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
 
 
 class MLPBlock(nn.Module):
@@ -30,7 +29,8 @@ def configurations(plan_none, length):
     """(label, strategy, kwargs): the strategies, and budgets at fractions of storing everything."""
     full = plan_none.peak_saved_bytes
     floor = minimal_peak(plan_none.costs)
-    configs = [("none", "none", {}), ("sqrt", "sqrt", {}), ("uniform L/4", "uniform", {"segments": max(1, length // 4)})]
+    configs = [("none", "none", {}), ("sqrt", "sqrt", {}),
+               ("uniform L/4", "uniform", {"segments": max(1, length // 4)})]
     for fraction in (0.5, 0.25):
         budget = max(int(full * fraction), floor)
         configs.append((f"heuristic {fraction:.0%}", "heuristic", {"budget_bytes": budget}))

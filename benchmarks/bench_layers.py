@@ -8,9 +8,8 @@ import torch
 import torch.utils.checkpoint
 
 import remat
-from remat.memory import saved_bytes
-
 from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
+from remat.memory import saved_bytes
 
 
 def _config(hidden, inter, heads, kv_heads):
@@ -44,7 +43,8 @@ def providers(stock_layers):
            ("torch+checkpoint", Stack(stock_layers, _checkpointed)),
            ("torch.compile", torch.compile(Stack(stock_layers), dynamic=False))]
     for policy in ("speed", "balanced", "memory"):
-        out.append((f"remat-{policy}", Stack([remat.nn.LlamaLayer.from_module(s, policy=policy) for s in stock_layers])))
+        layers = [remat.nn.LlamaLayer.from_module(s, policy=policy) for s in stock_layers]
+        out.append((f"remat-{policy}", Stack(layers)))
     return out
 
 

@@ -11,10 +11,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import remat
+from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
 from remat import backend as backend_mod
 from remat.memory import saved_bytes
-
-from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
 
 
 def eager_swiglu(x, wg, wu, wd):

@@ -12,10 +12,9 @@ import torch
 import torch.utils.checkpoint
 
 import remat
+from benchmarks.common import Progress, copy_bandwidth_gbps, environment_tags, measure, peak_memory_bytes
 from remat import backend as backend_mod
 from remat.memory import saved_bytes
-
-from benchmarks.common import Progress, copy_bandwidth_gbps, environment_tags, measure, peak_memory_bytes
 
 
 def _stock(kind, with_residual):

@@ -56,10 +56,9 @@ import torch
 import transformers
 
 import remat
+from benchmarks.common import RESULTS_DIR, Progress, environment_tags, write_csv
 from remat.backend import default_backend, requested_backend
 from remat.memory import saved_bytes
-
-from benchmarks.common import RESULTS_DIR, Progress, environment_tags, write_csv
 
 CONTEXT = 128
 MODEL_SIZES = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,

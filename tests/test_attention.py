@@ -10,19 +10,12 @@ import torch
 
 import remat
 from remat import _extension
-from remat.autograd.attention import draw_rng_state
+from remat.autograd.common import draw_rng_state
 from remat.memory import SavedTensorLog, saved_bytes
 from remat.reference import attention_dropout_keep, attention_reference
 
 from _checks import assert_within_2x_of_stock
-from test_norm import cpu_backends
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def case(name, b, n, m, hq, hkv, d, **options):
-    return pytest.param(dict(b=b, n=n, m=m, hq=hq, hkv=hkv, d=d, **options), id=name)
-
+from helpers import DTYPES, case, cpu_backends, gpu_backends, make_inputs, mask_from_output, run_and_check
 
 # Shapes and options for the C++ CPU and torch backends.
 CASES = [
@@ -62,76 +55,6 @@ TRITON_CASES = [
 ]
 
 
-def _rope_tables(batch, length, d, kind, g):
-    angles = torch.rand(batch if kind == "per_batch" else 1, length, d // 2, generator=g) * 6.0
-    if kind == "shared":
-        angles = angles[0]
-    return angles.cos(), angles.sin()
-
-
-def make_inputs(spec, dtype, seed=0, device="cpu"):
-    """q, k, v (in the case's layout, possibly non-contiguous), dout, and the rope tables, drawn
-    on the CPU and moved to ``device``."""
-    g = torch.Generator().manual_seed(seed)
-    b, n, m, hq, hkv, d = (spec[key] for key in ("b", "n", "m", "hq", "hkv", "d"))
-    scale_up = 3.0 if spec.get("softcap") else 1.0
-
-    def rnd(length, heads):
-        if spec.get("layout") == "bhnd":
-            return (torch.randn(b, heads, length, d, generator=g) * scale_up).to(dtype)
-        if spec.get("noncontiguous"):
-            return (torch.randn(b, length, heads, d + 8, generator=g) * scale_up).to(dtype)[..., 3 : 3 + d]
-        return (torch.randn(b, length, heads, d, generator=g) * scale_up).to(dtype)
-
-    q, k, v = rnd(n, hq), rnd(m, hkv), rnd(m, hkv)
-    dout = rnd(n, hq)
-    rope = _rope_tables(b, m + 5, d, spec["rope"], g) if spec.get("rope") else None
-    if device != "cpu":
-        q, k, v, dout = (t.to(device) for t in (q, k, v, dout))
-        rope = tuple(t.to(device) for t in rope) if rope is not None else None
-    return q, k, v, dout, rope
-
-
-def _reference(q, k, v, dout, rope, spec, keep, dtype):
-    """o, dq, dk, dv of eager attention in ``dtype`` (float64 for the reference), in [B, N, H, D]."""
-    leaves = [t.detach().cpu().to(dtype).requires_grad_() for t in (q, k, v)]
-    rope_d = tuple(t.cpu().to(dtype) for t in rope) if rope is not None else None
-    o = attention_reference(*leaves, causal=spec.get("causal", False), keep=keep, dropout_p=spec.get("dropout", 0.0),
-                            rope=rope_d, window=spec.get("window"), softcap=spec.get("softcap"))
-    o.backward(dout.cpu().to(dtype))
-    return [o.detach()] + [t.grad for t in leaves]
-
-
-def run_and_check(spec, dtype, backend, deterministic=True, device="cpu"):
-    """Runs remat.attention on the case and checks o, dq, dk, dv against the float64 CPU
-    reference under the 2x-stock rule (stock: the same eager computation in ``dtype`` on the CPU).
-    Returns remat's outputs."""
-    q, k, v, dout, rope = make_inputs(spec, dtype, device=device)
-    layout = spec.get("layout", "bnhd")
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    dropout = spec.get("dropout", 0.0)
-    torch.manual_seed(1234)
-    rng = draw_rng_state(device).cpu()
-    torch.manual_seed(1234)
-    o = remat.attention(*leaves, causal=spec.get("causal", False), dropout_p=dropout, rope=rope,
-                        window=spec.get("window"), softcap=spec.get("softcap"), deterministic=deterministic,
-                        layout=layout, backend=backend)
-    o.backward(dout)
-    got = [o.detach().cpu()] + [t.grad.cpu() for t in leaves]
-    if layout == "bhnd":
-        q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))
-        got = [t.transpose(1, 2) for t in got]
-    keep = None
-    if dropout:
-        keep = attention_dropout_keep(rng[0], rng[1], (spec["b"], spec["hq"], spec["n"], spec["m"]), dropout)
-    reference = _reference(q, k, v, dout, rope, spec, keep, torch.float64)
-    stock = _reference(q, k, v, dout, rope, spec, keep, dtype)
-    for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
-        assert value.dtype == dtype
-        assert_within_2x_of_stock(name, value, stock_value, ref, dtype)
-    return got
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("spec", CASES)
 @pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
@@ -151,17 +74,6 @@ def test_triton_attention_matches_reference(spec, dtype):
 def test_triton_fast_backward_matches_reference(spec):
     """deterministic=False: dq accumulated with fp32 atomics."""
     run_and_check(spec, torch.float32, "triton", deterministic=False)
-
-
-def mask_from_output(backend, b, hq, n, m, p, seed, device="cpu", dtype=torch.float32):
-    """The dropout mask a backend applied, read back from its output: with q = 0 every visible
-    probability is 1/M, and with v = I (M = D) row i of o is keep[i, :] / (M (1 - p))."""
-    q = torch.zeros(b, n, hq, m, device=device, dtype=dtype)
-    v = torch.eye(m, device=device, dtype=dtype)[None, :, None, :].expand(b, m, 1, m).contiguous()
-    k = torch.randn(b, m, 1, m, device=device, dtype=dtype)
-    torch.manual_seed(seed)
-    o = remat.attention(q, k, v, dropout_p=p, backend=backend)
-    return ((o.float() * m * (1 - p)).transpose(1, 2) > 0.5).cpu()
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
@@ -493,3 +405,99 @@ def _dropout_opcheck_cases():
 @pytest.mark.parametrize("namespace,args", _dropout_opcheck_cases())
 def test_philox_dropout_opcheck(namespace, args):
     torch.library.opcheck(getattr(torch.ops, namespace).philox_dropout, args)
+
+
+# On a GPU (marked gpu; skipped where none is present): real sizes, every feature, masks across
+# backends, bitwise determinism, the saved-bytes contract, Philox dropout.
+
+# Real sizes, odd lengths, every feature; the float64 reference runs on the CPU.
+GPU_ATTENTION_CASES = [
+    case("b2-n1024-d128-gqa4-causal", 2, 1024, 1024, 8, 2, 128, causal=True),
+    case("b1-n1000-d64", 1, 1000, 1000, 4, 4, 64),
+    case("n1-m4099-d64-mqa-causal", 1, 1, 4099, 8, 1, 64, causal=True),
+    case("n257-m100-d80-causal-emptyrows", 1, 257, 100, 4, 2, 80, causal=True),
+    case("n300-m511-d96-rope-window-softcap-dropout", 2, 300, 511, 4, 2, 96, causal=True, rope="per_batch",
+         window=(100, None), softcap=30.0, dropout=0.1),
+    case("n333-d192-noncontig-bhnd", 1, 333, 333, 2, 1, 192, layout="bhnd"),
+    case("n129-d256-window-both", 1, 129, 129, 2, 2, 256, window=(17, 9)),
+    case("n77-d16-dropout", 2, 77, 77, 2, 1, 16, dropout=0.3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomics"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", GPU_ATTENTION_CASES)
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_attention_matches_float64_reference(backend, spec, dtype, deterministic):
+    if backend == "cuda" and dtype == torch.float32:
+        pytest.skip("the cuda attention kernels take float16/bfloat16 (fp32 raises ValueError)")
+    run_and_check(spec, dtype, backend, deterministic=deterministic, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_attention_fp32_on_cuda_backend_raises_or_runs(backend):
+    q = torch.randn(1, 8, 2, 64, device="cuda")
+    if backend == "cuda":
+        with pytest.raises(ValueError, match="float16/bfloat16"):
+            remat.attention(q, q, q, backend=backend)
+    else:
+        assert torch.isfinite(remat.attention(q, q, q, backend=backend)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_dropout_masks_agree_across_backends(dtype):
+    """The CUDA and Triton kernels draw the reference Philox stream: the same mask for the same
+    generator state."""
+    b, hq, n, m, p = 2, 3, 70, 64, 0.25
+    torch.manual_seed(5)
+    rng = draw_rng_state("cuda").cpu()
+    expected = attention_dropout_keep(rng[0], rng[1], (b, hq, n, m), p)
+    for backend in gpu_backends():
+        assert torch.equal(mask_from_output(backend, b, hq, n, m, p, seed=5, device="cuda", dtype=dtype), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_attention_deterministic_backward_bitwise(backend):
+    spec = dict(b=2, n=1024, m=1024, hq=8, hkv=2, d=128, causal=True)
+    runs = []
+    for _ in range(2):
+        q, k, v, dout, _ = make_inputs(spec, torch.bfloat16, device="cuda")
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        remat.attention(*leaves, causal=True, deterministic=True, backend=backend).backward(dout)
+        runs.append([t.grad for t in leaves])
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_attention_saves_no_attention_matrix(backend):
+    b, n, hq, hkv, d = 2, 2048, 8, 2, 128
+    q = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    contract = (2 * q.numel() + k.numel() + v.numel()) * 2 + b * hq * n * 4 + 16
+    assert saved_bytes(remat.attention, q, k, v, causal=True, dropout_p=0.1, backend=backend) == contract
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_philox_dropout_is_the_reference_stream(backend, dtype):
+    from remat.reference import philox_randint, philox_uniform
+
+    x = torch.randn(1000, 4099, device="cuda").to(dtype).requires_grad_()
+    torch.manual_seed(2)
+    rng = draw_rng_state("cuda")
+    torch.manual_seed(2)
+    y = remat.dropout(x, 0.2, backend=backend)
+    keep = (philox_uniform(philox_randint(rng[0], torch.arange(x.numel(), device="cuda") + rng[1])) >= 0.2)
+    divisor = torch.full((), 0.8, device="cuda")  # a tensor divisor: IEEE division, as the kernels
+    want = torch.where(keep.view(x.shape), x.detach().float() / divisor, 0.0).to(dtype)
+    assert torch.equal(y, want)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, torch.where(keep.view(x.shape), torch.ones_like(x).float() / divisor, 0.0).to(dtype))

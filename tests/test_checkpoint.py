@@ -169,7 +169,7 @@ def _all_schedules(a, b):
 @pytest.mark.parametrize("length", range(1, 9))
 def test_optimal_dp_equals_brute_force(length):
     rng = random.Random(length)
-    for trial in range(3 if length < 8 else 1):
+    for _ in range(3 if length < 8 else 1):
         costs = sched.ChainCosts(
             tuple(rng.randint(4, 40) for _ in range(length)),
             tuple(rng.randint(1, 10) for _ in range(length)),

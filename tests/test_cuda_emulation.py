@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat.functional import _window_bounds
+from remat.checks import window_bounds
 from remat.reference import attention_dropout_keep
 
 from _checks import assert_within_2x_of_stock
-from test_attention import _reference, case, make_inputs
+from helpers import attention_eager, case, make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 EMU_DIR = ROOT / "tests" / "cuda_emulation"
@@ -238,7 +238,7 @@ def _lse_reference(q, k, rope, spec, dtype):
     logits = logits * d**-0.5
     if spec.get("softcap"):
         logits = spec["softcap"] * torch.tanh(logits / spec["softcap"])
-    left, right = _window_bounds(spec.get("window"), spec.get("causal", False))
+    left, right = window_bounds(spec.get("window"), spec.get("causal", False))
     position = torch.arange(n)[:, None] + (m - n)
     key = torch.arange(m)[None, :]
     visible = torch.ones(n, m, dtype=torch.bool)
@@ -301,7 +301,7 @@ def test_emulated_cuda_attention_matches_reference(emu, spec):
         inputs.update(cos=cos, sin=sin)
     dropout = spec.get("dropout", 0.0)
     rng = torch.tensor([0x123456789ABC, 2**33 + 7], dtype=torch.int64)
-    left, right = _window_bounds(spec.get("window"), spec.get("causal", False))
+    left, right = window_bounds(spec.get("window"), spec.get("causal", False))
     softcap = float(spec.get("softcap") or 0.0)
     before = {name: g.bits() for name, g in inputs.items()}
 
@@ -318,8 +318,8 @@ def test_emulated_cuda_attention_matches_reference(emu, spec):
     _check_launch(emu, "emu_attention_fwd", fwd, KIND[dtype], "forward")
 
     keep = attention_dropout_keep(rng[0], rng[1], (b, hq, n, m), dropout) if dropout else None
-    reference = _reference(q, k, v, dout, rope, spec, keep, torch.float64)
-    stock = _reference(q, k, v, dout, rope, spec, keep, dtype)
+    reference = attention_eager(q, k, v, dout, rope, spec, keep, torch.float64)
+    stock = attention_eager(q, k, v, dout, rope, spec, keep, dtype)
     assert_within_2x_of_stock("o", o.tensor, stock[0], reference[0], dtype)
     lse_reference = _lse_reference(q, k, rope, spec, torch.float64)
     lse_stock = _lse_reference(q, k, rope, spec, dtype)

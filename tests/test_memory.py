@@ -7,7 +7,7 @@ import torch
 import remat
 from remat.memory import SavedTensorLog, saved_bytes
 
-from test_norm import cpu_backends
+from helpers import cpu_backends
 
 ROWS, HIDDEN = 6, 40
 

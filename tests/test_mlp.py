@@ -15,9 +15,8 @@ from remat import backend as backend_mod
 from remat.memory import saved_bytes
 
 from _checks import assert_within_2x_of_stock
-from test_norm import _leaf
+from helpers import DTYPES, eager_gated, eager_gelu, gpu_backends, grads
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MODES = ["none", "activation", "block"]
 # (tokens, hidden, intermediate): odd token counts and sizes that are not multiples of a block.
 SHAPES = [(1, 64, 96), (3, 96, 200), (127, 64, 173), (3, 1000, 257)]
@@ -33,27 +32,8 @@ def mlp_backends():
     return names
 
 
-def eager_gated(x, wg, wu, wd, bg, bu, bd, activation):
-    act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation]
-    return F.linear(act(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
-
-
-def eager_gelu(x, wfc, bfc, wproj, bproj, activation):
-    approximate = "none" if activation == "gelu" else "tanh"
-    return F.linear(F.gelu(F.linear(x, wfc, bfc), approximate=approximate), wproj, bproj)
-
-
 def _params(shapes, dtype, gen, scale):
     return [None if s is None else (scale(s) * torch.randn(*s, generator=gen)).to(dtype) for s in shapes]
-
-
-def _grads(fn, tensors, dy):
-    """Output and gradients of every tensor; the leaves keep the inputs' strides."""
-    leaves = [_leaf(t) for t in tensors]
-    out = fn(*leaves)
-    present = [t for t in leaves if t is not None]
-    grads = torch.autograd.grad(out, present, dy)
-    return [out.detach()] + list(grads)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -80,8 +60,8 @@ def test_mlp_matches_float64_reference(kind, backend, dtype, tokens, hidden, int
     dy = torch.randn(tokens, hidden, generator=gen).to(dtype)
     if gated:
         wg, wu, wd, bg, bu, bd = params
-        fn = lambda x, wg, wu, wd, bg, bu, bd: remat.functional._gated_mlp(  # noqa: E731
-            x, wg, wu, wd, bg, bu, bd, activation, mode, backend)
+        fn = lambda x, wg, wu, wd, bg, bu, bd: remat.gated_mlp(  # noqa: E731
+            x, wg, wu, wd, b_gate=bg, b_up=bu, b_down=bd, activation=activation, recompute=mode, backend=backend)
         ref = lambda *a: eager_gated(*a, activation)  # noqa: E731
     else:
         fn = lambda x, wfc, bfc, wproj, bproj: remat.gelu_mlp(  # noqa: E731
@@ -89,9 +69,9 @@ def test_mlp_matches_float64_reference(kind, backend, dtype, tokens, hidden, int
             recompute=mode, backend=backend)
         ref = lambda *a: eager_gelu(*a, activation)  # noqa: E731
     tensors = [x] + params
-    got = _grads(fn, tensors, dy)
-    stock = _grads(ref, tensors, dy)
-    want = _grads(ref, [None if t is None else t.double() for t in tensors], dy.double())
+    got = grads(fn, tensors, dy)
+    stock = grads(ref, tensors, dy)
+    want = grads(ref, [None if t is None else t.double() for t in tensors], dy.double())
     names = ["y", "dx"] + [f"d{i}" for i, t in enumerate(params) if t is not None]
     for name, g, s, w in zip(names, got, stock, want):
         assert g.dtype == dtype
@@ -107,31 +87,31 @@ def test_recompute_modes_agree_bitwise(backend):
     x = torch.randn(9, 64, generator=gen).bfloat16()
     wg, wu, wd = (torch.randn(s, generator=gen).bfloat16() * 0.1 for s in [(160, 64), (160, 64), (64, 160)])
     dy = torch.randn(9, 64, generator=gen).bfloat16()
-    results = [_grads(lambda *a, m=m: remat.swiglu_mlp(*a, recompute=m, backend=backend), [x, wg, wu, wd], dy)
+    results = [grads(lambda *a, m=m: remat.swiglu_mlp(*a, recompute=m, backend=backend), [x, wg, wu, wd], dy)
                for m in ("activation", "block")]
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
 
 
-H, I, TOKENS = 4096, 11008, 8
+H, INTER, TOKENS = 4096, 11008, 8
 
 
-@pytest.mark.parametrize("mode,per_token", [("none", H + 4 * I), ("activation", H + 2 * I), ("block", H)])
+@pytest.mark.parametrize("mode,per_token", [("none", H + 4 * INTER), ("activation", H + 2 * INTER), ("block", H)])
 def test_swiglu_saved_bytes_contract_llama_size(mode, per_token):
     """At H=4096, I=11008, bf16 (on the meta device, so nothing is allocated): eager keeps
     (H + 4I) x 2 bytes per token; block mode keeps H x 2."""
     x = torch.randn(TOKENS, H, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    mlp = remat.nn.SwiGLUMLP(H, I, device="meta", dtype=torch.bfloat16, recompute=mode, backend="torch")
+    mlp = remat.nn.SwiGLUMLP(H, INTER, device="meta", dtype=torch.bfloat16, recompute=mode, backend="torch")
     assert saved_bytes(mlp, x) == TOKENS * per_token * 2
 
 
 def test_eager_llama_mlp_saved_bytes():
     x = torch.randn(TOKENS, H, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    mlp = remat.nn.SwiGLUMLP(H, I, device="meta", dtype=torch.bfloat16)
+    mlp = remat.nn.SwiGLUMLP(H, INTER, device="meta", dtype=torch.bfloat16)
     eager = saved_bytes(lambda: eager_gated(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
                                             None, None, None, "silu"))
-    assert eager == TOKENS * (H + 4 * I) * 2
+    assert eager == TOKENS * (H + 4 * INTER) * 2
 
 
 @pytest.mark.parametrize("mode,per_token", [("none", 64 + 2 * 256), ("activation", 64 + 256), ("block", 64)])
@@ -178,8 +158,8 @@ def test_norm_mlp_matches_float64_reference(backend, norm, dtype):
         return remat.norm_mlp(x, nw, wg, wu, wd, norm_bias=nb, norm=norm, backend=backend)
 
     tensors = [x, nw, nb, wg, wu, wd]
-    got, stock = _grads(fn, tensors, dy), _grads(ref, tensors, dy)
-    want = _grads(ref, [None if t is None else t.double() for t in tensors], dy.double())
+    got, stock = grads(fn, tensors, dy), grads(ref, tensors, dy)
+    want = grads(ref, [None if t is None else t.double() for t in tensors], dy.double())
     for i, (g, s, w) in enumerate(zip(got, stock, want)):
         assert_within_2x_of_stock(f"output {i}", g, s, w, dtype)
 
@@ -214,7 +194,8 @@ def test_modules_from_stock():
     x = torch.randn(4, 32)
     llama, gpt2 = LlamaMLP(), GPT2MLP()
     for stock, mine, fresh in [(llama, remat.nn.SwiGLUMLP.from_module(llama), remat.nn.SwiGLUMLP(32, 80)),
-                               (gpt2, remat.nn.GELUMLP.from_module(gpt2), remat.nn.GELUMLP(32, 128, approximate="tanh"))]:
+                               (gpt2, remat.nn.GELUMLP.from_module(gpt2),
+                                remat.nn.GELUMLP(32, 128, approximate="tanh"))]:
         assert mine.state_dict().keys() == stock.state_dict().keys()
         torch.testing.assert_close(mine(x), stock(x))
         fresh.load_state_dict(stock.state_dict())
@@ -291,8 +272,8 @@ def test_unknown_activation_raises_before_any_kernel():
     with pytest.raises(ValueError, match="activation must be one of"):
         remat.nn.SwiGLUMLP(8, 16, activation="relu")
     with pytest.raises(ValueError, match="activation must be one of"):
-        remat.functional._gated_mlp(torch.randn(2, 8), *(torch.randn(s) for s in [(16, 8), (16, 8), (8, 16)]),
-                                    None, None, None, "relu", "block", "torch")
+        remat.gated_mlp(torch.randn(2, 8), *(torch.randn(s) for s in [(16, 8), (16, 8), (8, 16)]),
+                        activation="relu", recompute="block", backend="torch")
     with pytest.raises(ValueError, match="recompute must be one of"):
         remat.nn.GELUMLP(8, 16, recompute="sometimes")
 
@@ -324,8 +305,10 @@ def test_norm_gelu_mlp_matches_reference_and_saves_its_contract(dtype, recompute
     tokens, hidden, inter = 9, 40, 72
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     params = [torch.randn(hidden, generator=g).to(dtype), torch.randn(hidden, generator=g).to(dtype),
-              (torch.randn(inter, hidden, generator=g) / hidden**0.5).to(dtype), torch.randn(inter, generator=g).to(dtype),
-              (torch.randn(hidden, inter, generator=g) / inter**0.5).to(dtype), torch.randn(hidden, generator=g).to(dtype)]
+              (torch.randn(inter, hidden, generator=g) / hidden**0.5).to(dtype),
+              torch.randn(inter, generator=g).to(dtype),
+              (torch.randn(hidden, inter, generator=g) / inter**0.5).to(dtype),
+              torch.randn(hidden, generator=g).to(dtype)]
     dy = torch.randn(tokens, hidden, generator=g).to(dtype)
 
     def eager(x, nw, nb, w_fc, b_fc, w_proj, b_proj):
@@ -336,8 +319,8 @@ def test_norm_gelu_mlp_matches_reference_and_saves_its_contract(dtype, recompute
         return remat.norm_gelu_mlp(x, *p, approximate="tanh", recompute=recompute)
 
     tensors = [x] + params
-    got, stock = _grads(fused, tensors, dy), _grads(eager, tensors, dy)
-    want = _grads(eager, [t.double() for t in tensors], dy.double())
+    got, stock = grads(fused, tensors, dy), grads(eager, tensors, dy)
+    want = grads(eager, [t.double() for t in tensors], dy.double())
     for i, (a, s, w) in enumerate(zip(got, stock, want)):
         assert_within_2x_of_stock(f"output {i}", a, s, w, dtype)
     weights = [nn.Parameter(p) for p in params]
@@ -346,3 +329,46 @@ def test_norm_gelu_mlp_matches_reference_and_saves_its_contract(dtype, recompute
     if recompute == "activation":
         expected += tokens * inter * leaf.element_size()
     assert saved_bytes(fused, leaf, *weights) == expected
+
+
+# On a GPU (marked gpu; skipped where none is present): real sizes, every mode and backend.
+
+GPU_MLP_SHAPES = [(1, 64, 96), (127, 96, 200), (1024, 1024, 2816)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["none", "activation", "block"])
+@pytest.mark.parametrize("tokens,hidden,inter", GPU_MLP_SHAPES, ids=[f"{t}x{h}x{i}" for t, h, i in GPU_MLP_SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", gpu_backends())
+@pytest.mark.parametrize("kind", ["swiglu", "geglu_tanh", "gelu"])
+def test_gpu_mlp_matches_float64_reference(kind, backend, dtype, tokens, hidden, inter, mode):
+    gen = torch.Generator(device="cuda").manual_seed(tokens + hidden)
+    activation = {"swiglu": "silu", "geglu_tanh": "gelu_tanh", "gelu": "gelu"}[kind]
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    dy = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    if kind == "gelu":
+        shapes = [(inter, hidden), (inter,), (hidden, inter), (hidden,)]
+    else:
+        shapes = [(inter, hidden), (inter, hidden), (hidden, inter)]
+    params = [(torch.randn(*s, generator=gen, device="cuda") / s[-1] ** 0.5).to(dtype) for s in shapes]
+    if kind == "gelu":
+        fn = lambda *a: remat.gelu_mlp(*a, recompute=mode, backend=backend)  # noqa: E731
+        ref = lambda *a: eager_gelu(*a, activation)  # noqa: E731
+    else:
+        fn = lambda x, wg, wu, wd: remat.gated_mlp(  # noqa: E731
+            x, wg, wu, wd, activation=activation, recompute=mode, backend=backend)
+        ref = lambda x, wg, wu, wd: eager_gated(x, wg, wu, wd, None, None, None, activation)  # noqa: E731
+    tensors = [x] + params
+    got, stock = grads(fn, tensors, dy), grads(ref, tensors, dy)
+    want = grads(ref, [t.double().cpu() for t in tensors], dy.double().cpu())
+    for i, (g, s, w) in enumerate(zip(got, stock, want)):
+        assert_within_2x_of_stock(f"output {i}", g.cpu(), s.cpu(), w, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_mlp_block_saves_only_input(backend):
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mlp = remat.nn.SwiGLUMLP(1024, 2816, device="cuda", dtype=torch.bfloat16, backend=backend)
+    assert saved_bytes(mlp, x) == 2048 * 1024 * 2

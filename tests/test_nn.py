@@ -7,7 +7,7 @@ import torch
 import remat
 from remat import nn as rnn
 
-from test_norm import cpu_backends
+from helpers import cpu_backends
 
 
 @pytest.mark.parametrize("backend", cpu_backends())

@@ -6,96 +6,13 @@ import pytest
 import torch
 
 import remat
-from remat import backend as backend_mod
-from remat.reference import layer_norm_reference, rms_norm_reference, stock_layer_norm, stock_rms_norm
+from remat.memory import saved_bytes
 
-from _checks import assert_within_2x_of_stock
+from helpers import DTYPES, check_against_reference, cpu_backends, gpu_backends, make_case, run_norm
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (leading shape, hidden): widths 1, 7, 1000, 4099 and 70000 (past one 64K tile).
 SHAPES = [((5,), 1), ((3, 5), 7), ((9,), 1000), ((3,), 4099), ((2,), 70000)]
 VARIANTS = ["plain", "residual", "no_affine", "noncontiguous"]
-
-
-def cpu_backends():
-    names = ["torch"]
-    if backend_mod.unavailable_reason("cpp", torch.device("cpu")) is None:
-        names.append("cpp")
-    if backend_mod.unavailable_reason("triton", torch.device("cpu")) is None:
-        names.append("triton")
-    return names
-
-
-def _strided(shape, dtype, device, generator, mode):
-    """A tensor of `shape` whose layout is: contiguous, row-strided (a column slice of a wider
-    tensor) or column-strided (every other column)."""
-    *lead, n = shape
-    if mode == "row_strided":
-        base = torch.randn(*lead, n + 3, generator=generator, device=device).to(dtype)
-        return base[..., :n]
-    if mode == "col_strided":
-        base = torch.randn(*lead, 2 * n, generator=generator, device=device).to(dtype)
-        return base[..., ::2]
-    return torch.randn(*shape, generator=generator, device=device).to(dtype)
-
-
-def make_case(kind, lead, n, dtype, variant, device="cpu", seed=0):
-    """Inputs (x, weight, bias, residual) and upstream gradients (dy, dh) for one test case."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    shape = (*lead, n)
-    noncontig = variant == "noncontiguous"
-    x = _strided(shape, dtype, device, g, "row_strided" if noncontig else "contiguous")
-    affine = variant != "no_affine"
-    weight = (1 + 0.5 * torch.randn(n, generator=g, device=device)).to(dtype) if affine else None
-    bias = (0.5 * torch.randn(n, generator=g, device=device)).to(dtype) if affine and kind == "layer" else None
-    use_residual = variant in ("residual", "noncontiguous")
-    residual = _strided(shape, dtype, device, g, "col_strided" if noncontig else "contiguous") if use_residual else None
-    dy = _strided(shape, dtype, device, g, "col_strided" if noncontig else "contiguous")
-    dh = torch.randn(shape, generator=g, device=device).to(dtype) if use_residual else None
-    return x, weight, bias, residual, dy, dh
-
-
-def _leaf(t):
-    """A fresh leaf with t's values and t's strides (clone() would make strided views contiguous)."""
-    if t is None:
-        return None
-    leaf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    with torch.no_grad():
-        leaf.copy_(t)
-    return leaf.requires_grad_(True)
-
-
-def run_norm(fn, kind, x, weight, bias, residual, dy, dh, eps, **kwargs):
-    """Forward and backward of one implementation; returns outputs and gradients by name."""
-    leaves = {"x": _leaf(x), "weight": _leaf(weight), "bias": _leaf(bias), "residual": _leaf(residual)}
-    args = (leaves["x"], leaves["weight"]) + ((leaves["bias"],) if kind == "layer" else ())
-    out = fn(*args, eps, residual=leaves["residual"], **kwargs)
-    outputs = {"y": out[0], "h": out[1]} if residual is not None else {"y": out}
-    grads_out = [dy] + ([dh] if residual is not None else [])
-    inputs = [(k, v) for k, v in leaves.items() if v is not None]
-    grads = torch.autograd.grad(list(outputs.values()), [v for _, v in inputs], grads_out)
-    result = {k: v.detach() for k, v in outputs.items()}
-    result.update({f"d{k}": gr for (k, _), gr in zip(inputs, grads)})
-    return result
-
-
-def check_against_reference(kind, lead, n, dtype, variant, backend, device="cpu"):
-    x, weight, bias, residual, dy, dh = make_case(kind, lead, n, dtype, variant, device)
-    eps = 1e-6 if kind == "rms" else 1e-5
-    remat_fn = remat.rms_norm if kind == "rms" else remat.layer_norm
-    stock_fn = stock_rms_norm if kind == "rms" else stock_layer_norm
-    ref_fn = rms_norm_reference if kind == "rms" else layer_norm_reference
-
-    def to64(t):
-        return None if t is None else t.detach().cpu().double()
-
-    got = run_norm(remat_fn, kind, x, weight, bias, residual, dy, dh, eps, backend=backend)
-    stock = run_norm(stock_fn, kind, x, weight, bias, residual, dy, dh, eps)
-    ref = run_norm(ref_fn, kind, to64(x), to64(weight), to64(bias), to64(residual), to64(dy), to64(dh), eps)
-    assert set(got) == set(ref)
-    for name in ref:
-        assert got[name].dtype == dtype, f"{name} has dtype {got[name].dtype}"
-        assert_within_2x_of_stock(name, got[name].cpu(), stock[name].cpu(), ref[name], dtype)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -164,3 +81,70 @@ def test_empty_rows(kind, backend):
     assert torch.equal(w.grad, torch.zeros(16))
     if kind == "layer":
         assert torch.equal(b.grad, torch.zeros(16))
+
+
+# On a GPU (marked gpu; skipped where none is present): the same float64-reference checks at real
+# sizes, the vectorized and scalar paths, bitwise determinism and the saved-bytes contract.
+
+# Narrow (warp per row), wide (block per row), past one 64K tile; odd widths take the scalar path.
+GPU_SHAPES = [((4099,), 1), ((3, 333), 7), ((1000,), 1000), ((64,), 4096), ((17,), 4099), ((2, 8), 8192),
+          ((3,), 70000), ((16384,), 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("lead,n", GPU_SHAPES, ids=[f"{'x'.join(map(str, s))}x{n}" for s, n in GPU_SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", gpu_backends())
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_gpu_norm_matches_float64_reference(kind, backend, dtype, lead, n, variant):
+    check_against_reference(kind, lead, n, dtype, variant, backend, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_misaligned_input_takes_scalar_path_correctly(backend, offset):
+    """A view starting one element into its storage is not 16-byte aligned: the kernels must
+    detect it and still be right."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(64 * 1024 + 1, generator=g, device="cuda").bfloat16()
+    x = base[offset:offset + 64 * 1024].view(64, 1024)
+    w = torch.randn(1024, generator=g, device="cuda").bfloat16()
+    got = remat.rms_norm(x, w, backend=backend)
+    want = remat.rms_norm(x.cpu(), w.cpu(), backend="torch")
+    torch.testing.assert_close(got.cpu(), want, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", gpu_backends())
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_gpu_gradients_bitwise_deterministic(kind, backend):
+    x, weight, bias, residual, dy, dh = make_case(kind, (4096,), 4096, torch.bfloat16, "residual", device="cuda")
+    fn = remat.rms_norm if kind == "rms" else remat.layer_norm
+    first = run_norm(fn, kind, x, weight, bias, residual, dy, dh, 1e-5, backend=backend)
+    second = run_norm(fn, kind, x, weight, bias, residual, dy, dh, 1e-5, backend=backend)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_saved_bytes_contract(backend):
+    x = torch.randn(8, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn_like(x, requires_grad=True)
+    w = torch.nn.Parameter(torch.ones(1024, device="cuda", dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.zeros(1024, device="cuda", dtype=torch.bfloat16))
+    rows = 8 * 512
+    assert saved_bytes(remat.rms_norm, x, w, residual=r, backend=backend) == rows * 1024 * 2 + rows * 4
+    assert saved_bytes(remat.layer_norm, x, w, b, residual=r, backend=backend) == rows * 1024 * 2 + rows * 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(lambda x, w: remat.rms_norm(x, w, backend=backend), fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), remat.rms_norm(x, w, backend=backend))

@@ -9,7 +9,7 @@ import remat
 from remat import _extension
 from remat.ops import norm as norm_ops
 
-from test_norm import cpu_backends
+from helpers import cpu_backends
 
 needs_extension = pytest.mark.skipif(not _extension.LOADED, reason="remat._C is not built")
 
@@ -45,19 +45,69 @@ def _mlp_op_samples(dtype=torch.bfloat16):
     }
 
 
-def _op_cases():
-    cases = []
+def _fused_matmul_op_samples(dtype=torch.float16):
+    """The Triton backend's fused-GEMM ops (remat_triton only): the gate/up dual GEMM with its
+    activation epilogue and norm prologue, its backward recompute, the prologue's statistics, and
+    the single GEMM with a bias + activation epilogue. Odd sizes, one tile each."""
+    g = torch.Generator().manual_seed(2)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(dtype)
+
+    tokens, hidden, inter = 7, 24, 20
+    x, dh = rnd(tokens, hidden), rnd(tokens, inter)
+    w_gate, w_up = rnd(inter, hidden, scale=0.2), rnd(inter, hidden, scale=0.2)
+    bias, norm_weight, norm_bias = rnd(inter), rnd(hidden), rnd(hidden)
+    mean = torch.randn(tokens, generator=g)
+    rstd = torch.rand(tokens, generator=g) + 0.5
+    return {
+        "glu_matmul": [(x, w_gate, w_up, "silu", True, "none", None, None, None, None),
+                       (x, w_gate, w_up, "gelu", False, "rms", None, rstd, norm_weight, None),
+                       (x, w_gate, w_up, "gelu_tanh", False, "layer", mean, rstd, norm_weight, norm_bias)],
+        "glu_matmul_bwd": [(x, w_gate, w_up, dh, "silu", True, "none", None, None, None, None),
+                           (x, w_gate, w_up, dh, "gelu", False, "layer", mean, rstd, norm_weight, norm_bias)],
+        "norm_stats": [(x, 1e-6, True), (x, 1e-5, False)],
+        "act_matmul": [(x, w_gate, bias, "gelu_tanh", True), (x, w_gate, None, "silu", False)],
+        "act_matmul_bwd": [(x, w_gate, bias, dh, "gelu", True), (x, w_gate, None, dh, "silu", False)],
+    }
+
+
+# Opchecked in tests/test_attention.py with their own samples.
+_OPCHECKED_ELSEWHERE = {"attention_fwd", "attention_bwd", "philox_dropout"}
+
+
+def _namespaces():
     namespaces = []
     if _extension.LOADED:
         namespaces.append(("remat", "cpp"))
     if "triton" in cpu_backends():
         namespaces.append(("remat_triton", "triton"))
+    return namespaces
+
+
+def _samples(namespace):
     samples = {**_norm_op_samples(), **_mlp_op_samples()}
-    for namespace, label in namespaces:
-        for name, op_samples in samples.items():
+    if namespace == "remat_triton":
+        samples.update(_fused_matmul_op_samples())
+    return samples
+
+
+def _op_cases():
+    cases = []
+    for namespace, label in _namespaces():
+        for name, op_samples in _samples(namespace).items():
             for i, args in enumerate(op_samples):
                 cases.append(pytest.param(namespace, name, args, id=f"{label}-{name}-{i}"))
     return cases
+
+
+@pytest.mark.parametrize("namespace", [namespace for namespace, _ in _namespaces()])
+def test_every_registered_op_is_opchecked(namespace):
+    registered = {name.split("::", 1)[1].split(".")[0] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith(f"{namespace}::")}
+    assert registered, f"no {namespace} ops registered"
+    unchecked = registered - set(_samples(namespace)) - _OPCHECKED_ELSEWHERE
+    assert not unchecked, f"{namespace} ops without an opcheck case: {sorted(unchecked)}"
 
 
 @pytest.mark.parametrize("namespace,name,args", _op_cases())

@@ -2,14 +2,16 @@
 recompute the fused intermediates inside the backward kernels."""
 
 from remat import memory, nn
-from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
+from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
 from remat.functional import (
     attention,
     dropout,
+    gated_mlp,
     geglu_mlp,
     gelu_mlp,
     layer_norm,
+    norm_attention,
     norm_gelu_mlp,
     norm_mlp,
     rms_norm,
@@ -27,11 +29,13 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "dropout",
+    "gated_mlp",
     "geglu_mlp",
     "gelu_mlp",
     "info",
     "layer_norm",
     "memory",
+    "norm_attention",
     "norm_gelu_mlp",
     "nn",
     "norm_mlp",

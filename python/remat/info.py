@@ -46,8 +46,10 @@ def info(file=None):
     lines = [
         f"torch                 {d['torch']} (CUDA {d['torch_cuda']})",
         f"extension remat._C    {'built' if d['extension_built'] else 'not built: ' + str(d['extension_error'])}",
-        f"CUDA kernels          {'compiled for archs ' + d['cuda_archs'] if d['extension_cuda_kernels'] else 'not compiled'}",
-        f"Triton                {d['triton'] or 'not installed'}{' (interpreter on)' if d['triton_interpreter'] else ''}",
+        "CUDA kernels          "
+        + (f"compiled for archs {d['cuda_archs']}" if d["extension_cuda_kernels"] else "not compiled"),
+        f"Triton                {d['triton'] or 'not installed'}"
+        + (" (interpreter on)" if d["triton_interpreter"] else ""),
         f"GPU                   {d['gpu'] or 'none'}",
         f"REMAT_BACKEND/context {d['requested_backend'] or 'not set'}",
     ]

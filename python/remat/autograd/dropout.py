@@ -8,8 +8,8 @@ uniform(offset + i) >= p.
 
 import torch
 
-from remat.autograd.attention import draw_rng_state
-from remat.ops.dropout import op_for
+from remat.autograd.common import draw_rng_state
+from remat.ops import ops_for
 
 
 class PhiloxDropoutFunction(torch.autograd.Function):
@@ -20,9 +20,9 @@ class PhiloxDropoutFunction(torch.autograd.Function):
         rng = draw_rng_state(x.device)
         ctx.save_for_backward(rng)
         ctx.p, ctx.backend = p, backend
-        return op_for(backend)(x, rng, p)
+        return ops_for("dropout", backend).philox_dropout(x, rng, p)
 
     @staticmethod
     def backward(ctx, dy):
         (rng,) = ctx.saved_tensors
-        return op_for(ctx.backend)(dy.contiguous(), rng, ctx.p), None, None
+        return ops_for("dropout", ctx.backend).philox_dropout(dy.contiguous(), rng, ctx.p), None, None

@@ -25,24 +25,11 @@ Inputs are already 2-D [tokens, H] (remat.functional reshapes them).
 import torch
 import torch.nn.functional as F
 
-from remat.ops.mlp import (
-    ops_for,
-    triton_act_matmul,
-    triton_act_matmul_bwd,
-    triton_glu_matmul,
-    triton_glu_matmul_bwd,
-    triton_norm_stats,
-)
+from remat.autograd.common import linear_grads
+from remat.autograd.norm import norm_backward, norm_forward
+from remat.ops import ops_for
 
 RECOMPUTE_MODES = ("none", "activation", "block")
-
-
-def _linear_grads(grad_out, inp, weight, needs_input, needs_weight, needs_bias):
-    """Gradients of out = inp W^T + b: (d_inp, dW, db), None where not needed."""
-    d_inp = grad_out @ weight if needs_input else None
-    d_weight = grad_out.t() @ inp if needs_weight else None
-    d_bias = grad_out.sum(0) if needs_bias else None
-    return d_inp, d_weight, d_bias
 
 
 class GatedMLPFunction(torch.autograd.Function):
@@ -50,10 +37,10 @@ class GatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, recompute, backend):
-        ops = ops_for(backend)
-        fused = _fused_gate_up(backend, recompute, b_gate, b_up)
+        ops = ops_for("mlp", backend)
+        fused = _fused_gate_up(ops, recompute, b_gate, b_up)
         if fused:
-            h, gate, up = triton_glu_matmul(x, w_gate, w_up, activation, recompute == "activation", "none", None, None,
+            h, gate, up = ops.glu_matmul(x, w_gate, w_up, activation, recompute == "activation", "none", None, None,
                                             None, None)
         else:
             gate = F.linear(x, w_gate, b_gate)
@@ -73,7 +60,7 @@ class GatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        ops = ops_for(ctx.backend)
+        ops = ops_for("mlp", ctx.backend)
         saved = ctx.saved_tensors
         x, w_gate, w_up, w_down, b_gate, b_up = saved[:6]
         need = ctx.needs_input_grad
@@ -84,7 +71,7 @@ class GatedMLPFunction(torch.autograd.Function):
             dup = (dh * act).to(dh.dtype)
             dgate, _ = ops.act_bwd((dh * up).contiguous(), gate, ctx.activation, False)
         elif ctx.recompute == "block" and ctx.fused:
-            dgate, dup, h = triton_glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[3], "none", None, None,
+            dgate, dup, h = ops.glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[3], "none", None, None,
                                                   None, None)
         else:
             if ctx.recompute == "activation":
@@ -93,17 +80,17 @@ class GatedMLPFunction(torch.autograd.Function):
                 gate = F.linear(x, w_gate, b_gate)
                 up = F.linear(x, w_up, b_up)
             dgate, dup, h = ops.glu_bwd(dh, gate, up, ctx.activation, need[3])
-        _, d_w_down, d_b_down = _linear_grads(dy, h, w_down, False, need[3], need[6] and ctx.has_bias[2])
-        dx_gate, d_w_gate, d_b_gate = _linear_grads(dgate, x, w_gate, need[0], need[1], need[4] and ctx.has_bias[0])
-        dx_up, d_w_up, d_b_up = _linear_grads(dup, x, w_up, need[0], need[2], need[5] and ctx.has_bias[1])
+        _, d_w_down, d_b_down = linear_grads(dy, h, w_down, False, need[3], need[6] and ctx.has_bias[2])
+        dx_gate, d_w_gate, d_b_gate = linear_grads(dgate, x, w_gate, need[0], need[1], need[4] and ctx.has_bias[0])
+        dx_up, d_w_up, d_b_up = linear_grads(dup, x, w_up, need[0], need[2], need[5] and ctx.has_bias[1])
         dx = dx_gate + dx_up if need[0] else None
         return dx, d_w_gate, d_w_up, d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None
 
 
-def _fused_gate_up(backend, recompute, b_gate, b_up):
-    """Whether the gate/up GEMMs run in Triton's fused dual-GEMM kernel (it takes no biases; the
-    "none" baseline keeps eager's unfused layout)."""
-    return backend == "triton" and recompute != "none" and b_gate is None and b_up is None
+def _fused_gate_up(ops, recompute, b_gate, b_up):
+    """Whether the gate/up GEMMs run in the backend's fused dual-GEMM kernel, where it has one
+    (Triton; it takes no biases; the "none" baseline keeps eager's unfused layout)."""
+    return ops.glu_matmul is not None and recompute != "none" and b_gate is None and b_up is None
 
 
 class GELUMLPFunction(torch.autograd.Function):
@@ -111,12 +98,12 @@ class GELUMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, recompute, backend):
-        ops = ops_for(backend)
+        ops = ops_for("mlp", backend)
         # The fused kernel reads w_fc as a contiguous [I, H] matrix; a transposed view (GPT-2's
         # Conv1D layout) takes the cuBLAS GEMM and Triton's activation kernel instead.
-        fused = backend == "triton" and recompute != "none" and w_fc.is_contiguous()
+        fused = ops.act_matmul is not None and recompute != "none" and w_fc.is_contiguous()
         if fused:
-            h, pre = triton_act_matmul(x, w_fc, b_fc, activation, recompute == "activation")
+            h, pre = ops.act_matmul(x, w_fc, b_fc, activation, recompute == "activation")
         else:
             pre = F.linear(x, w_fc, b_fc)
             h = ops.act_fwd(pre, activation)
@@ -133,7 +120,7 @@ class GELUMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        ops = ops_for(ctx.backend)
+        ops = ops_for("mlp", ctx.backend)
         saved = ctx.saved_tensors
         x, w_fc, b_fc, w_proj = saved[:4]
         need = ctx.needs_input_grad
@@ -143,12 +130,12 @@ class GELUMLPFunction(torch.autograd.Function):
             pre, h = saved[4:]
             dpre, _ = ops.act_bwd(dh, pre, ctx.activation, False)
         elif ctx.recompute == "block" and ctx.fused:
-            dpre, h = triton_act_matmul_bwd(x, w_fc, b_fc, dh, ctx.activation, need[3])
+            dpre, h = ops.act_matmul_bwd(x, w_fc, b_fc, dh, ctx.activation, need[3])
         else:
             pre = saved[4] if ctx.recompute == "activation" else F.linear(x, w_fc, b_fc)
             dpre, h = ops.act_bwd(dh, pre, ctx.activation, need[3])
-        _, d_w_proj, d_b_proj = _linear_grads(dy, h, w_proj, False, need[3], need[4] and ctx.has_bias[1])
-        dx, d_w_fc, d_b_fc = _linear_grads(dpre, x, w_fc, need[0], need[1], need[2] and ctx.has_bias[0])
+        _, d_w_proj, d_b_proj = linear_grads(dy, h, w_proj, False, need[3], need[4] and ctx.has_bias[1])
+        dx, d_w_fc, d_b_fc = linear_grads(dpre, x, w_fc, need[0], need[1], need[2] and ctx.has_bias[0])
         return dx, d_w_fc, d_b_fc, d_w_proj, d_b_proj, None, None, None
 
 
@@ -162,16 +149,16 @@ class NormGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down,
                 norm, eps, activation, recompute, backend):
-        ops = ops_for(backend)
-        fused = _fused_gate_up(backend, "block", b_gate, b_up) and recompute == "block"
+        ops = ops_for("mlp", backend)
+        fused = _fused_gate_up(ops, "block", b_gate, b_up) and recompute == "block"
         gate = up = None
         if fused:
             # Statistics only, then the normalized input is computed per tile in the matmul's
             # prologue: it is never written to memory.
-            mean, rstd = triton_norm_stats(x, eps, norm == "rms")
-            h, _, _ = triton_glu_matmul(x, w_gate, w_up, activation, False, norm, mean, rstd, norm_weight, norm_bias)
+            mean, rstd = ops.norm_stats(x, eps, norm == "rms")
+            h, _, _ = ops.glu_matmul(x, w_gate, w_up, activation, False, norm, mean, rstd, norm_weight, norm_bias)
         else:
-            normed, mean, rstd = _norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
+            normed, mean, rstd = norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
             gate, up = F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up)
             del normed
             h = ops.glu_fwd(gate, up, activation)
@@ -189,28 +176,28 @@ class NormGatedMLPFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up = ctx.saved_tensors
         need = ctx.needs_input_grad
-        ops = ops_for(ctx.backend)
+        ops = ops_for("mlp", ctx.backend)
         # The normalized input, recomputed into a temporary for the gate/up weight gradients and
         # freed below.
-        normed, _, _ = _norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
+        normed, _, _ = norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
         dy = dy.contiguous()
         dh = dy @ w_down
         if ctx.fused:
-            dgate, dup, h = triton_glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[5], ctx.norm, mean, rstd,
+            dgate, dup, h = ops.glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[5], ctx.norm, mean, rstd,
                                                   norm_weight, norm_bias)
         else:
             if gate is None:
                 gate, up = F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up)
             dgate, dup, h = ops.glu_bwd(dh, gate, up, ctx.activation, need[5])
             del gate, up
-        _, d_w_down, d_b_down = _linear_grads(dy, h, w_down, False, need[5], need[8] and ctx.has_bias[3])
+        _, d_w_down, d_b_down = linear_grads(dy, h, w_down, False, need[5], need[8] and ctx.has_bias[3])
         del h
-        d_normed_gate, d_w_gate, d_b_gate = _linear_grads(dgate, normed, w_gate, True, need[3],
+        d_normed_gate, d_w_gate, d_b_gate = linear_grads(dgate, normed, w_gate, True, need[3],
                                                           need[6] and ctx.has_bias[1])
-        d_normed_up, d_w_up, d_b_up = _linear_grads(dup, normed, w_up, True, need[4], need[7] and ctx.has_bias[2])
+        d_normed_up, d_w_up, d_b_up = linear_grads(dup, normed, w_up, True, need[4], need[7] and ctx.has_bias[2])
         del normed
         d_normed = (d_normed_gate + d_normed_up).contiguous()
-        dx, d_norm_weight, d_norm_bias = _norm_backward(d_normed, x, norm_weight, mean, rstd, ctx.norm,
+        dx, d_norm_weight, d_norm_bias = norm_backward(d_normed, x, norm_weight, mean, rstd, ctx.norm,
                                                          ctx.has_bias[0], ctx.backend)
         return (dx, d_norm_weight if need[1] else None, d_norm_bias if need[2] else None, d_w_gate, d_w_up,
                 d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None, None, None)
@@ -224,8 +211,8 @@ class NormGELUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, norm, eps, activation, recompute,
                 backend):
-        ops = ops_for(backend)
-        normed, mean, rstd = _norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
+        ops = ops_for("mlp", backend)
+        normed, mean, rstd = norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
         pre = F.linear(normed, w_fc, b_fc)
         del normed
         y = F.linear(ops.act_fwd(pre, activation), w_proj, b_proj)
@@ -241,41 +228,20 @@ class NormGELUMLPFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, norm_weight, norm_bias, w_fc, b_fc, w_proj, mean, rstd, pre = ctx.saved_tensors
         need = ctx.needs_input_grad
-        ops = ops_for(ctx.backend)
+        ops = ops_for("mlp", ctx.backend)
         # The normalized input, recomputed into a temporary for the fc weight gradient.
-        normed, _, _ = _norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
+        normed, _, _ = norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
         if pre is None:
             pre = F.linear(normed, w_fc, b_fc)
         dy = dy.contiguous()
         dpre, h = ops.act_bwd(dy @ w_proj, pre, ctx.activation, need[5])
         del pre
-        _, d_w_proj, d_b_proj = _linear_grads(dy, h, w_proj, False, need[5], need[6] and ctx.has_bias[2])
+        _, d_w_proj, d_b_proj = linear_grads(dy, h, w_proj, False, need[5], need[6] and ctx.has_bias[2])
         del h
-        d_normed, d_w_fc, d_b_fc = _linear_grads(dpre, normed, w_fc, True, need[3], need[4] and ctx.has_bias[1])
+        d_normed, d_w_fc, d_b_fc = linear_grads(dpre, normed, w_fc, True, need[3], need[4] and ctx.has_bias[1])
         del normed
-        dx, d_norm_weight, d_norm_bias = _norm_backward(d_normed.contiguous(), x, norm_weight, mean, rstd, ctx.norm,
+        dx, d_norm_weight, d_norm_bias = norm_backward(d_normed.contiguous(), x, norm_weight, mean, rstd, ctx.norm,
                                                          ctx.has_bias[0], ctx.backend)
         return (dx, d_norm_weight if need[1] else None, d_norm_bias if need[2] else None, d_w_fc, d_b_fc, d_w_proj,
                 d_b_proj, None, None, None, None, None)
 
-
-def _norm_forward(x, weight, bias, norm, eps, backend):
-    from remat.ops.norm import ops_for as norm_ops_for
-
-    ops = norm_ops_for(backend)
-    if norm == "rms":
-        y, _, rstd = ops.rms_norm_fwd(x, weight, None, eps)
-        return y, None, rstd
-    y, _, mean, rstd = ops.layer_norm_fwd(x, weight, bias, None, eps)
-    return y, mean, rstd
-
-
-def _norm_backward(dy, x, weight, mean, rstd, norm, has_bias, backend):
-    from remat.ops.norm import ops_for as norm_ops_for
-
-    ops = norm_ops_for(backend)
-    if norm == "rms":
-        dx, dw = ops.rms_norm_bwd(dy, None, x, weight, rstd)
-        return dx, (dw if weight is not None else None), None
-    dx, dw, db = ops.layer_norm_bwd(dy, None, x, weight, mean, rstd, has_bias)
-    return dx, (dw if weight is not None else None), (db if has_bias else None)

@@ -11,7 +11,7 @@ Inputs are already 2-D [rows, cols] with unit column stride (remat.functional re
 
 import torch
 
-from remat.ops.norm import ops_for
+from remat.ops import ops_for
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -19,7 +19,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, residual, eps, backend):
-        ops = ops_for(backend)
+        ops = ops_for("norm", backend)
         y, h, rstd = ops.rms_norm_fwd(x, weight, residual, eps)
         norm_input = h if residual is not None else x
         ctx.save_for_backward(norm_input, weight, rstd)
@@ -32,7 +32,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh=None):
         norm_input, weight, rstd = ctx.saved_tensors
-        ops = ops_for(ctx.backend)
+        ops = ops_for("norm", ctx.backend)
         dx, dw = ops.rms_norm_bwd(_unit_col(dy), _unit_col(dh), norm_input, weight, rstd)
         return (
             dx,
@@ -48,7 +48,7 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, backend):
-        ops = ops_for(backend)
+        ops = ops_for("norm", backend)
         y, h, mean, rstd = ops.layer_norm_fwd(x, weight, bias, residual, eps)
         norm_input = h if residual is not None else x
         ctx.save_for_backward(norm_input, weight, mean, rstd)
@@ -62,7 +62,7 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh=None):
         norm_input, weight, mean, rstd = ctx.saved_tensors
-        ops = ops_for(ctx.backend)
+        ops = ops_for("norm", ctx.backend)
         dx, dw, db = ops.layer_norm_bwd(
             _unit_col(dy), _unit_col(dh), norm_input, weight, mean, rstd, ctx.has_bias
         )
@@ -86,3 +86,25 @@ def _unit_col(grad):
     if grad.shape[1] <= 1 or grad.stride(1) == 1:
         return grad
     return grad.contiguous()
+
+
+def norm_forward(x, weight, bias, norm, eps, backend):
+    """The normalized rows of a fused sub-block's input: (y, mean, rstd) with mean None for
+    ``norm="rms"``. x [rows, cols] with unit column stride; y in x's dtype, statistics fp32."""
+    ops = ops_for("norm", backend)
+    if norm == "rms":
+        y, _, rstd = ops.rms_norm_fwd(x, weight, None, eps)
+        return y, None, rstd
+    y, _, mean, rstd = ops.layer_norm_fwd(x, weight, bias, None, eps)
+    return y, mean, rstd
+
+
+def norm_backward(dy, x, weight, mean, rstd, norm, has_bias, backend):
+    """Gradients of :func:`norm_forward` from the saved x and statistics (x_hat recomputed):
+    (dx, d_weight or None, d_bias or None)."""
+    ops = ops_for("norm", backend)
+    if norm == "rms":
+        dx, dw = ops.rms_norm_bwd(dy, None, x, weight, rstd)
+        return dx, (dw if weight is not None else None), None
+    dx, dw, db = ops.layer_norm_bwd(dy, None, x, weight, mean, rstd, has_bias)
+    return dx, (dw if weight is not None else None), (db if has_bias else None)

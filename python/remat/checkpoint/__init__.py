@@ -109,7 +109,7 @@ def _check_blocks_hold_no_grad_tensors(blocks):
 
 def _cell_filled(cell):
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:
         return False
     return True

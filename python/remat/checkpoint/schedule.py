@@ -29,7 +29,6 @@ counted twice, so the model is an upper bound of what hooks measure.
 import functools
 import math
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
@@ -51,7 +50,7 @@ class Split:
     keep_left: bool = False
 
 
-Node = Union[Segment, Split]
+Node = Segment | Split
 
 
 @dataclass(frozen=True)
@@ -311,15 +310,15 @@ def revolve_plan(length, slots):
         raise ValueError(f"slots must be >= 0, got {slots}")
 
     @functools.cache
-    def extra(l, s):
-        # Least extra forward calls and best split to reverse l steps with s slots.
-        if l == 1:
+    def extra(steps, s):
+        # Least extra forward calls and best split to reverse `steps` steps with s slots.
+        if steps == 1:
             return 0, None
         if s == 0:
-            return l * (l - 1) // 2, l - 1
+            return steps * (steps - 1) // 2, steps - 1
         best = None
-        for m in range(1, l):
-            cost = m + extra(l - m, s - 1)[0] + extra(m, s)[0]
+        for m in range(1, steps):
+            cost = m + extra(steps - m, s - 1)[0] + extra(m, s)[0]
             if best is None or cost < best[0]:
                 best = (cost, m)
         return best

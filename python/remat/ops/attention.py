@@ -210,10 +210,5 @@ triton_attention_bwd.register_fake(_fake_attention_bwd)
 TRITON_OPS = AttentionOps(triton_attention_fwd, triton_attention_bwd)
 
 
-def ops_for(backend):
-    """The AttentionOps of a resolved backend name."""
-    if backend == "torch":
-        return TORCH_OPS
-    if backend == "triton":
-        return TRITON_OPS
-    return EXTENSION_OPS
+# Read by remat.ops.ops_for; None where the extension is not built.
+OPS = {"torch": TORCH_OPS, "triton": TRITON_OPS, "cpp": EXTENSION_OPS, "cuda": EXTENSION_OPS}

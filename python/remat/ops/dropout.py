@@ -3,11 +3,17 @@ y = keep ? x / (1 - p) : 0, keep(i) = uniform(seed, offset + i) >= p for the Phi
 of csrc/common/philox.h (Triton's tl.rand), rng = int64 [seed, offset], x contiguous. The
 division is done in fp32 and rounded once."""
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from remat import _extension
 from remat.reference import philox_randint, philox_uniform
+
+
+class DropoutOps(NamedTuple):
+    philox_dropout: object
 
 
 def torch_philox_dropout(x, rng, p):
@@ -24,10 +30,10 @@ def _fake_philox_dropout(x, rng, p):
     return torch.empty_like(x)
 
 
-EXTENSION_OP = None
+EXTENSION_OPS = None
 if _extension.LOADED:
     torch.library.register_fake("remat::philox_dropout")(_fake_philox_dropout)
-    EXTENSION_OP = torch.ops.remat.philox_dropout
+    EXTENSION_OPS = DropoutOps(torch.ops.remat.philox_dropout)
 
 
 @torch.library.custom_op("remat_triton::philox_dropout", mutates_args=())
@@ -40,10 +46,6 @@ def triton_philox_dropout(x: Tensor, rng: Tensor, p: float) -> Tensor:
 triton_philox_dropout.register_fake(_fake_philox_dropout)
 
 
-def op_for(backend):
-    """The philox_dropout implementation of a resolved backend name."""
-    if backend == "torch":
-        return torch_philox_dropout
-    if backend == "triton":
-        return triton_philox_dropout
-    return EXTENSION_OP
+# Read by remat.ops.ops_for; None where the extension is not built.
+OPS = {"torch": DropoutOps(torch_philox_dropout), "triton": DropoutOps(triton_philox_dropout),
+       "cpp": EXTENSION_OPS, "cuda": EXTENSION_OPS}

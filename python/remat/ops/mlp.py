@@ -24,10 +24,19 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 class MLPOps(NamedTuple):
+    """One backend's MLP operators. The fused-GEMM entries (a GEMM with the activation in its
+    epilogue and the norm in its prologue) exist only where the backend has such kernels (Triton);
+    elsewhere they are None and the Functions run cuBLAS/ATen GEMMs plus the pointwise ops."""
+
     glu_fwd: object
     glu_bwd: object
     act_fwd: object
     act_bwd: object
+    glu_matmul: object = None
+    glu_matmul_bwd: object = None
+    norm_stats: object = None
+    act_matmul: object = None
+    act_matmul_bwd: object = None
 
 
 _INV_SQRT2 = 1 / math.sqrt(2)
@@ -124,7 +133,8 @@ def triton_glu_fwd(gate: Tensor, up: Tensor, activation: str) -> Tensor:
 
 
 @torch.library.custom_op("remat_triton::glu_bwd", mutates_args=())
-def triton_glu_bwd(dh: Tensor, gate: Tensor, up: Tensor, activation: str, need_h: bool) -> tuple[Tensor, Tensor, Tensor]:
+def triton_glu_bwd(dh: Tensor, gate: Tensor, up: Tensor, activation: str,
+                   need_h: bool) -> tuple[Tensor, Tensor, Tensor]:
     from remat.kernels import mlp
 
     return mlp.glu_bwd(dh, gate, up, activation, need_h)
@@ -148,8 +158,6 @@ triton_glu_fwd.register_fake(_fake_glu_fwd)
 triton_glu_bwd.register_fake(_fake_glu_bwd)
 triton_act_fwd.register_fake(_fake_act_fwd)
 triton_act_bwd.register_fake(_fake_act_bwd)
-
-TRITON_OPS = MLPOps(triton_glu_fwd, triton_glu_bwd, triton_act_fwd, triton_act_bwd)
 
 
 @torch.library.custom_op("remat_triton::glu_matmul", mutates_args=())
@@ -240,10 +248,8 @@ def _fake_act_matmul_bwd(x, w, b, dh, activation, need_h):
     return torch.empty_like(dh), torch.empty_like(dh) if need_h else dh.new_empty(0)
 
 
-def ops_for(backend):
-    """The MLPOps of a resolved backend name."""
-    if backend == "torch":
-        return TORCH_OPS
-    if backend == "triton":
-        return TRITON_OPS
-    return EXTENSION_OPS
+TRITON_OPS = MLPOps(triton_glu_fwd, triton_glu_bwd, triton_act_fwd, triton_act_bwd, triton_glu_matmul,
+                    triton_glu_matmul_bwd, triton_norm_stats, triton_act_matmul, triton_act_matmul_bwd)
+
+# Read by remat.ops.ops_for; None where the extension is not built.
+OPS = {"torch": TORCH_OPS, "triton": TRITON_OPS, "cpp": EXTENSION_OPS, "cuda": EXTENSION_OPS}

@@ -188,10 +188,5 @@ triton_layer_norm_bwd.register_fake(_fake_layer_norm_bwd)
 TRITON_OPS = NormOps(triton_rms_norm_fwd, triton_layer_norm_fwd, triton_rms_norm_bwd, triton_layer_norm_bwd)
 
 
-def ops_for(backend):
-    """The NormOps of a resolved backend name."""
-    if backend == "torch":
-        return TORCH_OPS
-    if backend == "triton":
-        return TRITON_OPS
-    return EXTENSION_OPS
+# Read by remat.ops.ops_for; None where the extension is not built.
+OPS = {"torch": TORCH_OPS, "triton": TRITON_OPS, "cpp": EXTENSION_OPS, "cuda": EXTENSION_OPS}

@@ -1,0 +1,139 @@
+"""Public attention functions: flash attention and the pre-norm attention sub-block. Argument
+checks and layout, then the autograd Function."""
+
+from remat import checks
+from remat.autograd.attention import AttentionFunction
+from remat.autograd.norm_attention import NormAttentionFunction
+from remat.backend import resolve_backend
+from remat.options import AttentionOptions, NormAttentionOptions
+
+
+def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, window=None, softcap=None,
+              deterministic=True, layout="bnhd", backend=None):
+    """Flash attention: ``softmax(q k^T * scale) v`` without storing the attention matrix.
+
+    Args:
+        q: ``[B, N, Hq, D]`` (``layout="bnhd"``, the default, as flash_attn) or ``[B, Hq, N, D]``
+            (``layout="bhnd"``, as ``scaled_dot_product_attention``); float32, float16 or
+            bfloat16; any strides (a tensor whose last dim is strided is copied once).
+        k, v: ``[B, M, Hkv, D]`` (or ``[B, Hkv, M, D]``) in q's dtype and device; Hq a multiple of
+            Hkv (GQA; Hkv = 1 is MQA). N, M >= 1 any length; D in 1..256 (the cuda backend takes
+            float16/bfloat16 only).
+        causal: mask keys after the query. With N != M the last query is aligned with the last
+            key (bottom-right, as FlashAttention >= 2.1): query i sits at position i + M - N.
+        scale: logit scale; default ``1 / sqrt(D)``.
+        dropout_p: dropout on the probabilities, in [0, 1). Applied whenever > 0 (pass 0.0 in
+            eval). The mask is a Philox stream keyed by a (seed, offset) drawn from PyTorch's
+            generator, so ``torch.manual_seed`` reproduces it; backward regenerates it.
+        rope: ``(cos, sin)`` rotary tables, ``[S, D/2]`` or ``[B, S, D/2]``, or Hugging Face's
+            ``[S, D]`` / ``[B, S, D]`` with equal halves, S >= M; rotate-half convention. k at
+            position j uses row j, q row i uses row i + M - N (needs N <= M). Applied inside the
+            kernels in forward and again in the backward recompute; rotated copies are never stored.
+        window: ``(left, right)`` sliding window: query at position p sees keys p - left .. p +
+            right; None on a side is unbounded. Combines with ``causal``.
+        softcap: Gemma-2 logit capping, ``softcap * tanh(logits / softcap)``; None (default) off.
+        deterministic: GPU backward without atomics (bitwise reproducible); False uses fp32
+            atomics for dq (faster). The CPU backends are always deterministic.
+        layout: ``"bnhd"`` or ``"bhnd"``, for q, k, v and the output.
+        backend: ``"cuda"``, ``"cpp"``, ``"triton"``, ``"torch"`` or None (see remat.backend).
+
+    Returns:
+        o in q's layout, shape and dtype (a new tensor). Rows that see no key give 0.
+
+    Saved for backward: q, k, v, o, fp32 logsumexp [B, Hq, N] (and 16 bytes of RNG state with
+    dropout, the cos/sin tables with rope); the probabilities are recomputed.
+    """
+    checks.check_choice(layout, "layout", checks.ATTENTION_LAYOUTS)
+    checks.check_qkv_types(q, k, v, layout)
+    if layout == "bhnd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    checks.check_qkv_shapes(q, k, v, layout)
+    checks.check_rope(rope, q.shape[0], q.shape[1], k.shape[1], q.shape[-1], q.device)
+    options = _attention_options(q.shape[-1], causal, scale, softcap, window, dropout_p, deterministic)
+    name = resolve_backend(backend, q)
+    cos, sin = rope if rope is not None else (None, None)
+    (q, k, v), autocast_off = checks.autocast_cast(q, k, v)
+    checks.check_attention_dtype(name, q.dtype)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    with autocast_off:
+        o = AttentionFunction.apply(q, k, v, cos, sin, options, name)
+    return o.transpose(1, 2) if layout == "bhnd" else o
+
+
+def _attention_options(head_dim, causal, scale, softcap, window, dropout_p, deterministic):
+    """Checks the scalar attention arguments; returns the kernels' AttentionOptions."""
+    checks.check_positive(scale, "scale")
+    checks.check_positive(softcap, "softcap")
+    checks.check_probability(dropout_p, "dropout_p")
+    if not isinstance(causal, bool) or not isinstance(deterministic, bool):
+        raise TypeError("causal and deterministic must be bools")
+    left, right = checks.window_bounds(window, causal)
+    scale = float(scale) if scale is not None else head_dim**-0.5
+    return AttentionOptions(scale, float(softcap or 0.0), left, right, float(dropout_p), deterministic)
+
+
+def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=None, norm_bias=None, b_q=None,
+                   b_k=None, b_v=None, norm="rms", eps=None, causal=True, scale=None, rope=None, window=None,
+                   softcap=None, dropout_p=0.0, deterministic=True, keep_qkv=True, backend=None):
+    """The pre-norm attention sub-block of a transformer layer in one fused Function: the norm, the
+    q/k/v projections, rotary embedding and flash attention, up to the attention output (the
+    output projection and residual add are the caller's).
+
+    ``o = attention(rope(norm(x) w_q^T + b_q), rope(norm(x) w_k^T + b_k), norm(x) w_v^T + b_v)``
+
+    Args:
+        x: ``[B, N, H]`` float32, float16 or bfloat16 (a last dim that is strided is copied once).
+        norm_weight: ``[H]`` or None; norm_bias: ``[H]`` or None (``norm="layer"`` only).
+        w_q: ``[Hq * D, H]``; w_k, w_v: ``[Hkv * D, H]`` (``nn.Linear`` layout, any strides), in x's
+            dtype (under autocast any float dtype: all are cast to the autocast dtype).
+        num_heads: Hq; num_kv_heads: Hkv (default Hq), Hq a multiple of Hkv. D = rows of w_q / Hq.
+        b_q, b_k, b_v: optional projection biases.
+        norm: ``"rms"`` (default) or ``"layer"``; eps: default 1e-6 (rms) or 1e-5 (layer).
+        causal, scale, rope, window, softcap, dropout_p, deterministic: as for :func:`attention`
+            (self-attention: M = N).
+        keep_qkv: True keeps q, k, v for backward; False recomputes them there with the three
+            projection GEMMs (what a "memory" layer policy does).
+        backend: as for :func:`attention`; the projection GEMMs are PyTorch's.
+
+    Returns:
+        o ``[B, N, Hq, D]`` in x's dtype (the autocast dtype under autocast).
+
+    Saved for backward: x, the fp32 norm statistics, o, fp32 lse ``[B, Hq, N]``, with keep_qkv
+    also q, k, v (16 bytes of RNG state with dropout; the caller's rope tables). The normalized
+    input, rotated q/k and the probabilities are recomputed (remat.autograd.norm_attention).
+    """
+    checks.check_hidden_states(x)
+    checks.check_input(x)
+    batch, n, hidden = x.shape
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    checks.check_matrix(w_q, "w_q")
+    if w_q.shape[0] % num_heads:
+        raise ValueError(f"w_q's rows ({w_q.shape[0]}) must be num_heads ({num_heads}) x head dim")
+    head_dim = w_q.shape[0] // num_heads
+    if not 1 <= head_dim <= checks.MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in 1..{checks.MAX_HEAD_DIM}, got {head_dim}")
+    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+    for name, w, width in (("w_q", w_q, q_width), ("w_k", w_k, kv_width), ("w_v", w_v, kv_width)):
+        checks.check_weight(w, name, (width, hidden), x)
+    for name, b, width in (("b_q", b_q, q_width), ("b_k", b_k, kv_width), ("b_v", b_v, kv_width)):
+        checks.check_weight(b, name, (width,), x, optional=True)
+    eps = checks.check_norm(norm, norm_weight, norm_bias, eps, x)
+    checks.check_rope(rope, batch, n, n, head_dim, x.device)
+    if not isinstance(keep_qkv, bool):
+        raise TypeError("keep_qkv must be a bool")
+    attention_options = _attention_options(head_dim, causal, scale, softcap, window, dropout_p, deterministic)
+    name = resolve_backend(backend, x)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = rope if rope is not None else (None, None)
+    (x, *params), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v)
+    checks.check_attention_dtype(name, x.dtype)
+    options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
+                                   attention_options, keep_qkv)
+    with autocast_off:
+        return NormAttentionFunction.apply(x, *params, cos, sin, options, name)

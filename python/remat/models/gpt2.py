@@ -1,0 +1,159 @@
+"""The GPT-2 family: Hugging Face ``GPT2Block`` as :class:`GPT2Layer` (pre-LayerNorm causal
+attention with biases, GELU-tanh MLP, residual dropout), with its Conv1D ``[in, out]`` weights used
+as they are (transposed views, no copies). GPT-2's attention and MLP are replaced only as part of
+a whole block."""
+
+import torch
+from torch import nn
+
+from remat import checks, functional
+from remat.models.hf import refuse_kv_cache
+from remat.models.registry import Family
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
+from remat.nn.norm import LayerNorm
+
+
+class Conv1D(nn.Module):
+    """GPT-2's projection layout (as Hugging Face's Conv1D): ``weight`` [in, out], ``bias`` [out],
+    ``y = x @ weight + bias``. Holds parameters for GPT2Layer, which reads them directly."""
+
+    def __init__(self, in_features, out_features, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight.t(), self.bias)
+
+
+class GPT2Layer(PreNormDecoderLayer):
+    """A GPT-2 block built from remat's fused blocks, with Hugging Face's ``GPT2Block`` parameter
+    names and layouts: ``ln_1``, ``attn.c_attn`` ([h, 3h] Conv1D), ``attn.c_proj``, ``ln_2``,
+    ``mlp.c_fc`` ([h, I]), ``mlp.c_proj``. Pre-LayerNorm causal attention with biases, GELU (tanh)
+    MLP, residual dropout after each (Philox, never a stored mask).
+
+    ``policy`` as for LlamaLayer. Bytes kept per token (element size s, Hq heads, I inner size,
+    plus 16 bytes per call for each dropout in use; :meth:`saved_bytes_per_token`):
+
+    - ``"memory"``: x, o, h (the second residual), two fp32 (mean, rstd) pairs and lse:
+      ``3sh + 4 Hq + 16``.
+    - ``"balanced"`` (default): also q, k, v: ``6sh + 4 Hq + 16``.
+    - ``"speed"``: also the MLP pre-activation: ``6sh + sI + 4 Hq + 16``.
+
+    Args:
+        hidden, num_heads: sizes; intermediate: default 4 * hidden. eps: LayerNorm epsilon (1e-5).
+        attention_dropout, resid_dropout: probabilities, applied in training mode.
+        approximate: GELU flavour, ``"tanh"`` (GPT-2's gelu_new, default) or ``"none"``.
+        policy, backend: as for LlamaLayer.
+    """
+
+    def __init__(self, hidden, num_heads, intermediate=None, *, eps=1e-5, attention_dropout=0.0, resid_dropout=0.0,
+                 approximate="tanh", policy="balanced", backend=None, device=None, dtype=None):
+        super().__init__()
+        checks.check_choice(policy, "policy", LAYER_POLICIES)
+        checks.check_choice(approximate, "approximate", checks.GELU_APPROXIMATIONS)
+        if hidden % num_heads:
+            raise ValueError(f"hidden ({hidden}) must be a multiple of num_heads ({num_heads})")
+        intermediate = 4 * hidden if intermediate is None else intermediate
+        self.ln_1 = LayerNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
+        self.attn = nn.Module()
+        self.attn.c_attn = Conv1D(hidden, 3 * hidden, device=device, dtype=dtype)
+        self.attn.c_proj = Conv1D(hidden, hidden, device=device, dtype=dtype)
+        self.ln_2 = LayerNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = Conv1D(hidden, intermediate, device=device, dtype=dtype)
+        self.mlp.c_proj = Conv1D(intermediate, hidden, device=device, dtype=dtype)
+        self.num_heads, self.attention_dropout, self.resid_dropout = num_heads, attention_dropout, resid_dropout
+        self.approximate, self.policy, self.backend = approximate, policy, backend
+
+    @classmethod
+    def from_module(cls, stock, *, policy="balanced", backend=None):
+        """A GPT2Layer sharing every parameter (no copy) of a Hugging Face ``GPT2Block``; heads,
+        dropouts and the GELU flavour from its config."""
+        for name in ("ln_1", "attn", "ln_2", "mlp"):
+            if not hasattr(stock, name):
+                raise TypeError(f"from_module expects a GPT2Block with {name}, got {type(stock).__name__}")
+        if hasattr(stock, "crossattention"):
+            raise ValueError("GPT2Layer has no cross-attention; this block has one")
+        config = stock.attn.config
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False) or not getattr(config, "scale_attn_weights", True):
+            raise ValueError("GPT2Layer scales logits by 1/sqrt(head_dim) only (scale_attn_weights=True, "
+                             "scale_attn_by_inverse_layer_idx=False)")
+        activation = getattr(config, "activation_function", "gelu_new")
+        if activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"GPT2Layer takes a GELU activation, got {activation!r}")
+        checks.check_choice(policy, "policy", LAYER_POLICIES)
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.ln_1 = LayerNorm.from_module(stock.ln_1, backend=backend)
+        module.ln_2 = LayerNorm.from_module(stock.ln_2, backend=backend)
+        module.attn = nn.Module()
+        module.attn.c_attn, module.attn.c_proj = stock.attn.c_attn, stock.attn.c_proj
+        module.mlp = nn.Module()
+        module.mlp.c_fc, module.mlp.c_proj = stock.mlp.c_fc, stock.mlp.c_proj
+        module.num_heads = config.num_attention_heads
+        module.attention_dropout, module.resid_dropout = float(config.attn_pdrop), float(config.resid_pdrop)
+        module.approximate = "none" if activation == "gelu" else "tanh"
+        module.policy, module.backend = policy, backend
+        module.train(stock.training)
+        return module
+
+    def saved_bytes_per_token(self, element_size):
+        """Bytes this layer keeps for backward per token under its policy (the formulas above),
+        for activations of ``element_size`` bytes; without the 16 bytes per call of each dropout."""
+        hidden, intermediate = self.attn.c_attn.weight.shape[0], self.mlp.c_fc.weight.shape[1]
+        stats = 4 * self.num_heads + 16  # fp32 lse per head, two fp32 (mean, rstd) pairs
+        memory = 3 * element_size * hidden + stats
+        balanced = memory + 3 * element_size * hidden
+        speed = balanced + element_size * intermediate
+        return {"memory": memory, "balanced": balanced, "speed": speed}[self.policy]
+
+    def attention_output(self, x, position_ids, position_embeddings):
+        hidden = x.shape[-1]
+        c_attn = self.attn.c_attn
+        if hidden != c_attn.weight.shape[0]:
+            raise ValueError(f"hidden_states' last dim must be {c_attn.weight.shape[0]}, got {hidden}")
+        w_qkv, b_qkv = checks.cast_like(c_attn.weight, x), checks.cast_like(c_attn.bias, x)
+        # Conv1D [in, 3h] -> three [h, h] nn.Linear-layout views; under autocast the sub-block runs
+        # in the autocast dtype while the residual stream x keeps its own, as in the stock block.
+        weights = [w_qkv[:, i * hidden : (i + 1) * hidden].t() for i in range(3)]
+        biases = [b_qkv[i * hidden : (i + 1) * hidden] for i in range(3)]
+        return functional.norm_attention(
+            x, checks.vector_like(self.ln_1.weight, x), *weights, norm_bias=checks.vector_like(self.ln_1.bias, x),
+            b_q=biases[0], b_k=biases[1], b_v=biases[2], num_heads=self.num_heads, norm="layer",
+            eps=float(self.ln_1.eps), causal=True, dropout_p=self.attention_dropout if self.training else 0.0,
+            keep_qkv=self.keeps_qkv, backend=self.backend)
+
+    def out_proj(self, o):
+        c_proj = self.attn.c_proj
+        return nn.functional.linear(o, checks.cast_like(c_proj.weight, o).t(), checks.cast_like(c_proj.bias, o))
+
+    def mlp_block(self, h):
+        c_fc, c_proj = self.mlp.c_fc, self.mlp.c_proj
+        return functional.norm_gelu_mlp(
+            h, checks.vector_like(self.ln_2.weight, h), checks.vector_like(self.ln_2.bias, h),
+            checks.cast_like(c_fc.weight, h).t(), checks.cast_like(c_fc.bias, h),
+            checks.cast_like(c_proj.weight, h).t(), checks.cast_like(c_proj.bias, h), norm="layer", eps=self.ln_2.eps,
+            approximate=self.approximate, recompute=self.mlp_recompute, backend=self.backend)
+
+
+class HFGPT2Layer(GPT2Layer):
+    """remat.nn.GPT2Layer taking a Hugging Face GPT2Block's arguments (the 4-D mask is not read;
+    remat.patch has checked the model's 2-D mask)."""
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None, **kwargs):
+        refuse_kv_cache(dict(kwargs, cache=cache))
+        if encoder_hidden_states is not None:
+            raise ValueError("remat's GPT2Layer has no cross-attention (encoder_hidden_states)")
+        return super().forward(hidden_states)
+
+
+FAMILY = Family(
+    name="gpt2",
+    layer_classes=("GPT2Block",),
+    build_layer=HFGPT2Layer.from_module,
+    whole_only=("GPT2Attention", "GPT2MLP"),
+    whole_only_reason=("GPT-2's attention and MLP are replaced only as whole blocks: pass all of "
+                       "modules=('norm', 'mlp', 'attention')"),
+)

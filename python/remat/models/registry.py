@@ -1,0 +1,81 @@
+"""The model-family table that remat.patch reads. A family module (remat.models.<family>) declares
+one :class:`Family`: the Hugging Face decoder-layer classes it replaces whole, the fused layer
+that replaces them, and the modules it can replace one by one (:class:`Part`). Adding a family is
+one module and one entry in :data:`FAMILY_MODULES`; patch.py does not change."""
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+# The family modules, in lookup order.
+FAMILY_MODULES = ("remat.models.llama", "remat.models.gpt2", "remat.models.torch_norms")
+
+PART_KINDS = ("norm", "mlp", "attention")
+
+
+class Part(NamedTuple):
+    """A module a family replaces on its own. kind: one of :data:`PART_KINDS`. classes: class
+    names (Hugging Face's, matched by name so remat imports no model code) or types (matched
+    exactly, no subclasses). build: ``build(stock, *, backend) -> module``. accepts: an extra
+    predicate on the instance."""
+
+    kind: str
+    classes: tuple
+    build: Callable
+    accepts: Callable = None
+
+    def matches(self, module):
+        cls = type(module)
+        if cls not in self.classes and cls.__name__ not in self.classes:
+            return False
+        return self.accepts is None or self.accepts(module)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: ``layer_classes`` (decoder-layer class names) are replaced whole by
+    ``build_layer(stock, *, policy, backend)``; ``parts`` one by one; ``whole_only`` names classes
+    replaced only inside a whole layer (left alone, with ``whole_only_reason``, when the user asks
+    for parts)."""
+
+    name: str
+    layer_classes: tuple = ()
+    build_layer: Callable = None
+    parts: tuple = ()
+    whole_only: tuple = ()
+    whole_only_reason: str = ""
+
+
+class Match(NamedTuple):
+    """What the table says of one module: kind "layer", a part kind, or "whole_only"; build is
+    the replacement's constructor (None for "whole_only"); reason says why it is left alone."""
+
+    kind: str
+    family: str
+    build: Callable = None
+    reason: str = ""
+
+
+_FAMILIES = []
+
+
+def families():
+    """The registered :class:`Family` entries, importing the family modules on first use."""
+    if not _FAMILIES:
+        _FAMILIES.extend(importlib.import_module(name).FAMILY for name in FAMILY_MODULES)
+    return tuple(_FAMILIES)
+
+
+def match(module):
+    """The :class:`Match` for ``module``, or None when no family takes its class."""
+    name = type(module).__name__
+    for family in families():
+        if name in family.layer_classes:
+            return Match("layer", family.name, family.build_layer)
+        if name in family.whole_only:
+            return Match("whole_only", family.name, reason=family.whole_only_reason)
+        for part in family.parts:
+            if part.matches(module):
+                return Match(part.kind, family.name, part.build)
+    return None

@@ -1,0 +1,26 @@
+"""Drop-in modules with the constructor arguments and state_dict keys of their stock counterparts,
+one module per block (norm, mlp, attention; layers holds the decoder-layer skeleton the model
+families share). ``from_module`` converts a stock module, sharing its parameters.
+
+The whole decoder layers of the model families live in remat.models and are re-exported here.
+"""
+
+from remat.models.gpt2 import Conv1D, GPT2Layer  # noqa: E402  (the families build on the modules above)
+from remat.models.llama import LlamaLayer  # noqa: E402
+from remat.nn.attention import Attention
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
+from remat.nn.mlp import GELUMLP, SwiGLUMLP
+from remat.nn.norm import LayerNorm, RMSNorm
+
+__all__ = [
+    "Attention",
+    "Conv1D",
+    "GELUMLP",
+    "GPT2Layer",
+    "LAYER_POLICIES",
+    "LayerNorm",
+    "LlamaLayer",
+    "PreNormDecoderLayer",
+    "RMSNorm",
+    "SwiGLUMLP",
+]

@@ -1,0 +1,43 @@
+"""Option structures: the non-tensor arguments of a fused block, carried as one named value from
+the public functions through the autograd Functions to the operators, so that a new option is one
+field rather than a new positional argument in every signature (FlashAttention's params struct;
+csrc/attention/attention.h holds the C++ counterpart).
+
+NamedTuples, so torch.compile treats them as constants and they pass through
+``torch.autograd.Function.apply`` unchanged.
+"""
+
+from typing import NamedTuple
+
+
+class AttentionOptions(NamedTuple):
+    """The attention kernels' scalar arguments, in the order of the operators' signatures
+    (remat.ops.attention): ``attention_fwd(q, k, v, cos, sin, rng, *options[:5])`` and
+    ``attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, *options)``.
+
+    scale: logit scale (> 0). softcap: 0 (off) or the cap. window_left / window_right: the visible
+    key band around each query's position, -1 = unbounded (causal: window_right = 0).
+    dropout_p: probability in [0, 1). deterministic: GPU backward without atomics.
+    """
+
+    scale: float
+    softcap: float = 0.0
+    window_left: int = -1
+    window_right: int = -1
+    dropout_p: float = 0.0
+    deterministic: bool = True
+
+
+class NormAttentionOptions(NamedTuple):
+    """The pre-norm attention sub-block's non-tensor arguments (remat.autograd.norm_attention).
+
+    shape: (B, N, Hq, Hkv, D). norm: "rms" or "layer". eps: the norm's epsilon.
+    attention: the :class:`AttentionOptions`. keep_qkv: save q, k, v for backward (True) or
+    recompute them with the projection GEMMs (False).
+    """
+
+    shape: tuple
+    norm: str
+    eps: float
+    attention: AttentionOptions
+    keep_qkv: bool
