@@ -47,11 +47,22 @@ def test_use_backend_rejects_unknown_name():
             pass
 
 
-def test_use_backend_restores_on_error():
+def test_use_backend_restores_on_error(monkeypatch):
+    """An exception leaving a use_backend block restores the request that held before it: the
+    enclosing context's, or none at all."""
+    monkeypatch.delenv("REMAT_BACKEND", raising=False)
+    assert backend.requested_backend() is None
     with pytest.raises(KeyError):
         with remat.use_backend("torch"):
+            assert backend.requested_backend() == "torch"
             raise KeyError
-    assert backend.requested_backend() in (None, *backend.BACKENDS)
+    assert backend.requested_backend() is None
+    with remat.use_backend("cpp"):
+        with pytest.raises(KeyError):
+            with remat.use_backend("torch"):
+                raise KeyError
+        assert backend.requested_backend() == "cpp"
+    assert backend.requested_backend() is None
     assert getattr(backend._state, "stack", []) == []
 
 
@@ -63,14 +74,27 @@ def test_default_choice_table():
     assert backend.default_backend(torch.device("cpu")) == ("cpp" if _extension.LOADED else "torch")
 
 
-def test_info_reports(capsys):
+def _extension_status(out):
+    line = next(line for line in out.splitlines() if line.startswith("extension remat._C"))
+    return line.removeprefix("extension remat._C").strip()
+
+
+def test_info_reports(capsys, monkeypatch):
     remat.info()
     out = capsys.readouterr().out
     assert "extension remat._C" in out and "Triton" in out
-    assert ("built" in out) == _extension.LOADED or "not built" in out
+    # Exactly "built" when the extension loaded, else "not built: <why>" ("not built" contains "built").
+    expected = "built" if _extension.LOADED else f"not built: {_extension.LOAD_ERROR}"
+    assert _extension_status(out) == expected
     d = remat.info.__globals__["info_dict"]()
     assert d["extension_built"] == _extension.LOADED
     assert d["default_backend"]["rms_norm"]["cpu"] == backend.default_backend(torch.device("cpu"))
+    # The other branch, whichever this installation has.
+    monkeypatch.setattr(_extension, "LOADED", not _extension.LOADED)
+    monkeypatch.setattr(_extension, "LOAD_ERROR", None if _extension.LOADED else "ImportError: test")
+    remat.info()
+    expected = "built" if _extension.LOADED else "not built: ImportError: test"
+    assert _extension_status(capsys.readouterr().out) == expected
 
 
 def test_python_m_remat_info():

@@ -51,12 +51,23 @@ def test_saved_tensors_are_the_contract_tensors():
 
 def test_eager_rms_norm_saves_more_than_remat():
     """Stock residual add + RMSNorm in eager mode keeps its intermediates for backward; remat keeps
-    the input and fp32 rstd only."""
+    the input and fp32 rstd only. The README's "4x as much at bf16": the composite RMSNorm keeps
+    two fp32 copies of the row (the upcast h and the normalized product), 8 bytes per element
+    against remat's 2, plus fp32 rstd on both sides."""
     x, w, _, r = _inputs(torch.bfloat16, residual=True)
     remat_bytes = saved_bytes(remat.rms_norm, x, w, residual=r)
     eager_bytes = saved_bytes(lambda: torch.nn.functional.rms_norm(x + r, (HIDDEN,), w, 1e-6))
     assert remat_bytes == ROWS * HIDDEN * 2 + ROWS * 4
-    assert eager_bytes > remat_bytes
+    assert eager_bytes == ROWS * HIDDEN * 2 * 4 + ROWS * 4
+    # The ratio approaches 4 as the row widens (the per-row rstd stops mattering): at a Llama width
+    # it is 4 to within 0.1%.
+    hidden = 4096
+    x = torch.randn(ROWS, hidden, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(ROWS, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(hidden, dtype=torch.bfloat16))
+    ratio = (saved_bytes(lambda: torch.nn.functional.rms_norm(x + r, (hidden,), w, 1e-6))
+             / saved_bytes(remat.rms_norm, x, w, residual=r))
+    assert 3.996 <= ratio <= 4.0, f"eager / remat saved bytes {ratio:.4f}, the README says 4x"
 
 
 def test_eager_layer_norm_saves_the_same_tensors():

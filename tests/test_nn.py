@@ -7,6 +7,7 @@ import torch
 import remat
 from remat import nn as rnn
 
+from _checks import assert_within_2x_of_stock
 from helpers import cpu_backends
 
 
@@ -83,13 +84,30 @@ def test_module_casts_fp32_parameters_to_bf16_input():
     """bf16 activations with fp32 parameters (autocast-style training): the norm runs in bf16 and
     the fp32 weight receives its gradient through the cast."""
     mine = rnn.LayerNorm(32)
+    with torch.no_grad():
+        mine.weight.normal_()
+        mine.bias.normal_()
+    stock = torch.nn.LayerNorm(32)
+    stock.load_state_dict(mine.state_dict())
     x = torch.randn(4, 32).bfloat16().requires_grad_()
     y = mine(x)
     assert y.dtype == torch.bfloat16
-    y.float().sum().backward()
+    dy = torch.randn(4, 32)
+    (y.float() * dy).sum().backward()
     assert mine.weight.grad is not None and mine.weight.grad.dtype == torch.float32
-    ref = torch.nn.functional.layer_norm(x.detach().double(), (32,))
-    assert (y.double() - ref).abs().max() < 0.05
+    # Stock: the same autocast-style cast of the fp32 parameters, LayerNorm in bf16.
+    x_stock = x.detach().clone().requires_grad_()
+    y_stock = torch.nn.functional.layer_norm(x_stock, (32,), stock.weight.bfloat16(), stock.bias.bfloat16())
+    (y_stock.float() * dy).sum().backward()
+    # float64 reference, with the parameters as the bf16 run sees them.
+    x64 = x.detach().double().requires_grad_()
+    w64, b64 = (p.detach().bfloat16().double().requires_grad_() for p in (mine.weight, mine.bias))
+    y64 = torch.nn.functional.layer_norm(x64, (32,), w64, b64)
+    (y64 * dy.double()).sum().backward()
+    assert_within_2x_of_stock("y", y, y_stock, y64, torch.bfloat16)
+    assert_within_2x_of_stock("dx", x.grad, x_stock.grad, x64.grad, torch.bfloat16)
+    assert_within_2x_of_stock("dw", mine.weight.grad, stock.weight.grad, w64.grad, torch.bfloat16)
+    assert_within_2x_of_stock("db", mine.bias.grad, stock.bias.grad, b64.grad, torch.bfloat16)
 
 
 def test_wrong_trailing_shape_raises():
