@@ -75,7 +75,8 @@ def make_case(kind, lead, n, dtype, variant, device="cpu", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     shape = (*lead, n)
     noncontig = variant == "noncontiguous"
-    x = strided(shape, dtype, device, g, "row_strided" if noncontig else "contiguous")
+    x_layout = {"noncontiguous": "row_strided", "col_strided": "col_strided"}.get(variant, "contiguous")
+    x = strided(shape, dtype, device, g, x_layout)
     affine = variant != "no_affine"
     weight = (1 + 0.5 * torch.randn(n, generator=g, device=device)).to(dtype) if affine else None
     bias = (0.5 * torch.randn(n, generator=g, device=device)).to(dtype) if affine and kind == "layer" else None
@@ -212,6 +213,18 @@ def mask_from_output(backend, b, hq, n, m, p, seed, device="cpu", dtype=torch.fl
     torch.manual_seed(seed)
     o = remat.attention(q, k, v, dropout_p=p, backend=backend)
     return ((o.float() * m * (1 - p)).transpose(1, 2) > 0.5).cpu()
+
+
+class CompileCounter:
+    """A torch.compile backend that counts the frames (graphs) it is given and runs them eagerly:
+    one frame means no graph break."""
+
+    def __init__(self):
+        self.frames = 0
+
+    def __call__(self, gm, example_inputs):
+        self.frames += 1
+        return gm.forward
 
 
 def _transformers():

@@ -15,7 +15,16 @@ from remat.memory import SavedTensorLog, saved_bytes
 from remat.reference import attention_dropout_keep, attention_reference
 
 from _checks import assert_within_2x_of_stock
-from helpers import DTYPES, case, cpu_backends, gpu_backends, make_inputs, mask_from_output, run_and_check
+from helpers import (
+    DTYPES,
+    CompileCounter,
+    case,
+    cpu_backends,
+    gpu_backends,
+    make_inputs,
+    mask_from_output,
+    run_and_check,
+)
 
 # Shapes and options for the C++ CPU and torch backends.
 CASES = [
@@ -36,6 +45,11 @@ CASES = [
     case("noncontig-bhnd-n17-d64-causal", 2, 17, 17, 4, 2, 64, causal=True, layout="bhnd"),
     case("noncontig-slices-n33-m17-d72", 1, 33, 17, 2, 1, 72, noncontiguous=True),
 ]
+
+# Every head-dim range the API takes (1..256) on the CPU backends: tiny and odd D (no rope, which
+# needs an even D), and the large D the CUDA kernels bucket at 192 and 256.
+HEAD_DIM_CASES = [case(f"n9-m13-d{d}-causal", 1, 9, 13, 2, 1, d, causal=True) for d in (1, 2, 3, 8, 15)] + [
+    case(f"n9-m13-d{d}-rope-causal", 1, 9, 13, 2, 1, d, causal=True, rope="shared") for d in (16, 160, 200, 256)]
 
 def _interpreter_sized(param):
     """The interpreter runs Triton kernels as Python, one program at a time: cases up to
@@ -59,6 +73,18 @@ TRITON_CASES = [
 @pytest.mark.parametrize("spec", CASES)
 @pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
 def test_attention_matches_reference(backend, spec, dtype):
+    run_and_check(spec, dtype, backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", HEAD_DIM_CASES)
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
+def test_attention_every_head_dim_range(backend, spec, dtype, request):
+    if (backend, spec["d"], dtype) == ("cpp", 15, torch.bfloat16):
+        # Open finding (issue 11): on this draw the C++ CPU kernel's bf16 dq has 3.5x stock's error
+        # (one element 11 ulps off the float64 value, where the torch backend is 1.6 ulps off); other
+        # seeds and D 13-17 are within the rule. strict: the day it passes, this marker must go.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="cpp bf16 dq at D=15 exceeds the 2x rule"))
     run_and_check(spec, dtype, backend)
 
 
@@ -147,15 +173,6 @@ def test_cpp_and_torch_backends_agree():
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
-class _CompileCounter:
-    def __init__(self):
-        self.frames = 0
-
-    def __call__(self, gm, example_inputs):
-        self.frames += 1
-        return gm.forward
-
-
 @pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
 def test_compile_fullgraph_matches_eager(backend):
     torch._dynamo.reset()
@@ -169,7 +186,7 @@ def test_compile_fullgraph_matches_eager(backend):
     def block(q, k, v):
         return (remat.attention(q, k, v, causal=True, rope=rope, softcap=30.0, backend=backend) ** 2).sum()
 
-    counter = _CompileCounter()
+    counter = CompileCounter()
     compiled = torch.compile(block, backend=counter, fullgraph=True)
     loss_c = compiled(q, k, v)
     grads_c = torch.autograd.grad(loss_c, [q, k, v])

@@ -90,6 +90,9 @@ def test_measured_peak_within_plan_and_budget(strategy, kwargs):
         out.sum().backward()
     assert tracker.current == 0, "saved tensors or checkpoints still held after backward"
     assert 0 < tracker.peak <= plan.peak_saved_bytes
+    # From below too: every block's backward holds that block's saved tensors, so the measured peak is
+    # at least the largest of them (a tracker that missed saved tensors would fall under it).
+    assert tracker.peak >= max(plan.costs.saved)
     if plan.budget_bytes is not None:
         assert plan.peak_saved_bytes <= plan.budget_bytes
 
@@ -374,3 +377,23 @@ def test_optimal_fits_the_smallest_feasible_budget_after_rounding():
     assert sched.peak_bytes(sched.optimal_plan(costs, floor), costs) <= floor
     plan = plan_for_costs(costs, strategy="optimal")
     assert plan.peak_saved_bytes <= plan.budget_bytes
+
+
+def test_time_costs_plan_like_flops():
+    """cost="time" measures each block's forward in seconds: the same saved and input bytes as the
+    FLOP measurement, a positive time per block, and a plan that keeps its budget and gradients."""
+    chain = make_chain(6, hidden=(64, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    by_flops = measure_costs(chain, x)
+    by_time = measure_costs(chain, x, cost="time")
+    assert by_time.saved == by_flops.saved and by_time.inputs == by_flops.inputs
+    assert len(by_time.compute) == len(chain) and all(isinstance(t, float) and t > 0 for t in by_time.compute)
+    budget = (sched.minimal_peak(by_time) + sum(by_time.saved)) // 2
+    plan = remat.plan(chain, x, strategy="optimal", budget_bytes=budget, cost="time")
+    assert plan.peak_saved_bytes <= budget
+    params = list(chain.parameters())
+    got = grads_of(lambda t: remat.checkpoint_sequential(chain, t, plan=plan), x, params)
+    for g, w in zip(got, grads_of(chain, x, params)):
+        assert torch.equal(g, w)
+    with pytest.raises(ValueError, match="cost must be"):
+        measure_costs(chain, x, cost="seconds")

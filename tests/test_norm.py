@@ -12,6 +12,9 @@ from helpers import DTYPES, check_against_reference, cpu_backends, gpu_backends,
 
 # (leading shape, hidden): widths 1, 7, 1000, 4099 and 70000 (past one 64K tile).
 SHAPES = [((5,), 1), ((3, 5), 7), ((9,), 1000), ((3,), 4099), ((2,), 70000)]
+# Enough rows that the C++ weight-gradient reduction (32 fixed row chunks) sums several rows per
+# chunk, and column-strided inputs (every other element of a wider row).
+MULTI_ROW_SHAPES = [((101,), 33), ((4, 50), 200)]
 VARIANTS = ["plain", "residual", "no_affine", "noncontiguous"]
 
 
@@ -81,6 +84,16 @@ def test_empty_rows(kind, backend):
     assert torch.equal(w.grad, torch.zeros(16))
     if kind == "layer":
         assert torch.equal(b.grad, torch.zeros(16))
+
+
+
+@pytest.mark.parametrize("variant", ["plain", "col_strided"])
+@pytest.mark.parametrize("lead,n", MULTI_ROW_SHAPES, ids=[f"{'x'.join(map(str, s))}x{n}" for s, n in MULTI_ROW_SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_multi_row_chunks_and_column_strides(kind, backend, dtype, lead, n, variant):
+    check_against_reference(kind, lead, n, dtype, variant, backend)
 
 
 # On a GPU (marked gpu; skipped where none is present): the same float64-reference checks at real

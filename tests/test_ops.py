@@ -9,7 +9,7 @@ import remat
 from remat import _extension
 from remat.ops import norm as norm_ops
 
-from helpers import cpu_backends
+from helpers import CompileCounter, cpu_backends
 
 needs_extension = pytest.mark.skipif(not _extension.LOADED, reason="remat._C is not built")
 
@@ -131,15 +131,6 @@ def test_torch_backend_matches_cpp_ops(name):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-class _CompileCounter:
-    def __init__(self):
-        self.frames = 0
-
-    def __call__(self, gm, example_inputs):
-        self.frames += 1
-        return gm.forward
-
-
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
 def test_compile_fullgraph_matches_eager(kind, backend):
@@ -157,7 +148,7 @@ def test_compile_fullgraph_matches_eager(kind, backend):
             y, h = remat.layer_norm(x, w, b, residual=r, backend=backend)
         return (y * h).sum()
 
-    counter = _CompileCounter()
+    counter = CompileCounter()
     compiled = torch.compile(block, backend=counter, fullgraph=True)
     loss_c = compiled(x, r, w, b)
     grads_c = torch.autograd.grad(loss_c, [x, r, w, b], allow_unused=True)

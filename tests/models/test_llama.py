@@ -21,6 +21,7 @@ from helpers import (
     INTER,
     KV_HEADS,
     LENGTH,
+    CompileCounter,
     batch,
     causal_lm,
     cpu_backends,
@@ -99,21 +100,12 @@ def test_patched_training_step_saves_less():
         assert saved < bound * eager, (policy, saved, eager)
 
 
-class _CompileCounter:
-    def __init__(self):
-        self.frames = 0
-
-    def __call__(self, gm, example_inputs):
-        self.frames += 1
-        return gm.forward
-
-
 def test_compile_fullgraph_on_patched_model():
     torch._dynamo.reset()
     model = causal_lm("llama")
     remat.patch(model)
     ids, mask, labels = batch()
-    counter = _CompileCounter()
+    counter = CompileCounter()
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()

@@ -83,9 +83,7 @@ class GPT2Layer(PreNormDecoderLayer):
         activation = getattr(config, "activation_function", "gelu_new")
         if activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"GPT2Layer takes a GELU activation, got {activation!r}")
-        checks.check_choice(policy, "policy", LAYER_POLICIES)
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
+        module = cls._empty(policy, backend)
         module.ln_1 = LayerNorm.from_module(stock.ln_1, backend=backend)
         module.ln_2 = LayerNorm.from_module(stock.ln_2, backend=backend)
         module.attn = nn.Module()
@@ -95,7 +93,6 @@ class GPT2Layer(PreNormDecoderLayer):
         module.num_heads = config.num_attention_heads
         module.attention_dropout, module.resid_dropout = float(config.attn_pdrop), float(config.resid_pdrop)
         module.approximate = "none" if activation == "gelu" else "tanh"
-        module.policy, module.backend = policy, backend
         module.train(stock.training)
         return module
 

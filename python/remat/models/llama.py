@@ -78,14 +78,11 @@ class LlamaLayer(PreNormDecoderLayer):
         for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
             if not hasattr(stock, name):
                 raise TypeError(f"from_module expects a decoder layer with {name}, got {type(stock).__name__}")
-        checks.check_choice(policy, "policy", LAYER_POLICIES)
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
+        module = cls._empty(policy, backend)
         module.self_attn = Attention.from_module(stock.self_attn, backend=backend)
         module.mlp = SwiGLUMLP.from_module(stock.mlp, backend=backend)
         module.input_layernorm = RMSNorm.from_module(stock.input_layernorm, backend=backend)
         module.post_attention_layernorm = RMSNorm.from_module(stock.post_attention_layernorm, backend=backend)
-        module.policy, module.backend = policy, backend
         module.train(stock.training)
         return module
 

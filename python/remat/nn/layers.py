@@ -33,6 +33,16 @@ class PreNormDecoderLayer(nn.Module):
 
     resid_dropout = 0.0
 
+    @classmethod
+    def _empty(cls, policy, backend):
+        """An instance without submodules, for ``from_module`` to fill with the stock layer's (shared)
+        modules and parameters."""
+        checks.check_choice(policy, "policy", LAYER_POLICIES)
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.policy, module.backend = policy, backend
+        return module
+
     @property
     def keeps_qkv(self):
         """Whether the attention sub-block keeps q, k, v (policies speed and balanced)."""
