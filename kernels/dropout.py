@@ -5,22 +5,11 @@ int64 rng = [seed, offset] tensor. x is contiguous; the division is IEEE (div_rn
 and rounded once, as the C++ and CUDA kernels and the torch backend do.
 """
 
-import importlib.util
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
-try:
-    from .norm import _round
-except ImportError:
-    # Loaded by file path (tests/test_triton_aot.py), with no parent package: load the sibling
-    # file under a private name.
-    _norm_spec = importlib.util.spec_from_file_location(f"{__name__}_norm", Path(__file__).with_name("norm.py"))
-    _norm = importlib.util.module_from_spec(_norm_spec)
-    _norm_spec.loader.exec_module(_norm)
-    _round = _norm._round
+from ._common import _INTERPRETED, _round
 
 # 1024 elements per program: 8 per thread at 4 warps, enough independent Philox rounds in flight.
 _BLOCK = 1024
@@ -41,9 +30,6 @@ def _philox_dropout_kernel(x_ptr, y_ptr, rng_ptr, n_elements, p, keep_divisor, B
     tl.store(y_ptr + offsets, _round(y, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
-_INTERPRETED = not isinstance(_philox_dropout_kernel, triton.runtime.JITFunction)
-
-
 def philox_dropout(x, rng, p):
     """y = x * keep / (1 - p) for contiguous x (fp32/fp16/bf16) and rng int64 [2] on x's device."""
     if not x.is_contiguous() or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -55,8 +41,9 @@ def philox_dropout(x, rng, p):
     y = torch.empty_like(x)
     n = x.numel()
     if n:
-        _philox_dropout_kernel[(triton.cdiv(n, _BLOCK),)](x, y, rng, n, float(p), float(1.0 - p), BLOCK=_BLOCK,
-                                                          INTERPRETED=_INTERPRETED, num_warps=_NUM_WARPS)
+        _philox_dropout_kernel[(triton.cdiv(n, _BLOCK),)](
+            x, y, rng, n, float(p), float(1.0 - p), BLOCK=_BLOCK, INTERPRETED=_INTERPRETED,
+            num_warps=_NUM_WARPS)
     return y
 
 
@@ -65,7 +52,8 @@ def aot_specs():
     spec per dtype."""
     for type_name in ("fp32", "fp16", "bf16"):
         element = f"*{type_name}"
-        signature = {"x_ptr": element, "y_ptr": element, "rng_ptr": "*i64", "n_elements": "i64", "p": "fp32",
-                     "keep_divisor": "fp32", "BLOCK": "constexpr", "INTERPRETED": "constexpr"}
+        signature = {"x_ptr": element, "y_ptr": element, "rng_ptr": "*i64", "n_elements": "i64",
+                     "p": "fp32", "keep_divisor": "fp32", "BLOCK": "constexpr",
+                     "INTERPRETED": "constexpr"}
         yield (f"philox_dropout-{type_name}", _philox_dropout_kernel, signature,
                {"BLOCK": _BLOCK, "INTERPRETED": False}, _NUM_WARPS)

@@ -22,30 +22,18 @@ fp32 to the accumulator before the one rounding, so pre = x @ w^T + b is what to
 h = act(pre) and dpre = dh * act'(pre) are kernels/mlp.py's act (non-gated) expressions. They
 use glu_matmul_config's tiles.
 
-The activation math (`_activation_and_grad`) and the rounding helper (`_round`) are imported from
-kernels/mlp.py: relatively when this module is remat.kernels.matmul, and by file path when this
-file is loaded outside any package (tests/test_triton_aot.py may do that), so the formulas are
-kernels/mlp.py's in both cases rather than a copy.
+The activation math (`_activation_and_grad`) is kernels/mlp.py's, imported rather than copied;
+`_round` and `_dot` are kernels/_common.py's.
 """
 
-import importlib.util
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-try:
-    from .mlp import _activation_and_grad, _round
-except ImportError:
-    # Loaded by file path, with no parent package: load the sibling file under a private name.
-    _mlp_spec = importlib.util.spec_from_file_location(
-        f"{__name__}_mlp", Path(__file__).with_name("mlp.py"))
-    _mlp = importlib.util.module_from_spec(_mlp_spec)
-    _mlp_spec.loader.exec_module(_mlp)
-    _activation_and_grad = _mlp._activation_and_grad
-    _round = _mlp._round
+from ._common import _INTERPRETED, _dot, _round
+from .mlp import _activation_and_grad
 
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 _NORMS = (None, "rms", "layer")
@@ -78,9 +66,9 @@ _GROUP_M = 8
 # - fp16/bf16, at most 64 rows (decode-sized batches): 64 x 64 tiles, otherwise the same; twice
 #   the programs per weight column for a launch that is weight-bandwidth bound. 66-247
 #   registers, no spills. (4 warps spilled 4-16 bytes on sm_80.)
-# - fp32: IEEE products (see `_dot`) run on the FMA units, not tensor cores, and Triton's FMA dot
-#   holds BLOCK_K-deep operand slices in registers: 64 x 64 tiles, BLOCK_K 16, 8 warps take 128
-#   registers and do not spill; BLOCK_K 32 over 4 warps spilled up to 700 bytes.
+# - fp32: IEEE products (`_dot`, kernels/_common.py) run on the FMA units, not tensor cores, and
+#   Triton's FMA dot holds BLOCK_K-deep operand slices in registers: 64 x 64 tiles, BLOCK_K 16,
+#   8 warps take 128 registers and do not spill; BLOCK_K 32 over 4 warps spilled up to 700 bytes.
 _LARGE_16BIT = MatmulConfig(128, 64, 64, _GROUP_M, 8, 3)
 _SMALL_16BIT = MatmulConfig(64, 64, 64, _GROUP_M, 8, 3)
 _FP32 = MatmulConfig(64, 64, 16, _GROUP_M, 8, 3)
@@ -98,25 +86,6 @@ def glu_matmul_config(n_rows, n_cols, n_inner, dtype):
     if dtype == torch.float32:
         return _FP32
     return _LARGE_16BIT if n_rows > 64 else _SMALL_16BIT
-
-
-@triton.jit
-def _dot(a, b, acc, INTERPRETED: tl.constexpr):
-    """acc + a @ b, accumulated in fp32: a [BLOCK_M, BLOCK_K], b [BLOCK_K, BLOCK_N], acc fp32.
-
-    Under the interpreter (INTERPRETED), bf16 operands are upcast to fp32 first: Triton 3.8's
-    interpreter multiplies bf16 dots as raw bit patterns (triton-lang/triton#11584). bf16
-    products are exact in fp32, so only the summation order can differ from the compiled dot.
-    Compiled code multiplies bf16/fp16 natively on tensor cores. fp32 operands use IEEE
-    products, not the TF32 default of tl.dot, matching PyTorch's default fp32 matmul.
-    """
-    if INTERPRETED and a.dtype == tl.bfloat16:
-        result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif a.dtype == tl.float32:
-        result = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        result = tl.dot(a, b, acc)
-    return result
 
 
 @triton.jit
@@ -324,11 +293,6 @@ def _act_matmul_bwd_kernel(
     tl.store(dpre_ptr + offsets, _round(dh * grad, dtype, INTERPRETED), mask=mask)
     if NEED_H:
         tl.store(h_ptr + offsets, _round(activated, dtype, INTERPRETED), mask=mask)
-
-
-# True when TRITON_INTERPRET=1 was set before this module was imported: the kernels are then
-# interpreter objects, not JITFunctions.
-_INTERPRETED = not isinstance(_glu_matmul_fwd_kernel, triton.runtime.JITFunction)
 
 
 def _describe(tensor):

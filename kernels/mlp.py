@@ -16,22 +16,11 @@ One kernel pair serves both the GLU and the plain activation (GATED constexpr), 
 launchers (up == nullptr). The grid is 1-D over the flattened elements with 64-bit offsets.
 """
 
-import importlib.util
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
-try:
-    from .norm import _round
-except ImportError:
-    # Loaded by file path (tests/test_triton_aot.py), with no parent package: load the sibling
-    # file under a private name.
-    _norm_spec = importlib.util.spec_from_file_location(f"{__name__}_norm", Path(__file__).with_name("norm.py"))
-    _norm = importlib.util.module_from_spec(_norm_spec)
-    _norm_spec.loader.exec_module(_norm)
-    _round = _norm._round
+from ._common import _INTERPRETED, _round
 
 # Elements per program. With 4 warps (128 threads) a program gives each thread 8 elements: one
 # 16-byte load or store per tensor for fp16/bf16, two for fp32, the widest accesses there are.
@@ -142,11 +131,6 @@ def _act_bwd_kernel(
         tl.store(dgate_ptr + offsets, _round(dh * grad, dtype, INTERPRETED), mask=mask)
         if NEED_H:
             tl.store(h_ptr + offsets, _round(activated, dtype, INTERPRETED), mask=mask)
-
-
-# True when TRITON_INTERPRET=1 was set before this module was imported: the kernels are then
-# interpreter objects, not JITFunctions.
-_INTERPRETED = not isinstance(_act_fwd_kernel, triton.runtime.JITFunction)
 
 
 def _check_inputs(activation, reference_name, reference, **others):

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import _INTERPRETED, _round
+
 # Widest rows held whole in registers, in elements whatever the dtype: what fills the register
 # file is the fp32 working set (the inputs are upcast on load), not the input bytes. Measured
 # with ptxas -v on the sm_80/sm_90 builds of every dtype: the forward holds 16384 columns at 16
@@ -55,22 +57,6 @@ def _num_partials(n_rows, num_warps, device):
     else:
         programs = _CPU_NUM_PARTIALS
     return max(1, min(n_rows, programs))
-
-
-@triton.jit
-def _round(value, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp32 value rounded to nearest-even in dtype.
-
-    The Triton 3.8 interpreter truncates fp32 -> bf16 casts (compiled code rounds to nearest
-    even), so interpreted bf16 rounding is done on the bits instead, to keep the CPU tests exact.
-    """
-    if INTERPRETED and dtype == tl.bfloat16:
-        bits = value.to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
-        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        rounded = value.to(dtype)
-    return rounded
 
 
 @triton.jit
@@ -300,11 +286,6 @@ def _norm_bwd_kernel(
                     tl.store(dbias_partial_ptr + partial_row + offsets, dbias, mask=mask)
 
 
-# True when TRITON_INTERPRET=1 was set before this module was imported: the kernels are then
-# interpreter objects, not JITFunctions.
-_INTERPRETED = not isinstance(_norm_fwd_kernel, triton.runtime.JITFunction)
-
-
 def _check_matrix(name, tensor):
     # A column stride only matters when there is more than one column.
     if tensor.dim() != 2 or (tensor.stride(1) != 1 and tensor.shape[1] > 1):
@@ -350,7 +331,9 @@ def norm_stats(x, eps, is_rms):
     mean an empty(0) tensor for RMSNorm; the same values the forward launchers store.
     """
     _, _, mean, rstd = _norm_fwd(x, None, None, None, eps, is_rms, store_y=False)
-    return (mean if mean is not None else torch.empty(0, dtype=torch.float32, device=x.device)), rstd
+    if mean is None:
+        mean = torch.empty(0, dtype=torch.float32, device=x.device)
+    return mean, rstd
 
 
 def rms_norm_fwd(x, weight, residual, eps):

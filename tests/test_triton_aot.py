@@ -1,18 +1,20 @@
 """Every Triton kernel compiles ahead of time for sm_80 and sm_90, with no GPU present.
 
 The interpreter (TRITON_INTERPRET=1) runs kernels as Python and lets through what the compiler
-rejects (layouts, type promotion, unsupported ops, resource limits), so each kernel module in
-kernels/ exposes `aot_specs()`, yielding (name, kernel, signature, constexprs, num_warps) in the
-form `triton.compiler.ASTSource` takes, and this test compiles every spec with `triton.compile`
-for a `GPUTarget`. The compile runs in one subprocess without TRITON_INTERPRET: with it set at
-import time, `@triton.jit` makes interpreter objects that `triton.compile` cannot take. The
-subprocess is this file run as a script; it prints one JSON object with a result per spec and arch.
+rejects (layouts, type promotion, unsupported ops, resource limits), so each kernel module or
+subpackage of remat.kernels (kernels/ in the checkout) exposes `aot_specs()`, yielding (name,
+kernel, signature, constexprs, num_warps) in the form `triton.compiler.ASTSource` takes, and this
+test compiles every spec with `triton.compile` for a `GPUTarget`. The compile runs in one
+subprocess without TRITON_INTERPRET: with it set at import time, `@triton.jit` makes interpreter
+objects that `triton.compile` cannot take. The subprocess is this file run as a script; it
+imports the kernels as remat.kernels like every other caller, and prints one JSON object with a
+result per spec and arch.
 """
 
 import importlib
-import importlib.util
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 import time
@@ -22,28 +24,55 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-KERNELS_DIR = REPO / "kernels"
 ARCHS = (80, 90)
+PACKAGE = "remat.kernels"
 
 
-def kernel_module_names():
-    return sorted(path.stem for path in KERNELS_DIR.glob("*.py") if path.stem != "__init__")
+def _failing_specs(message):
+    """An aot_specs stand-in that raises `message`: its module becomes a failing case."""
+    def aot_specs():
+        raise RuntimeError(message)
+    return aot_specs
 
 
-def load_kernel_module(stem):
-    """remat.kernels.<stem> when it is importable and is this checkout's file, else the file."""
-    path = KERNELS_DIR / f"{stem}.py"
+def kernel_spec_sources():
+    """[(label, aot_specs)], one entry per distinct `aot_specs` function: every public module or
+    subpackage of remat.kernels (a name without a leading underscore) must expose one (a
+    subpackage may re-export its submodule's), and any submodule, at any depth, that defines its
+    own adds it. A module that fails to import, or a public one with no `aot_specs`, gets one
+    that raises why, so it becomes a failing case; private helper modules (kernels/_common.py)
+    and the submodules of a subpackage need none."""
+    sources, seen = [], set()
+
+    def add(label, function):
+        if id(function) not in seen:
+            sources.append((label, function))
+            seen.add(id(function))
+
+    def walk(package, required):
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda info: info.name):
+            name = f"{package.__name__}.{info.name}"
+            label = name[len(PACKAGE) + 1:]
+            try:
+                module = importlib.import_module(name)
+            except Exception:
+                add(label, _failing_specs(f"{name} failed to import:\n{traceback.format_exc()}"))
+                continue
+            function = getattr(module, "aot_specs", None)
+            if function is not None and (required or function.__module__ == name):
+                add(label, function)
+            elif required and not info.name.startswith("_"):
+                add(label, _failing_specs(f"{name} has no aot_specs()"))
+            if info.ispkg:
+                walk(module, required=False)
+
     try:
-        module = importlib.import_module(f"remat.kernels.{stem}")
-        if Path(module.__file__).resolve() == path.resolve():
-            return module
-    except ModuleNotFoundError as error:
-        if error.name not in ("remat", "remat.kernels", f"remat.kernels.{stem}"):
-            raise
-    spec = importlib.util.spec_from_file_location(f"_remat_aot_kernels_{stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+        root = importlib.import_module(PACKAGE)
+    except Exception:
+        return [("kernels", _failing_specs(f"{PACKAGE} failed to import:\n"
+                                           f"{traceback.format_exc()}"))]
+    walk(root, required=True)
+    return sources
 
 
 def case_id(name, arch):
@@ -58,11 +87,11 @@ def compile_all(archs):
     from triton.compiler import ASTSource
 
     results = {}
-    for stem in kernel_module_names():
+    for label, aot_specs in kernel_spec_sources():
         try:
-            specs = list(load_kernel_module(stem).aot_specs())
+            specs = list(aot_specs())
         except Exception:
-            results[f"{stem}-import"] = {"error": traceback.format_exc()}
+            results[f"{label}-import"] = {"error": traceback.format_exc()}
             continue
         for name, kernel, signature, constexprs, num_warps in specs:
             for arch in archs:
@@ -92,11 +121,11 @@ def collect_case_ids():
     """Case ids for parametrization, listed in this process (interpreted or not); a module that
     fails to import or has no aot_specs becomes a failing case of its own."""
     ids = []
-    for stem in kernel_module_names():
+    for label, aot_specs in kernel_spec_sources():
         try:
-            names = [spec[0] for spec in load_kernel_module(stem).aot_specs()]
+            names = [spec[0] for spec in aot_specs()]
         except Exception:
-            ids.append(f"{stem}-import")
+            ids.append(f"{label}-import")
             continue
         ids.extend(case_id(name, arch) for name in names for arch in ARCHS)
     return ids

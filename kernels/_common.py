@@ -1,0 +1,56 @@
+"""Helpers every Triton kernel module shares: rounding to the storage dtype, the dot, and whether
+the kernels run under the interpreter.
+
+Known interpreter gaps these helpers work around (DESIGN.md section 7), so the kernels' bf16 paths
+stay testable on the CPU; the compiled paths are covered by the ahead-of-time compile
+(tests/test_triton_aot.py) and by the GPU tests:
+- Triton 3.8's interpreter truncates fp32 -> bf16 casts (compiled code rounds to nearest even):
+  `_round` rounds on the bits instead when INTERPRETED;
+- it multiplies bf16 `tl.dot` operands as raw bit patterns (triton-lang/triton#11584): `_dot`
+  upcasts them to fp32 first when INTERPRETED.
+Kernels take INTERPRETED as a constexpr, and launchers pass `_INTERPRETED`.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(value, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 value rounded to nearest-even in dtype.
+
+    The Triton 3.8 interpreter truncates fp32 -> bf16 casts (compiled code rounds to nearest
+    even), so interpreted bf16 rounding is done on the bits instead, to keep the CPU tests exact.
+    """
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        rounded = value.to(dtype)
+    return rounded
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+    """acc + a @ b, accumulated in fp32: a [BLOCK_M, BLOCK_K], b [BLOCK_K, BLOCK_N], acc fp32.
+
+    Under the interpreter (INTERPRETED), bf16 operands are upcast to fp32 first: Triton 3.8's
+    interpreter multiplies bf16 dots as raw bit patterns (triton-lang/triton#11584). bf16
+    products are exact in fp32, so only the summation order can differ from the compiled dot.
+    Compiled code multiplies bf16/fp16 natively on tensor cores. fp32 operands use IEEE
+    products, not the TF32 default of tl.dot, matching PyTorch's default fp32 matmul.
+    """
+    if INTERPRETED and a.dtype == tl.bfloat16:
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        result = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        result = tl.dot(a, b, acc)
+    return result
+
+
+# True when TRITON_INTERPRET=1 was set before the kernels were imported: `@triton.jit` then makes
+# interpreter objects, not JITFunctions, and every kernel module (each imports this one) is in
+# the same state.
+_INTERPRETED = not isinstance(_round, triton.runtime.JITFunction)

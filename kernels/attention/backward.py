@@ -1,0 +1,294 @@
+"""The attention backward kernels, recomputing P (and the dropout mask and RoPE) from q, k and
+the forward's lse; the [N, M] matrices are never written to memory.
+
+Rounding points: Delta = rowsum(dout * o) in fp32 (a preprocess pass), P = exp2((t - lse) *
+log2 e) from the forward's t bit for bit (logits.py), dS = P * (dP * keep/(1-p) - Delta) *
+dt/ddot; P and dS are rounded to the input dtype before their dots (dV += P^T dO, dQ += dS K,
+dK += dS^T Q), the accumulators are fp32 and dq, dk get the transposed rotation
+(rope_rotate_grad, rope.py) before the one rounding to the input dtype. fp32 inputs skip every
+rounding.
+
+Deterministic: a dK/dV kernel (program per key block and (batch, kv head), looping over the
+group's query heads and their visible query blocks) and a dQ kernel (program per query block
+and (batch, query head)), no atomics. Fast: the dK/dV kernel also adds each tile's dQ into a
+zeroed fp32 buffer with atomics, then a small kernel rotates and casts it.
+"""
+
+import triton
+import triton.language as tl
+
+from .._common import _dot, _round
+from .logits import _recomputed_probs, _times_logit_grad
+from .masks import (
+    _OUT,
+    _dropout_keep,
+    _dropout_rows,
+    _key_range,
+    _offset_bounds,
+    _query_block,
+    _query_range,
+    _visible,
+)
+from .rope import _load_rotated, _load_rows, _scores, _store_unrotated
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    o_ptr, do_ptr, delta_ptr,
+    stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh, N,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Delta [B, Hq, N] fp32 = rowsum(dout * o) of one row block x (head, batch)."""
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    o = _load_rows(o_ptr, b * stride_ob + h * stride_oh, rows, stride_on, row_mask, HEAD_DIM,
+                   BLOCK_D)
+    do = _load_rows(do_ptr, b * stride_dob + h * stride_doh, rows, stride_don, row_mask,
+                    HEAD_DIM, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + (b * tl.num_programs(1) + h) * N + rows, delta, mask=row_mask)
+
+
+@triton.jit
+def _bwd_kv_tile(
+    dv, dk1, dk2, k1, k2, v, keys, key_pos, start_m, q_ptr, do_ptr, q_base, do_base,
+    stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base, dq_row_stride,
+    cos_ptr, sin_ptr, cs_base, N, M, lo_d, hi_d,
+    scale, cap_scale, softcap, seed, rng_base, dropout_p, inv_keep,
+    MASKED, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, ROPE: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """One query tile's contribution to dv, dk (and with ATOMIC_DQ, dq) of a key block.
+
+    Works on the transposed [keys, queries] tiles, so dv and dk accumulate as plain dots.
+    MASKED (a runtime scalar) applies the window and the row/key bounds; the caller clears it
+    only for tiles inside the band.
+    """
+    rows = start_m + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    positions = rows + (M - N)
+    q1, q2 = _load_rotated(q_ptr, q_base, rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base,
+                           positions, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
+    do = _load_rows(do_ptr, do_base, rows, stride_don, row_mask, HEAD_DIM, BLOCK_D)
+    lse = tl.load(lse_ptr + row_base + rows, mask=row_mask, other=0.0)
+    delta = tl.load(delta_ptr + row_base + rows, mask=row_mask, other=0.0)
+    # Rows that saw no key have lse = +inf: P = exp2(-inf) = 0.
+    p, th = _recomputed_probs(_scores(k1, k2, q1, q2, ROPE, INTERPRETED), lse[None, :], scale,
+                              cap_scale, softcap, SOFTCAP)
+    if MASKED:
+        row_pos = tl.where(row_mask, positions, -_OUT)
+        p = tl.where(_visible(row_pos[None, :], key_pos[:, None], lo_d, hi_d), p, 0.0)
+    dtype = do.dtype
+    dp = _dot(v, tl.trans(do), tl.zeros([v.shape[0], BLOCK_M], dtype=tl.float32), INTERPRETED)
+    if DROPOUT:
+        keep = _dropout_keep(
+            seed, rng_base + rows.to(tl.int64)[None, :] * M + keys[:, None], dropout_p)
+        dv = _dot(_round(tl.where(keep, p * inv_keep, 0.0), dtype, INTERPRETED), do, dv,
+                  INTERPRETED)
+        dp = tl.where(keep, dp * inv_keep, 0.0)
+    else:
+        dv = _dot(_round(p, dtype, INTERPRETED), do, dv, INTERPRETED)
+    ds = _round(_times_logit_grad(p * (dp - delta[None, :]), th, scale, SOFTCAP), dtype,
+                INTERPRETED)
+    dk1 = _dot(ds, q1, dk1, INTERPRETED)
+    if ROPE:
+        dk2 = _dot(ds, q2, dk2, INTERPRETED)
+    if ATOMIC_DQ:
+        ds_t = tl.trans(ds)
+        cols = tl.arange(0, BLOCK_H)
+        offsets = dq_base + rows.to(tl.int64)[:, None] * dq_row_stride + cols[None, :]
+        zeros = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        if ROPE:
+            half: tl.constexpr = HEAD_DIM // 2
+            mask = row_mask[:, None] & (cols < half)[None, :]
+            tl.atomic_add(dq_ptr + offsets, _dot(ds_t, k1, zeros, INTERPRETED), mask=mask,
+                          sem="relaxed")
+            tl.atomic_add(dq_ptr + offsets + half, _dot(ds_t, k2, zeros, INTERPRETED),
+                          mask=mask, sem="relaxed")
+        else:
+            mask = row_mask[:, None] & (cols < HEAD_DIM)[None, :]
+            tl.atomic_add(dq_ptr + offsets, _dot(ds_t, k1, zeros, INTERPRETED), mask=mask,
+                          sem="relaxed")
+    return dv, dk1, dk2
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
+    cos_ptr, sin_ptr, rng_ptr,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh, cs_stride_b,
+    N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """dk, dv of one key block x (kv head, batch), summed over the GROUP query heads of the kv
+    head and their visible query blocks in a fixed order. Grid (key blocks, Hkv, B).
+
+    ATOMIC_DQ (the fast mode): also adds each tile's dq (of the rotated q) into dq_ptr, an fp32
+    [B, N, Hq, D] buffer the caller zeroed, with atomics; otherwise dq_ptr is not touched.
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    kv_head = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    num_kv_heads = tl.num_programs(1)
+    num_heads = num_kv_heads * GROUP
+    keys = start_n + tl.arange(0, BLOCK_N)
+    key_mask = keys < M
+    cs_base = b * cs_stride_b
+    k1, k2 = _load_rotated(k_ptr, b * stride_kb + kv_head * stride_kh, keys, stride_kn,
+                           key_mask, cos_ptr, sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, ROPE,
+                           INTERPRETED)
+    v = _load_rows(v_ptr, b * stride_vb + kv_head * stride_vh, keys, stride_vn, key_mask,
+                   HEAD_DIM, BLOCK_D)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dk1 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    if ROPE:
+        dk2 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    else:
+        dk2 = tl.zeros([1, 1], dtype=tl.float32)
+    if DROPOUT:
+        seed = tl.load(rng_ptr)
+        rng_offset = tl.load(rng_ptr + 1)
+    else:
+        seed = 0
+        rng_offset = 0
+    lo, hi, int_start, int_end = _query_range(start_n, N, M, left, right, BLOCK_M, BLOCK_N)
+    lo_d, hi_d = _offset_bounds(left, right)
+    key_pos = tl.where(key_mask, keys, _OUT)
+    for head_in_group in range(GROUP):
+        h = kv_head * GROUP + head_in_group
+        q_base = b * stride_qb + h * stride_qh
+        do_base = b * stride_dob + h * stride_doh
+        row_base = (b * num_heads + h) * N
+        rng_base = rng_offset + row_base * M
+        dq_base = (b * N * num_heads + h) * HEAD_DIM
+        for start_m in range(lo, hi, BLOCK_M):
+            dv, dk1, dk2 = _bwd_kv_tile(
+                dv, dk1, dk2, k1, k2, v, keys, key_pos, start_m, q_ptr, do_ptr, q_base,
+                do_base, stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base,
+                num_heads * HEAD_DIM, cos_ptr, sin_ptr, cs_base, N, M, lo_d, hi_d,
+                scale, cap_scale, softcap, seed, rng_base, dropout_p, inv_keep,
+                (start_m < int_start) | (start_m >= int_end), ATOMIC_DQ, HEAD_DIM, BLOCK_D,
+                BLOCK_H, BLOCK_M, ROPE, SOFTCAP, DROPOUT, INTERPRETED)
+    # dk, dv are contiguous [B, M, Hkv, D].
+    out_base = (b * M * num_kv_heads + kv_head) * HEAD_DIM
+    out_row_stride = num_kv_heads * HEAD_DIM
+    _store_unrotated(dk_ptr, out_base, keys, out_row_stride, key_mask, dk1, dk2, cos_ptr,
+                     sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
+    cols = tl.arange(0, BLOCK_D)
+    dv_offsets = out_base + keys.to(tl.int64)[:, None] * out_row_stride + cols[None, :]
+    tl.store(dv_ptr + dv_offsets, _round(dv, dv_ptr.dtype.element_ty, INTERPRETED),
+             mask=key_mask[:, None] & (cols < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _bwd_q_tile(
+    dq1, dq2, q1, q2, do, lse, delta, positions, start_n,
+    k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
+    M, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p,
+    inv_keep, MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """One key tile's contribution to the dq (of the rotated q) of a query block."""
+    keys = start_n + tl.arange(0, BLOCK_N)
+    key_mask = keys < M
+    k1, k2 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
+                           keys, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
+    v = _load_rows(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D)
+    p, th = _recomputed_probs(_scores(q1, q2, k1, k2, ROPE, INTERPRETED), lse[:, None], scale,
+                              cap_scale, softcap, SOFTCAP)
+    if MASKED:
+        key_pos = tl.where(key_mask, keys, _OUT)
+        p = tl.where(_visible(positions[:, None], key_pos[None, :], lo_d, hi_d), p, 0.0)
+    dp = _dot(do, tl.trans(v), tl.zeros([do.shape[0], BLOCK_N], dtype=tl.float32), INTERPRETED)
+    if DROPOUT:
+        keep = _dropout_keep(seed, rng_rows[:, None] + keys[None, :], dropout_p)
+        dp = tl.where(keep, dp * inv_keep, 0.0)
+    ds = _round(_times_logit_grad(p * (dp - delta[:, None]), th, scale, SOFTCAP), do.dtype,
+                INTERPRETED)
+    dq1 = _dot(ds, k1, dq1, INTERPRETED)
+    if ROPE:
+        dq2 = _dot(ds, k2, dq2, INTERPRETED)
+    return dq1, dq2
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cos_ptr, sin_ptr, rng_ptr,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh, cs_stride_b,
+    N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """dq of one query block x (query head, batch), over its visible key tiles in order (the
+    deterministic mode). Grid (query blocks, Hq, B), query blocks last-first."""
+    start_m, rows, row_mask, positions, h, kv_head, b, num_heads = _query_block(
+        N, M, GROUP, BLOCK_M)
+    cs_base = b * cs_stride_b
+    q1, q2 = _load_rotated(q_ptr, b * stride_qb + h * stride_qh, rows, stride_qn, row_mask,
+                           cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, ROPE,
+                           INTERPRETED)
+    do = _load_rows(do_ptr, b * stride_dob + h * stride_doh, rows, stride_don, row_mask,
+                    HEAD_DIM, BLOCK_D)
+    row_ids = (b * num_heads + h) * N + rows
+    lse = tl.load(lse_ptr + row_ids, mask=row_mask, other=0.0)
+    delta = tl.load(delta_ptr + row_ids, mask=row_mask, other=0.0)
+    k_base = b * stride_kb + kv_head * stride_kh
+    v_base = b * stride_vb + kv_head * stride_vh
+    seed, rng_rows = _dropout_rows(rng_ptr, row_ids, M, DROPOUT)
+    dq1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    if ROPE:
+        dq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    else:
+        dq2 = tl.zeros([1, 1], dtype=tl.float32)
+    lo, hi, int_start, int_end = _key_range(start_m, N, M, left, right, BLOCK_M, BLOCK_N)
+    lo_d, hi_d = _offset_bounds(left, right)
+    for start_n in range(lo, hi, BLOCK_N):
+        dq1, dq2 = _bwd_q_tile(
+            dq1, dq2, q1, q2, do, lse, delta, positions, start_n,
+            k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
+            M, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p, inv_keep,
+            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
+            ROPE, SOFTCAP, DROPOUT, INTERPRETED)
+    # dq is contiguous [B, N, Hq, D].
+    _store_unrotated(dq_ptr, (b * N * num_heads + h) * HEAD_DIM, rows, num_heads * HEAD_DIM,
+                     row_mask, dq1, dq2, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
+                     BLOCK_H, ROPE, INTERPRETED)
+
+
+@triton.jit
+def _attn_bwd_dq_postprocess_kernel(
+    dq_acc_ptr, dq_ptr, cos_ptr, sin_ptr, cs_stride_b, N, M,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """dq = rope_rotate_grad(dq_acc) rounded to dq's dtype, for one row block x (head, batch);
+    both [B, N, Hq, D] contiguous, dq_acc fp32 (the fast mode's atomic buffer)."""
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    num_heads = tl.num_programs(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    base = (b * N * num_heads + h) * HEAD_DIM
+    row_stride = num_heads * HEAD_DIM
+    cols = tl.arange(0, BLOCK_H)
+    offsets = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+    if ROPE:
+        half: tl.constexpr = HEAD_DIM // 2
+        mask = row_mask[:, None] & (cols < half)[None, :]
+        g1 = tl.load(dq_acc_ptr + offsets, mask=mask, other=0.0)
+        g2 = tl.load(dq_acc_ptr + offsets + half, mask=mask, other=0.0)
+    else:
+        g1 = tl.load(dq_acc_ptr + offsets,
+                     mask=row_mask[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)
+        g2 = g1
+    _store_unrotated(dq_ptr, base, rows, row_stride, row_mask, g1, g2, cos_ptr, sin_ptr,
+                     b * cs_stride_b, rows + (M - N), HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)

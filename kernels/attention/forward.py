@@ -1,0 +1,128 @@
+"""The attention forward kernel: o and the fp32 logsumexp of one query block, online softmax
+over its visible key tiles (masks.py).
+
+Rounding points (those of an unfused PyTorch computation in the input dtype; the QK^T operand
+and the logits are rope.py's and logits.py's):
+- the softmax runs online over the key tiles with exp2: running max m of t, p = exp2((t - m) *
+  log2 e), the row sum l of the undropped p; lse = m + log2(l) * ln 2, +inf (and o = 0) for a
+  row that sees no key;
+- P (dropped and scaled by 1/(1-p)) is rounded to v's dtype before the PV dot (FlashAttention's
+  rounding point); o = acc / l is rounded once.
+fp32 inputs skip every rounding (dots use IEEE fp32 products).
+
+The max and lse are kept in natural units and the difference t - m (t - lse) is taken before the
+scaling by log2 e, rather than the exp2-domain t2 = t * log2 e, m2, lse = (m2 + log2 l) * ln 2 and
+exp2(t2 - lse * log2 e) that csrc/common/attention_math.h uses: the same function, one more
+multiply per score, fewer roundings at the logits' magnitude. Measured on fp32 emulations of both
+with logits up to 30-60 (q and k 4 times N(0, 1), D = 16, softcap 30 or none): dv's mean error
+1.3-1.6 times lower; without softcap, dv exceeded 2x stock PyTorch's error plus the floor of
+tests/_checks.py in 2 of 100 draws instead of 37. With an fp32 lse part of that error is
+inherent: rounding the exact lse to fp32 alone gives 1.6-2.3 times stock's mean dv error at those
+magnitudes (stock normalises each row by its own sum), so fp32 tests with such logits exceed the
+2x rule now and then; moderate logits (|t| up to ~10) stay well inside it.
+"""
+
+import triton
+import triton.language as tl
+
+from .._common import _dot, _round
+from .logits import _LN2, _LOG2E, _logits
+from .masks import (
+    _OUT,
+    _dropout_keep,
+    _dropout_rows,
+    _key_range,
+    _offset_bounds,
+    _query_block,
+    _visible,
+)
+from .rope import _load_rotated, _load_rows, _scores
+
+
+@triton.jit
+def _fwd_tile(
+    acc, m, row_sum, q1, q2, positions, rng_rows, start_n,
+    k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
+    M, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
+    MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """One key tile of the online softmax: returns the updated (acc, m, row_sum).
+
+    m is the running max of the logits (natural units), row_sum the running sum of the undropped
+    probabilities exp2((t - m) * log2 e), acc the fp32 sum of round(P_dropped) @ V. MASKED (a
+    runtime scalar, uniform over the program) applies the window and the key bound; the caller
+    clears it only for tiles that lie wholly inside every row's band.
+    """
+    keys = start_n + tl.arange(0, BLOCK_N)
+    key_mask = keys < M
+    k1, k2 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
+                           keys, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
+    t, _ = _logits(_scores(q1, q2, k1, k2, ROPE, INTERPRETED), scale, cap_scale, softcap,
+                   SOFTCAP)
+    if MASKED:
+        key_pos = tl.where(key_mask, keys, _OUT)
+        t = tl.where(_visible(positions[:, None], key_pos[None, :], lo_d, hi_d), t,
+                     float("-inf"))
+    m_new = tl.maximum(m, tl.max(t, 1))
+    # A row with no visible key so far keeps m = -inf: subtract 0 instead, so exp2 gives 0 (not
+    # exp2(-inf + inf) = NaN) for both the rescale and the probabilities.
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2((m - m_sub) * _LOG2E)
+    p = tl.math.exp2((t - m_sub[:, None]) * _LOG2E)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        keep = _dropout_keep(seed, rng_rows[:, None] + keys[None, :], dropout_p)
+        p = tl.where(keep, p * inv_keep, 0.0)
+    v = _load_rows(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D)
+    acc = _dot(_round(p, v.dtype, INTERPRETED), v, acc * alpha[:, None], INTERPRETED)
+    return acc, m_new, row_sum
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, rng_ptr,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, cs_stride_b,
+    N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """o and lse of one query block x (query head, batch). Grid (query blocks, Hq, B); the
+    query blocks run last-first, so under a causal mask the longest rows start first."""
+    start_m, rows, row_mask, positions, h, kv_head, b, num_heads = _query_block(
+        N, M, GROUP, BLOCK_M)
+    cs_base = b * cs_stride_b
+    q1, q2 = _load_rotated(q_ptr, b * stride_qb + h * stride_qh, rows, stride_qn, row_mask,
+                           cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, ROPE,
+                           INTERPRETED)
+    k_base = b * stride_kb + kv_head * stride_kh
+    v_base = b * stride_vb + kv_head * stride_vh
+    # Row index into [B, Hq, N]; the dropout counters continue it over the M keys.
+    row_ids = (b * num_heads + h) * N + rows
+    seed, rng_rows = _dropout_rows(rng_ptr, row_ids, M, DROPOUT)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    lo, hi, int_start, int_end = _key_range(start_m, N, M, left, right, BLOCK_M, BLOCK_N)
+    lo_d, hi_d = _offset_bounds(left, right)
+    for start_n in range(lo, hi, BLOCK_N):
+        acc, m, row_sum = _fwd_tile(
+            acc, m, row_sum, q1, q2, positions, rng_rows, start_n,
+            k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
+            M, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
+            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
+            ROPE, SOFTCAP, DROPOUT, INTERPRETED)
+    seen = row_sum > 0.0
+    o = tl.math.div_rn(acc, tl.where(seen, row_sum, 1.0)[:, None])
+    o = tl.where(seen[:, None], o, 0.0)
+    lse = tl.where(seen, m + tl.math.log2(tl.where(seen, row_sum, 1.0)) * _LN2, float("inf"))
+    # o is contiguous [B, N, Hq, D].
+    o_base = (b * N * num_heads + h) * HEAD_DIM
+    cols = tl.arange(0, BLOCK_D)
+    o_offsets = o_base + rows.to(tl.int64)[:, None] * (num_heads * HEAD_DIM) + cols[None, :]
+    tl.store(o_ptr + o_offsets, _round(o, o_ptr.dtype.element_ty, INTERPRETED),
+             mask=row_mask[:, None] & (cols < HEAD_DIM)[None, :])
+    tl.store(lse_ptr + row_ids, lse, mask=row_mask)

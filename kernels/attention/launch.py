@@ -1,0 +1,308 @@
+"""Host launchers of the attention kernels: argument checks, outputs, grids; and the specs of
+the ahead-of-time compile check (tests/test_triton_aot.py)."""
+
+import torch
+import triton
+
+from .._common import _INTERPRETED
+from .backward import (
+    _attn_bwd_dkdv_kernel,
+    _attn_bwd_dq_kernel,
+    _attn_bwd_dq_postprocess_kernel,
+    _attn_bwd_preprocess_kernel,
+)
+from .forward import _attn_fwd_kernel
+from .masks import _FAR
+from .tuning import (
+    _DKDV_ATOMIC_TUNED,
+    _DKDV_TUNED,
+    _DQ_TUNED,
+    _ELEMENTWISE_WARPS,
+    _FWD_TUNED,
+    _INTERPRETER_BLOCK,
+    _ROWS_PER_PROGRAM,
+    _configs_for,
+    _launch,
+)
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_HEAD_DIM = 256
+# Sequence lengths below 2^28 keep the kernels' position arithmetic (see masks._OUT) inside int32.
+_MAX_LENGTH = 1 << 28
+_MAX_GRID_YZ = 65535
+
+
+def _describe(tensor):
+    return f"shape {tuple(tensor.shape)}, {tensor.dtype} on {tensor.device}"
+
+
+def _check_operand(name, tensor, dtype, device):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 4:
+        raise ValueError(f"{name}: expected a 4-D tensor [B, L, H, D], got {_describe(tensor)}")
+    if dtype is None:
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {tensor.dtype}")
+    elif tensor.dtype != dtype:
+        raise TypeError(f"{name}: expected {dtype} like q, got {tensor.dtype}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} like q, got {_describe(tensor)}")
+    if tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
+        raise ValueError(f"{name}: expected a unit stride in the last dimension, got strides "
+                         f"{tuple(tensor.stride())}")
+
+
+def _prepare(q, k, v, cos, sin, rng, scale, softcap, dropout_p):
+    """Checks the shared arguments; returns the kernels' common arguments and constexprs."""
+    _check_operand("q", q, None, None)
+    _check_operand("k", k, q.dtype, q.device)
+    _check_operand("v", v, q.dtype, q.device)
+    batch, n, num_heads, head_dim = q.shape
+    m, num_kv_heads = k.shape[1], k.shape[2]
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim {head_dim} unsupported, expected 1 to {_MAX_HEAD_DIM}")
+    if k.shape[0] != batch or k.shape[3] != head_dim or num_kv_heads < 1:
+        raise ValueError(f"k: expected [{batch}, M, Hkv, {head_dim}], got {_describe(k)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {_describe(v)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"k: {num_kv_heads} kv heads do not divide the {num_heads} query heads")
+    if min(batch, n, m) < 1 or max(n, m) >= _MAX_LENGTH:
+        raise ValueError(f"q, k: expected B >= 1 and 1 <= N, M < 2^28, got {_describe(q)} "
+                         f"and {_describe(k)}")
+    if max(batch, num_heads) > _MAX_GRID_YZ:
+        # The grids put heads on axis 1 and the batch on axis 2 (at most 65535 each).
+        raise ValueError(f"q: expected at most {_MAX_GRID_YZ} batch entries and heads, got "
+                         f"{_describe(q)}")
+    rope = cos is not None
+    if (cos is None) != (sin is None):
+        raise ValueError("cos, sin: give both or neither")
+    cs_stride_b = 0
+    if rope:
+        if head_dim % 2:
+            raise ValueError(f"q: RoPE needs an even head dim, got {head_dim}")
+        if n > m:
+            raise ValueError(f"q: RoPE needs N <= M (query i sits at key position i + M - N), "
+                             f"got N = {n}, M = {m}")
+        for name, table in (("cos", cos), ("sin", sin)):
+            if not isinstance(table, torch.Tensor) or table.dtype != torch.float32:
+                raise TypeError(f"{name}: expected a float32 tensor")
+            if (table.dim() != 3 or table.shape[0] not in (1, batch) or table.shape[1] < m
+                    or table.shape[2] != head_dim // 2 or not table.is_contiguous()
+                    or table.device != q.device):
+                raise ValueError(
+                    f"{name}: expected a contiguous [1 or {batch}, S >= {m}, {head_dim // 2}] "
+                    f"tensor on {q.device}, got {_describe(table)}")
+        if tuple(sin.shape) != tuple(cos.shape):
+            raise ValueError(f"sin: expected the shape of cos {tuple(cos.shape)}, got "
+                             f"{_describe(sin)}")
+        if cos.shape[0] > 1:
+            cs_stride_b = cos.stride(0)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
+    dropout = dropout_p > 0.0
+    if dropout and (not isinstance(rng, torch.Tensor) or rng.dtype != torch.int64
+                    or rng.numel() != 2 or rng.device != q.device):
+        raise ValueError(f"rng: dropout needs an int64 tensor [2] (seed, offset) on {q.device}")
+    if not scale > 0.0:
+        raise ValueError(f"scale: expected a positive float, got {scale}")
+    if softcap < 0.0:
+        raise ValueError(f"softcap: expected 0 (off) or a positive float, got {softcap}")
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_h = max(16, triton.next_power_of_2(head_dim // 2)) if rope else block_d
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, ROPE=rope,
+                      SOFTCAP=softcap > 0.0, DROPOUT=dropout)
+    scalars = dict(
+        cap_scale=scale / softcap if softcap > 0.0 else 0.0,
+        dropout_p=float(dropout_p),
+        inv_keep=1.0 / (1.0 - dropout_p),
+    )
+    # Placeholders for absent tensors: the constexpr flags keep the kernels from reading them.
+    tables = (cos if rope else q, sin if rope else q, rng.reshape(2) if dropout else q)
+    return (batch, n, m, num_heads, num_kv_heads), cs_stride_b, tables, scalars, constexprs
+
+
+def _window(extent):
+    """A window side for the kernels: -1 when unbounded, else clamped to _FAR = 2^28, which
+    already reaches every key for N, M < 2^28."""
+    extent = int(extent)
+    return -1 if extent < 0 else min(extent, _FAR.value)
+
+
+def _strides(tensor):
+    return tensor.stride(0), tensor.stride(1), tensor.stride(2)
+
+
+def attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
+    """Flash-attention forward. Returns (o, lse).
+
+    q [B, N, Hq, D]; k, v [B, M, Hkv, D], one of fp32/fp16/bf16, unit stride in the last
+    dimension, any other strides; Hq % Hkv == 0; D in 1..256. cos, sin: None or fp32
+    contiguous [1 or B, S >= M, D/2] (RoPE, D even, N <= M; key j uses row j, query i row
+    i + M - N). rng: None or an int64 tensor [2] (seed, offset) on q's device, read there (no
+    host sync); required when dropout_p > 0. scale > 0; softcap: 0 (off) or > 0;
+    window_left/right: ints, -1 = unbounded (causal: right = 0). dropout_p in [0, 1).
+    o: new contiguous [B, N, Hq, D] in q's dtype (0 in rows that see no key); lse: new
+    contiguous fp32 [B, Hq, N], natural-log logsumexp of the undropped logits (+inf in rows
+    that see no key). forward.py, logits.py and rope.py give the rounding points, masks.py
+    the dropout counter.
+    """
+    sizes, cs_stride_b, tables, scalars, constexprs = _prepare(
+        q, k, v, cos, sin, rng, scale, softcap, dropout_p)
+    batch, n, m, num_heads, num_kv_heads = sizes
+    o = torch.empty((batch, n, num_heads, q.shape[3]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, num_heads, n), dtype=torch.float32, device=q.device)
+    args = (q, k, v, o, lse, *tables, *_strides(q), *_strides(k), *_strides(v), cs_stride_b,
+            n, m, num_heads // num_kv_heads, float(scale), scalars["cap_scale"], float(softcap),
+            _window(window_left), _window(window_right), scalars["dropout_p"], scalars["inv_keep"])
+    _launch(_attn_fwd_kernel, _FWD_TUNED, "fwd",
+            lambda block_m, block_n: (triton.cdiv(n, block_m), num_heads, batch),
+            args, constexprs, q.dtype)
+    return o, lse
+
+
+def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left,
+                  window_right, dropout_p, deterministic):
+    """Flash-attention backward, recomputing P (and the dropout mask and RoPE) from q, k, lse.
+    Returns (dq, dk, dv).
+
+    q, k, v, cos, sin, rng, scale, softcap, window_left/right, dropout_p: as given to
+    attention_fwd; o, lse: its outputs (o may be any strided [B, N, Hq, D] view with a unit
+    last stride); dout: like q, any such strides. dq [B, N, Hq, D], dk, dv [B, M, Hkv, D]: new
+    contiguous, q's dtype, accumulated in fp32 and rounded once (dk, dv summed over each kv
+    head's query heads inside the kernel). deterministic=True: no atomics (a dK/dV and a dQ
+    kernel), so a rerun gives the same bits; False: the dK/dV kernel also accumulates dq with
+    fp32 atomics (summation order varies between runs), then a pass rotates and casts it.
+    """
+    sizes, cs_stride_b, tables, scalars, constexprs = _prepare(
+        q, k, v, cos, sin, rng, scale, softcap, dropout_p)
+    batch, n, m, num_heads, num_kv_heads = sizes
+    _check_operand("dout", dout, q.dtype, q.device)
+    _check_operand("o", o, q.dtype, q.device)
+    for name, tensor in (("dout", dout), ("o", o)):
+        if tuple(tensor.shape) != tuple(q.shape):
+            raise ValueError(f"{name}: expected the shape of q {tuple(q.shape)}, got "
+                             f"{_describe(tensor)}")
+    if (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
+            or tuple(lse.shape) != (batch, num_heads, n) or lse.device != q.device):
+        raise ValueError(f"lse: expected float32 [{batch}, {num_heads}, {n}] on {q.device}")
+    lse = lse.contiguous()
+    head_dim = q.shape[3]
+    device = q.device
+    dq = torch.empty((batch, n, num_heads, head_dim), dtype=q.dtype, device=device)
+    dk = torch.empty((batch, m, num_kv_heads, head_dim), dtype=q.dtype, device=device)
+    dv = torch.empty((batch, m, num_kv_heads, head_dim), dtype=q.dtype, device=device)
+    delta = torch.empty((batch, num_heads, n), dtype=torch.float32, device=device)
+    rows = _INTERPRETER_BLOCK if _INTERPRETED else _ROWS_PER_PROGRAM
+    elementwise_grid = (triton.cdiv(n, rows), num_heads, batch)
+    _attn_bwd_preprocess_kernel[elementwise_grid](
+        o, dout, delta, *_strides(o), *_strides(dout), n,
+        HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_M=rows,
+        num_warps=_ELEMENTWISE_WARPS)
+    group = num_heads // num_kv_heads
+    common = (*tables, *_strides(q), *_strides(k), *_strides(v), *_strides(dout), cs_stride_b,
+              n, m, group, float(scale), scalars["cap_scale"], float(softcap),
+              _window(window_left), _window(window_right),
+              scalars["dropout_p"], scalars["inv_keep"])
+    kv_grid = lambda block_m, block_n: (triton.cdiv(m, block_n), num_kv_heads, batch)  # noqa: E731
+    if deterministic:
+        _launch(_attn_bwd_dkdv_kernel, _DKDV_TUNED, "dkdv", kv_grid,
+                (q, k, v, dout, lse, delta, dk, dv, dk, *common),
+                dict(constexprs, ATOMIC_DQ=False), q.dtype)
+        _launch(_attn_bwd_dq_kernel, _DQ_TUNED, "dq",
+                lambda block_m, block_n: (triton.cdiv(n, block_m), num_heads, batch),
+                (q, k, v, dout, lse, delta, dq, *common), constexprs, q.dtype)
+    else:
+        dq_acc = torch.zeros((batch, n, num_heads, head_dim), dtype=torch.float32, device=device)
+        _launch(_attn_bwd_dkdv_kernel, _DKDV_ATOMIC_TUNED, "dkdv",
+                kv_grid, (q, k, v, dout, lse, delta, dk, dv, dq_acc, *common),
+                dict(constexprs, ATOMIC_DQ=True), q.dtype)
+        _attn_bwd_dq_postprocess_kernel[elementwise_grid](
+            dq_acc, dq, tables[0], tables[1], cs_stride_b, n, m,
+            HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], ROPE=constexprs["ROPE"],
+            BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
+    return dq, dk, dv
+
+
+def aot_specs():
+    """Yield (name, kernel, signature, constexprs, num_warps) for ahead-of-time compile checks.
+
+    `signature` and `constexprs` are in the form `triton.compiler.ASTSource` takes; names are
+    'attn_<kernel>-<dtype>-d<D>[-rope-softcap-dropout]'. bf16 and fp16 at head dims 64 and
+    128: the forward, the backward preprocess, the deterministic dK/dV and dQ kernels, the fast
+    (atomic dQ) dK/dV kernel and its postprocess, without RoPE, softcap or dropout (the window,
+    causal or not, is a runtime argument). fp32 at head dim 64: the forward, dK/dV and dQ
+    kernels (FMA dots). bf16 at head dim 80 (padded to 128) with RoPE, softcap and dropout:
+    the forward, the dQ kernel, the atomic dK/dV kernel and the postprocess. bf16 at head dim
+    8 (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Each main kernel
+    takes its default configuration (`_configs_for`); the compile check passes num_warps only,
+    so num_stages is Triton's default 3. Sizes are 32-bit and strides 64-bit (a launch gets i64
+    for a stride past 2^31 - 1). About 35 s of compiling for both archs on 2 CPU cores, and
+    about 3 s more for the head dim 8 kernels.
+    """
+    main_kinds = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic",
+                  "bwd_dq_postprocess")
+    cases = [(kind, type_name, head_dim, False) for type_name in ("bf16", "fp16")
+             for head_dim in (64, 128) for kind in main_kinds]
+    cases += [(kind, "fp32", 64, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
+    cases += [(kind, "bf16", 80, True) for kind in
+              ("fwd", "bwd_dq", "bwd_dkdv_atomic", "bwd_dq_postprocess")]
+    cases += [(kind, "bf16", 8, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
+    torch_types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    scalars = {"scale": "fp32", "cap_scale": "fp32", "softcap": "fp32", "left": "i32",
+               "right": "i32", "dropout_p": "fp32", "inv_keep": "fp32"}
+    strides = dict.fromkeys(
+        ("stride_qb", "stride_qn", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
+         "stride_vb", "stride_vn", "stride_vh"), "i64")
+    do_strides = dict.fromkeys(("stride_dob", "stride_don", "stride_doh"), "i64")
+    tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    for kind, type_name, head_dim, features in cases:
+        element = f"*{type_name}"
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        block_h = max(16, triton.next_power_of_2(head_dim // 2)) if features else block_d
+        flags = dict(ROPE=features, SOFTCAP=features, DROPOUT=features)
+        constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, **flags)
+        config_name = None
+        if kind == "fwd":
+            kernel, config_name = _attn_fwd_kernel, "fwd"
+            signature = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "o_ptr": element,
+                         "lse_ptr": "*fp32", **tables, "rng_ptr": "*i64", **strides,
+                         "cs_stride_b": "i64", "N": "i32", "M": "i32", "GROUP": "i32",
+                         **scalars}
+        elif kind == "bwd_preprocess":
+            kernel = _attn_bwd_preprocess_kernel
+            signature = {"o_ptr": element, "do_ptr": element, "delta_ptr": "*fp32",
+                         "stride_ob": "i64", "stride_on": "i64", "stride_oh": "i64",
+                         **do_strides, "N": "i32"}
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=_ROWS_PER_PROGRAM)
+        elif kind == "bwd_dq_postprocess":
+            kernel = _attn_bwd_dq_postprocess_kernel
+            signature = {"dq_acc_ptr": "*fp32", "dq_ptr": element, **tables,
+                         "cs_stride_b": "i64", "N": "i32", "M": "i32"}
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, ROPE=features,
+                              BLOCK_M=_ROWS_PER_PROGRAM, INTERPRETED=False)
+        else:
+            common = {**tables, "rng_ptr": "*i64", **strides, **do_strides,
+                      "cs_stride_b": "i64", "N": "i32", "M": "i32", "GROUP": "i32", **scalars}
+            inputs = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "do_ptr": element,
+                      "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+            if kind == "bwd_dq":
+                kernel, config_name = _attn_bwd_dq_kernel, "dq"
+                signature = {**inputs, "dq_ptr": element, **common}
+            else:
+                kernel, config_name = _attn_bwd_dkdv_kernel, "dkdv"
+                atomic = kind == "bwd_dkdv_atomic"
+                signature = {**inputs, "dk_ptr": element, "dv_ptr": element,
+                             "dq_ptr": "*fp32" if atomic else element, **common}
+                constexprs["ATOMIC_DQ"] = atomic
+        if config_name is not None:
+            config = _configs_for(config_name, constexprs, torch_types[type_name])[0]
+            constexprs.update(config.kwargs, INTERPRETED=False)
+            num_warps = config.num_warps
+        else:
+            num_warps = _ELEMENTWISE_WARPS
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        suffix = "-rope-softcap-dropout" if features else ""
+        yield (f"attn_{kind}-{type_name}-d{head_dim}{suffix}", kernel, signature, constexprs,
+               num_warps)

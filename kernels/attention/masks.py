@@ -1,0 +1,123 @@
+"""Which scores the attention kernels see and which rows a program owns: the window band, the
+tiles it covers, the query block, the dropout mask.
+
+Query i sits at position i + M - N (bottom-right alignment) and sees key j iff (left < 0 or
+j >= pos - left) and (right < 0 or j <= pos + right); causal is right = 0.
+
+Work per program only covers the visible band: a query block visits the key range
+[max(0, first_pos - left), min(M, last_pos + right + 1)), and a key block the matching query
+range (`_key_range`, `_query_range`). One loop walks those tiles; a scalar per tile says whether
+it straddles an edge of the band (the causal diagonal, a window edge, the end of the keys or
+queries), and only those tiles run the mask arithmetic, two compares per score on key - position
+offsets (`_visible`), under a branch uniform across the program. Three loops (masked lead,
+unmasked interior, masked tail) cost 56-120 bytes of register spills per thread in the sm_80
+build of the forward at D 64, where this single loop has none.
+
+Dropout: element (b, h, i, j) of the [B, Hq, N, M] probabilities (h the query head) draws
+tl.rand(seed, offset + ((b * Hq + h) * N + i) * M + j) with an int64 counter and is kept iff the
+draw is >= dropout_p (`_dropout_keep`): remat.reference.attention_dropout_keep and
+csrc/common/philox.h produce the same mask. The seed and offset are read on the device from
+rng = int64 [seed, offset].
+"""
+
+import triton
+import triton.language as tl
+
+# Window offsets are clamped to _FAR (the launchers clamp left/right), and masked-off rows and
+# keys get positions _OUT away, so one offset test covers the window and both bounds. Exact for
+# N, M < 2^28, which the launchers check; 2 * _OUT stays inside int32.
+_FAR = tl.constexpr(1 << 28)
+_OUT = tl.constexpr(1 << 29)
+
+
+@triton.jit
+def _offset_bounds(left, right):
+    """(lo, hi): key j is inside the window of the query at position pos iff
+    lo <= j - pos <= hi (left/right < 0: unbounded, as -_FAR / _FAR)."""
+    return tl.where(left >= 0, -left, -_FAR), tl.where(right >= 0, right, _FAR)
+
+
+@triton.jit
+def _visible(row_pos, key_pos, lo, hi):
+    """The visibility mask of broadcast row_pos (query positions, -_OUT for rows past N) and
+    key_pos (key indices, _OUT for keys past M): two compares per element."""
+    offset = key_pos - row_pos
+    return (offset >= lo) & (offset <= hi)
+
+
+@triton.jit
+def _interior(lo, lo_full, hi_full, BLOCK: tl.constexpr):
+    """[int_start, int_end): the tiles lo + k * BLOCK that lie inside [lo_full, hi_full), i.e.
+    need no mask; empty when the bounds cross."""
+    int_start = lo + tl.cdiv(tl.maximum(lo_full - lo, 0), BLOCK) * BLOCK
+    int_end = int_start + (tl.maximum(hi_full - int_start, 0) // BLOCK) * BLOCK
+    return int_start, int_end
+
+
+@triton.jit
+def _key_range(start_m, N, M, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles of the query block [start_m, start_m + BLOCK_M): (lo, hi, int_start, int_end),
+    the keys [lo, hi) some row of the block sees and its unmasked tiles (`_interior`)."""
+    shift = M - N
+    first_pos = start_m + shift
+    last_pos = tl.minimum(start_m + BLOCK_M, N) - 1 + shift
+    lo = tl.where(left >= 0, tl.maximum(first_pos - left, 0), 0)
+    hi = tl.where(right >= 0, tl.minimum(last_pos + right + 1, M), M)
+    # Keys >= lo_full are inside every row's left edge, keys < hi_full inside every right edge.
+    lo_full = tl.where(left >= 0, tl.maximum(last_pos - left, lo), lo)
+    hi_full = tl.where(right >= 0, tl.minimum(first_pos + right + 1, hi), hi)
+    int_start, int_end = _interior(lo, lo_full, hi_full, BLOCK_N)
+    return lo, hi, int_start, int_end
+
+
+@triton.jit
+def _query_range(start_n, N, M, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query tiles that see some key of the block [start_n, start_n + BLOCK_N): (lo, hi,
+    int_start, int_end) as in `_key_range`. Row i sees key j iff
+    j - shift - right <= i <= j - shift + left. A block that runs past M has no interior."""
+    shift = M - N
+    end_n = start_n + BLOCK_N
+    last_key = tl.minimum(end_n, M) - 1
+    lo = tl.where(right >= 0, tl.maximum(start_n - shift - right, 0), 0)
+    hi = tl.where(left >= 0, tl.minimum(last_key - shift + left + 1, N), N)
+    lo_full = tl.where(right >= 0, tl.maximum(end_n - 1 - shift - right, lo), lo)
+    hi_full = tl.where(left >= 0, tl.minimum(start_n - shift + left + 1, hi), hi)
+    hi_full = tl.where(end_n <= M, hi_full, lo)
+    int_start, int_end = _interior(lo, lo_full, hi_full, BLOCK_M)
+    return lo, hi, int_start, int_end
+
+
+@triton.jit
+def _query_block(N, M, GROUP, BLOCK_M: tl.constexpr):
+    """The query block of a program of the grid (query blocks, Hq, B), the last block first (so
+    under a causal mask the longest rows start first): (start_m, rows, row_mask, positions, h,
+    kv_head, b, num_heads), positions = rows + M - N, the heads and the batch index int64."""
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    num_heads = tl.num_programs(1)
+    kv_head = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+    rows = start_m + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    positions = rows + (M - N)
+    return start_m, rows, row_mask, positions, h, kv_head, b, num_heads
+
+
+@triton.jit
+def _dropout_keep(seed, counters, dropout_p):
+    """Keep mask of the draws at the int64 `counters`: tl.rand(seed, counter) >= dropout_p."""
+    return tl.rand(seed, counters) >= dropout_p
+
+
+@triton.jit
+def _dropout_rows(rng_ptr, row_ids, M, DROPOUT: tl.constexpr):
+    """(seed, counters of key 0) of the rows `row_ids` (indices into [B, Hq, N]): the dropout
+    counters continue the row index over the M keys. Without DROPOUT, placeholders."""
+    if DROPOUT:
+        seed = tl.load(rng_ptr)
+        rng_rows = tl.load(rng_ptr + 1) + row_ids * M
+    else:
+        seed = 0
+        rng_rows = row_ids
+    return seed, rng_rows
