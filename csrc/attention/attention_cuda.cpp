@@ -12,18 +12,13 @@
 
 #include "attention/attention.h"
 #include "attention/attention_checks.h"
+#include "common/aten_glue.h"
 
 namespace remat {
 namespace {
 
 ScalarKind attention_kind(at::ScalarType type) {
-  switch (type) {
-    case at::kHalf: return ScalarKind::kFloat16;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    default:
-      TORCH_CHECK(false, "the CUDA attention kernels take float16 or bfloat16 q, k and v (tensor cores), got ", type,
-                  "; for ", type, " use backend='triton' or 'torch'");
-  }
+  return scalar_kind_of(type, "the CUDA attention kernels", KernelDtypes::kHalfOnly);
 }
 
 int device_attribute(cudaDeviceAttr attribute, int device) {
@@ -80,7 +75,7 @@ void set_shared_params(Params& p, const at::Tensor& q, const at::Tensor& k, cons
                        int64_t window_right, double scale, double softcap, double dropout_p) {
   p.cos = rope.cos;
   p.sin = rope.sin;
-  p.rng = rng.has_value() ? rng->const_data_ptr<int64_t>() : nullptr;
+  p.rng = static_cast<const int64_t*>(optional_ptr(rng));
   p.batch = q.size(0);
   p.n = q.size(1);
   p.m = k.size(1);

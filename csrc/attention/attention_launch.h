@@ -17,11 +17,10 @@
 
 #include "attention/attention.h"
 #include "attention/attention_kernel.cuh"
+#include "common/math.h"
 
 namespace remat {
 namespace attn_launch {
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline bool aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 

@@ -13,6 +13,9 @@
 
 namespace remat {
 
+// ceil(a / b) for a >= 0, b > 0: grid sizes and tile counts.
+inline REMAT_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // 1/sqrt(v). On the device rsqrtf (at most 2 ulp from the exact value, as torch's CUDA norms use);
 // on the host 1/std::sqrt, which may differ from the device result in the last bits.
 inline REMAT_HOST_DEVICE float reciprocal_sqrt(float v) {

@@ -5,19 +5,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "common/aten_glue.h"
 #include "dropout/dropout.h"
 #include "dropout/dropout_checks.h"
 
 namespace remat {
 namespace {
-
-ScalarKind kind_of(at::ScalarType type) {
-  switch (type) {
-    case at::kHalf: return ScalarKind::kFloat16;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    default: return ScalarKind::kFloat32;
-  }
-}
 
 at::Tensor philox_dropout_cuda_op(const at::Tensor& x, const at::Tensor& rng, double p) {
   check_philox_dropout_args(x, rng, p);
@@ -25,7 +18,7 @@ at::Tensor philox_dropout_cuda_op(const at::Tensor& x, const at::Tensor& rng, do
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty(x.sizes(), x.options());
   C10_CUDA_CHECK(philox_dropout_cuda(x.const_data_ptr(), y.data_ptr(), rng.const_data_ptr<int64_t>(), x.numel(),
-                                     static_cast<float>(p), static_cast<float>(1.0 - p), kind_of(x.scalar_type()),
+                                     static_cast<float>(p), static_cast<float>(1.0 - p), scalar_kind_of(x.scalar_type(), "remat's dropout kernel"),
                                      c10::cuda::getCurrentCUDAStream()));
   return y;
 }

@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "common/math.h"
 #include "mlp/act_kernel.cuh"
 
 namespace remat {
@@ -22,8 +23,6 @@ using act_detail::kBlockThreads;
 // path) the threads loop. That many threads are far more than a GPU holds at once (an H100 or
 // H200: 132 SMs * 2048 threads), so the cap bounds the grid without leaving SMs idle.
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool is_aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 

@@ -9,21 +9,14 @@
 
 #include <tuple>
 
+#include "common/aten_glue.h"
 #include "mlp/act.h"
 #include "mlp/act_checks.h"
 
 namespace remat {
 namespace {
 
-// check_same_layout has already limited the dtype to these three.
-ScalarKind scalar_kind(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return ScalarKind::kFloat32;
-    case at::kHalf: return ScalarKind::kFloat16;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    default: TORCH_CHECK(false, "remat activation kernels take float32, float16 or bfloat16, got ", type);
-  }
-}
+ScalarKind scalar_kind(at::ScalarType type) { return scalar_kind_of(type, "remat's activation kernels"); }
 
 void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());

@@ -15,7 +15,6 @@
 namespace remat {
 namespace {
 
-using norm_detail::ceil_div;
 using norm_detail::kBwdRegisterChunks;
 using norm_detail::kFwdRegisterChunks;
 using norm_detail::kMaxBlockThreads;

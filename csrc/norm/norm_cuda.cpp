@@ -11,28 +11,20 @@
 
 #include <tuple>
 
+#include "common/aten_glue.h"
 #include "norm/norm.h"
 #include "norm/norm_checks.h"
 
 namespace remat {
 namespace {
 
-ScalarKind scalar_kind(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return ScalarKind::kFloat32;
-    case at::kHalf: return ScalarKind::kFloat16;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    default: TORCH_CHECK(false, "remat norm kernels take float32, float16 or bfloat16, got ", type);
-  }
-}
+ScalarKind scalar_kind(at::ScalarType type) { return scalar_kind_of(type, "remat's norm kernels"); }
 
 int sm_count(int device) {
   int count = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
   return count;
 }
-
-const void* optional_ptr(const c10::optional<at::Tensor>& t) { return t ? t->const_data_ptr() : nullptr; }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd_cuda_op(
     const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,

@@ -55,8 +55,6 @@ constexpr int kWarpsPerBlock = 8;
 // them at 64 registers per thread.
 constexpr int kMaxBlockThreads = 1024;
 
-inline __host__ __device__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // VEC elements of T moved as one access: 16 bytes (one LDG.128/STG.128) when VEC = 16 / sizeof(T).
 template <typename T, int VEC>
 __device__ __forceinline__ void load_chunk(const T* ptr, float (&out)[VEC]) {
