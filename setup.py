@@ -15,7 +15,9 @@ import sys
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCHS = "8.0;9.0"
+# Machine code for Ampere and Hopper, and Hopper PTX that the driver compiles for newer GPUs
+# (Blackwell sm_100 / sm_120), so no GPU since sm_80 lacks a kernel image.
+DEFAULT_ARCHS = "8.0;9.0+PTX"
 
 
 def _is_toolkit_root(path):

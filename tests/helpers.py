@@ -2,6 +2,8 @@
 the backends that run here, strided inputs and leaves, the norm / MLP / attention cases and their
 float64-reference runs under the 2x-stock rule (_checks.py)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -185,10 +187,11 @@ def run_and_check(spec, dtype, backend, deterministic=True, device="cpu"):
     torch.manual_seed(1234)
     rng = draw_rng_state(device).cpu()
     torch.manual_seed(1234)
-    o = remat.attention(*leaves, causal=spec.get("causal", False), dropout_p=dropout, rope=rope,
-                        window=spec.get("window"), softcap=spec.get("softcap"), deterministic=deterministic,
-                        layout=layout, backend=backend)
-    o.backward(dout)
+    with contextlib.nullcontext() if deterministic else deterministic_mode(False):
+        o = remat.attention(*leaves, causal=spec.get("causal", False), dropout_p=dropout, rope=rope,
+                            window=spec.get("window"), softcap=spec.get("softcap"), deterministic=deterministic,
+                            layout=layout, backend=backend)
+        o.backward(dout)
     got = [o.detach().cpu()] + [t.grad.cpu() for t in leaves]
     if layout == "bhnd":
         q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))
@@ -213,6 +216,20 @@ def mask_from_output(backend, b, hq, n, m, p, seed, device="cpu", dtype=torch.fl
     torch.manual_seed(seed)
     o = remat.attention(q, k, v, dropout_p=p, backend=backend)
     return ((o.float() * m * (1 - p)).transpose(1, 2) > 0.5).cpu()
+
+
+@contextlib.contextmanager
+def deterministic_mode(enabled):
+    """torch.use_deterministic_algorithms(enabled) inside the block, restored after. The suite runs
+    with it on (tests/conftest.py: NaN-filled empty tensors); the atomic attention backward
+    (deterministic=False) refuses to run under it, as PyTorch's nondeterministic ops do, so the
+    tests of that path turn it off (and lose the NaN fill there)."""
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 class CompileCounter:

@@ -424,6 +424,28 @@ def test_philox_dropout_opcheck(namespace, args):
     torch.library.opcheck(getattr(torch.ops, namespace).philox_dropout, args)
 
 
+
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton runs on the CPU only under TRITON_INTERPRET=1")
+def test_deterministic_algorithms_mode_refuses_atomics():
+    """Under torch.use_deterministic_algorithms(True), deterministic=False (the atomic GPU
+    backward) raises, or with warn_only warns and runs the deterministic backward."""
+    q = torch.randn(1, 17, 2, 16, requires_grad=True)
+    want = torch.autograd.grad(remat.attention(q, q, q, causal=True, backend="triton").sum(), q)[0]
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="deterministic=False"):
+            remat.attention(q, q, q, causal=True, deterministic=False, backend="triton")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="deterministic backward instead"):
+            out = remat.attention(q, q, q, causal=True, deterministic=False, backend="triton")
+        assert torch.equal(torch.autograd.grad(out.sum(), q)[0], want)
+        # The CPU backends are always deterministic: nothing to refuse.
+        remat.attention(q, q, q, causal=True, deterministic=False, backend="torch")
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
 # On a GPU (marked gpu; skipped where none is present): real sizes, every feature, masks across
 # backends, bitwise determinism, the saved-bytes contract, Philox dropout.
 

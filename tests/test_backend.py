@@ -66,9 +66,11 @@ def test_use_backend_restores_on_error(monkeypatch):
     assert getattr(backend._state, "stack", []) == []
 
 
-def test_default_choice_table():
-    """GPU tensors prefer the CUDA kernels, then Triton, then torch; CPU tensors the C++ kernels."""
-    cuda = torch.device("cuda")
+def test_default_choice_table(monkeypatch):
+    """GPU tensors prefer the CUDA kernels (on a GPU they were built for: an sm_90 one is faked
+    here), then Triton, then torch; CPU tensors the C++ kernels."""
+    monkeypatch.setattr(backend, "_device_capability", lambda index: (9, 0))
+    cuda = torch.device("cuda", 0)
     expected = "cuda" if _extension.WITH_CUDA else ("triton" if backend.triton_available() else "torch")
     assert backend.default_backend(cuda) == expected
     assert backend.default_backend(torch.device("cpu")) == ("cpp" if _extension.LOADED else "torch")
@@ -103,3 +105,38 @@ def test_python_m_remat_info():
 
     out = subprocess.run([sys.executable, "-m", "remat", "info"], capture_output=True, text=True, check=True)
     assert "default backend" in out.stdout
+
+
+@pytest.mark.parametrize("archs,capability,runs", [
+    ("8.0;9.0", (8, 0), True), ("8.0;9.0", (8, 6), True), ("8.0;9.0", (9, 0), True),
+    ("8.0;9.0", (7, 5), False), ("8.0;9.0", (10, 0), False), ("8.0;9.0", (12, 0), False),
+    ("8.0;9.0+PTX", (10, 0), True), ("8.0;9.0+PTX", (12, 0), True), ("8.0+PTX", (8, 9), True),
+    ("9.0a", (9, 0), True), ("9.0a", (10, 0), False), ("9.0a+PTX", (10, 0), True), ("8.0 9.0", (9, 0), True),
+])
+def test_arch_list_runs_on(archs, capability, runs):
+    assert backend.arch_list_runs_on(archs, capability) is runs
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA build for 8.0;9.0 and a GPU of a chosen capability, without a GPU."""
+    def install(capability, archs="8.0;9.0"):
+        monkeypatch.setattr(_extension, "LOADED", True)
+        monkeypatch.setattr(_extension, "WITH_CUDA", True)
+        monkeypatch.setattr(_extension, "CUDA_ARCHS", archs)
+        monkeypatch.setattr(backend, "_device_capability", lambda index: capability)
+        monkeypatch.delenv("REMAT_BACKEND", raising=False)
+    return install
+
+
+def test_default_skips_cuda_kernels_built_for_other_archs(fake_gpu):
+    device = torch.device("cuda", 0)
+    fake_gpu((9, 0))
+    assert backend.default_backend(device) == "cuda"
+    fake_gpu((12, 0))
+    assert backend.default_backend(device) == ("triton" if backend.triton_available() else "torch")
+    with pytest.raises(backend.BackendUnavailableError, match=r"archs '8.0;9.0'.*sm_120"):
+        backend._resolve("cuda", device)
+    fake_gpu((12, 0), archs="8.0;9.0+PTX")
+    assert backend.default_backend(device) == "cuda"
+    assert backend._resolve("cuda", device) == "cuda"

@@ -8,6 +8,7 @@ Runs remat.attention(..., backend="triton") on CPU tensors under TRITON_INTERPRE
 shapes), or on a CUDA GPU without it.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -23,17 +24,19 @@ import remat  # noqa: E402
 from remat.reference import attention_reference  # noqa: E402
 
 from _checks import assert_within_2x_of_stock  # noqa: E402
+from helpers import deterministic_mode  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEAD_DIMS = (1, 2, 3, 8, 15)
-# One draw for every case. The backward's Delta = rowsum(dout * o) reads the stored o, rounded
-# to the dtype (FlashAttention's rounding point; stock PyTorch's softmax backward sums P * dP
-# instead). Over draws 0-11 of the bf16 cases (0-39 at D = 1), that rounding took only draws 0
-# and 1 of the D = 1 causal case past the 2x rule, on dq or dk: an fp64 emulation of the
-# kernel's arithmetic with Delta from the rounded o gives those errors exactly, and without the
-# rounding stays inside the rule, so it is not a masking error. Draw 2 passes every case.
-SEED = 2
+# One draw for every case (the first; not chosen to pass). The backward's Delta = rowsum(dout * o)
+# reads the stored o, rounded to the dtype (FlashAttention's rounding point; stock PyTorch's softmax
+# backward sums P * dP instead). Over draws 0-39 of the D = 1 bf16 causal case, that rounding took
+# draws 0 and 1 past the 2x rule on dq or dk (an fp64 emulation of the kernel's arithmetic with
+# Delta from the rounded o reproduces those errors exactly; without that rounding they are inside
+# the rule): an open finding, recorded below as a strict expected failure.
+SEED = 0
+ROUNDED_DELTA_EXCEEDS = {(1, "n17-m20-gqa2-causal-fast", "bf16")}
 # name: (N, M, Hq, Hkv, causal, rope, deterministic). Lengths 17 and 20 cross the interpreter's
 # 16 x 16 tile, so every case has tiles inside the band and tiles that need the mask.
 VARIANTS = {
@@ -59,7 +62,9 @@ def _eager(q, k, v, dout, rope, causal, dtype):
 
 
 @pytest.mark.parametrize("d, variant, type_name", CASES)
-def test_small_head_dim_matches_reference(d, variant, type_name):
+def test_small_head_dim_matches_reference(d, variant, type_name, request):
+    if (d, variant, type_name) in ROUNDED_DELTA_EXCEEDS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="Delta from the rounded o exceeds the 2x rule"))
     n, m, hq, hkv, causal, use_rope, deterministic = VARIANTS[variant]
     dtype = DTYPES[type_name]
     g = torch.Generator().manual_seed(SEED)
@@ -70,9 +75,9 @@ def test_small_head_dim_matches_reference(d, variant, type_name):
         angles = torch.rand(m + 3, d // 2, generator=g) * 6.0
         rope = (angles.cos().to(DEVICE), angles.sin().to(DEVICE))
     leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v)]
-    o = remat.attention(*leaves, causal=causal, rope=rope, deterministic=deterministic,
-                        backend="triton")
-    o.backward(dout.to(DEVICE))
+    with contextlib.nullcontext() if deterministic else deterministic_mode(False):
+        o = remat.attention(*leaves, causal=causal, rope=rope, deterministic=deterministic, backend="triton")
+        o.backward(dout.to(DEVICE))
     got = [o.detach().cpu()] + [t.grad.cpu() for t in leaves]
     reference = _eager(q, k, v, dout, rope, causal, torch.float64)
     stock = _eager(q, k, v, dout, rope, causal, dtype)

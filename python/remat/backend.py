@@ -9,9 +9,10 @@ Backends:
 
 Choice: the explicit ``backend=`` argument, else the innermost :func:`use_backend` context, else
 the ``REMAT_BACKEND`` environment variable, else the default: on a CUDA tensor ``cuda`` if the
-extension was built with CUDA, else ``triton`` if Triton is installed, else ``torch``; on a CPU
-tensor ``cpp`` if the extension is built, else ``torch``. A backend that was asked for and cannot
-run raises :class:`BackendUnavailableError` saying why; nothing falls back silently.
+extension holds CUDA kernels that run on that GPU (machine code for its architecture, or PTX for
+an older one that the driver compiles), else ``triton`` if Triton is installed, else ``torch``; on
+a CPU tensor ``cpp`` if the extension is built, else ``torch``. A backend that was asked for and
+cannot run raises :class:`BackendUnavailableError` saying why; nothing falls back silently.
 """
 
 import contextlib
@@ -76,9 +77,61 @@ def requested_backend(explicit=None):
     return None
 
 
+def parse_arch_list(archs):
+    """TORCH_CUDA_ARCH_LIST text ("8.0;9.0+PTX", spaces or semicolons) -> a list of (major, minor,
+    ptx, arch_specific) tuples; "9.0a" is arch-specific machine code (runs on sm_90 only)."""
+    entries = []
+    for word in archs.replace(" ", ";").split(";"):
+        word = word.strip()
+        if not word:
+            continue
+        ptx = word.endswith("+PTX")
+        word = word.removesuffix("+PTX")
+        specific = word[-1:].isalpha()
+        word = word.rstrip("abf")
+        major, _, minor = word.partition(".")
+        entries.append((int(major), int(minor or 0), ptx, specific))
+    return entries
+
+
+def arch_list_runs_on(archs, capability):
+    """Whether kernels built for ``archs`` (TORCH_CUDA_ARCH_LIST text) run on a GPU of compute
+    ``capability`` (major, minor): machine code for X.Y runs on X.Z with Z >= Y (arch-specific
+    X.Ya only on X.Y); PTX for X.Y is compiled by the driver for any capability >= X.Y."""
+    major, minor = capability
+    for arch_major, arch_minor, ptx, specific in parse_arch_list(archs):
+        if specific:
+            if (arch_major, arch_minor) == (major, minor):
+                return True
+        elif arch_major == major and arch_minor <= minor:
+            return True
+        if ptx and (arch_major, arch_minor) <= (major, minor):
+            return True
+    return False
+
+
+@torch.compiler.assume_constant_result
+def _device_capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_kernels_reason(device):
+    """Why the extension's CUDA kernels cannot run on ``device`` (a CUDA device), or None."""
+    if not _extension.WITH_CUDA:
+        return "remat._C was built without CUDA kernels (no CUDA toolkit, or REMAT_SKIP_CUDA_BUILD=1)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = _device_capability(index)
+    if not arch_list_runs_on(_extension.CUDA_ARCHS, (major, minor)):
+        return (f"remat._C holds CUDA kernels for archs {_extension.CUDA_ARCHS!r}, which do not run on this "
+                f"GPU (sm_{major}{minor}); rebuild with TORCH_CUDA_ARCH_LIST='{major}.{minor}' (or an older arch "
+                "with +PTX)")
+    return None
+
+
 def default_backend(device):
+    """The backend used when none is asked for (see the module docstring)."""
     if device.type == "cuda":
-        if _extension.WITH_CUDA:
+        if _extension.LOADED and cuda_kernels_reason(device) is None:
             return "cuda"
         return "triton" if triton_available() else "torch"
     if device.type == "cpu" and _extension.LOADED:
@@ -98,9 +151,7 @@ def unavailable_reason(name, device):
     if name == "cuda":
         if device.type != "cuda":
             return f"it runs CUDA tensors and the input is on {device}; use backend='cpp' on the CPU"
-        if not _extension.WITH_CUDA:
-            return "remat._C was built without CUDA kernels (no CUDA toolkit, or REMAT_SKIP_CUDA_BUILD=1)"
-        return None
+        return cuda_kernels_reason(device)
     if name == "cpp":
         if device.type != "cpu":
             return f"it runs CPU tensors and the input is on {device}; use backend='cuda'"
@@ -119,8 +170,7 @@ def unavailable_reason(name, device):
     return f"unknown backend {name!r}"
 
 
-def _resolve(explicit, device_type):
-    device = torch.device(device_type)
+def _resolve(explicit, device):
     name = requested_backend(explicit)
     if name is None:
         return default_backend(device)
@@ -133,4 +183,4 @@ def _resolve(explicit, device_type):
 def resolve_backend(explicit, tensor):
     """The backend that runs an operator on ``tensor``; raises BackendUnavailableError if the
     backend that was asked for cannot run it."""
-    return _resolve(explicit, tensor.device.type)
+    return _resolve(explicit, tensor.device)

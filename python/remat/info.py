@@ -4,7 +4,7 @@ import torch
 
 from remat import _extension, backend
 
-OPS = ("rms_norm", "layer_norm", "swiglu_mlp", "geglu_mlp", "gelu_mlp", "norm_mlp")
+OPS = ("rms_norm", "layer_norm", "swiglu_mlp", "geglu_mlp", "gelu_mlp", "norm_mlp", "attention", "dropout")
 
 
 def _requested_or_error():
@@ -34,6 +34,8 @@ def info_dict():
         "triton": triton_version,
         "triton_interpreter": backend.triton_interpreted(),
         "gpu": torch.cuda.get_device_name(0) if gpu else None,
+        "gpu_capability": torch.cuda.get_device_capability(0) if gpu else None,
+        "cuda_kernels_on_gpu": (backend.cuda_kernels_reason(torch.device("cuda", 0)) or "yes") if gpu else None,
         "requested_backend": _requested_or_error(),
         "default_backend": {op: {"cpu": default_cpu, "cuda": default_gpu} for op in OPS},
     }
@@ -50,7 +52,9 @@ def info(file=None):
         + (f"compiled for archs {d['cuda_archs']}" if d["extension_cuda_kernels"] else "not compiled"),
         f"Triton                {d['triton'] or 'not installed'}"
         + (" (interpreter on)" if d["triton_interpreter"] else ""),
-        f"GPU                   {d['gpu'] or 'none'}",
+        f"GPU                   {d['gpu'] or 'none'}"
+        + (f" (sm_{''.join(map(str, d['gpu_capability']))})" if d["gpu_capability"] else ""),
+        f"CUDA kernels run here {d['cuda_kernels_on_gpu'] or 'n/a (no GPU)'}",
         f"REMAT_BACKEND/context {d['requested_backend'] or 'not set'}",
     ]
     for op, choice in d["default_backend"].items():

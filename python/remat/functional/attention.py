@@ -1,6 +1,10 @@
 """Public attention functions: flash attention and the pre-norm attention sub-block. Argument
 checks and layout, then the autograd Function."""
 
+import warnings
+
+import torch
+
 from remat import checks
 from remat.autograd.attention import AttentionFunction
 from remat.autograd.norm_attention import NormAttentionFunction
@@ -51,6 +55,7 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     checks.check_rope(rope, q.shape[0], q.shape[1], k.shape[1], q.shape[-1], q.device)
     options = _attention_options(q.shape[-1], causal, scale, softcap, window, dropout_p, deterministic)
     name = resolve_backend(backend, q)
+    options = _respect_deterministic_mode(options, name)
     cos, sin = rope if rope is not None else (None, None)
     (q, k, v), autocast_off = checks.autocast_cast(q, k, v)
     checks.check_attention_dtype(name, q.dtype)
@@ -58,6 +63,21 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     with autocast_off:
         o = AttentionFunction.apply(q, k, v, cos, sin, options, name)
     return o.transpose(1, 2) if layout == "bhnd" else o
+
+
+def _respect_deterministic_mode(options, backend):
+    """``deterministic=False`` selects the GPU backward with fp32 atomics. Under
+    ``torch.use_deterministic_algorithms(True)`` it raises RuntimeError, as PyTorch's
+    nondeterministic ops do, or with ``warn_only=True`` warns and runs the deterministic backward.
+    The CPU backends are always deterministic."""
+    if options.deterministic or backend not in ("cuda", "triton") or not torch.are_deterministic_algorithms_enabled():
+        return options
+    message = ("remat attention with deterministic=False accumulates dq with fp32 atomics, which is not "
+               "deterministic, and torch.use_deterministic_algorithms(True) is set")
+    if not torch.is_deterministic_algorithms_warn_only_enabled():
+        raise RuntimeError(message + "; pass deterministic=True")
+    warnings.warn(message + "; running the deterministic backward instead", stacklevel=3)
+    return options._replace(deterministic=True)
 
 
 def _attention_options(head_dim, causal, scale, softcap, window, dropout_p, deterministic):
@@ -128,6 +148,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         raise TypeError("keep_qkv must be a bool")
     attention_options = _attention_options(head_dim, causal, scale, softcap, window, dropout_p, deterministic)
     name = resolve_backend(backend, x)
+    attention_options = _respect_deterministic_mode(attention_options, name)
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = rope if rope is not None else (None, None)

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from remat import _extension
+from remat.ops.device import on_tensor_device
 from remat.reference import attention_dropout_keep
 
 # Query rows per step of the torch backend: bounds its [B, Hq, rows, M] fp32 temporaries.
@@ -185,6 +186,7 @@ if _extension.LOADED:
 
 
 @torch.library.custom_op("remat_triton::attention_fwd", mutates_args=())
+@on_tensor_device
 def triton_attention_fwd(q: Tensor, k: Tensor, v: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
                          rng: Optional[Tensor], scale: float, softcap: float, window_left: int, window_right: int,
                          dropout_p: float) -> tuple[Tensor, Tensor]:
@@ -194,6 +196,7 @@ def triton_attention_fwd(q: Tensor, k: Tensor, v: Tensor, cos: Optional[Tensor],
 
 
 @torch.library.custom_op("remat_triton::attention_bwd", mutates_args=())
+@on_tensor_device
 def triton_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cos: Optional[Tensor],
                          sin: Optional[Tensor], rng: Optional[Tensor], scale: float, softcap: float,
                          window_left: int, window_right: int, dropout_p: float,

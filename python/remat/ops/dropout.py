@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from remat import _extension
+from remat.ops.device import on_tensor_device
 from remat.reference import philox_randint, philox_uniform
 
 
@@ -37,6 +38,7 @@ if _extension.LOADED:
 
 
 @torch.library.custom_op("remat_triton::philox_dropout", mutates_args=())
+@on_tensor_device
 def triton_philox_dropout(x: Tensor, rng: Tensor, p: float) -> Tensor:
     from remat.kernels import dropout
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from remat import _extension
+from remat.ops.device import on_tensor_device
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
@@ -126,6 +127,7 @@ if _extension.LOADED:
 
 
 @torch.library.custom_op("remat_triton::glu_fwd", mutates_args=())
+@on_tensor_device
 def triton_glu_fwd(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     from remat.kernels import mlp
 
@@ -133,6 +135,7 @@ def triton_glu_fwd(gate: Tensor, up: Tensor, activation: str) -> Tensor:
 
 
 @torch.library.custom_op("remat_triton::glu_bwd", mutates_args=())
+@on_tensor_device
 def triton_glu_bwd(dh: Tensor, gate: Tensor, up: Tensor, activation: str,
                    need_h: bool) -> tuple[Tensor, Tensor, Tensor]:
     from remat.kernels import mlp
@@ -141,6 +144,7 @@ def triton_glu_bwd(dh: Tensor, gate: Tensor, up: Tensor, activation: str,
 
 
 @torch.library.custom_op("remat_triton::act_fwd", mutates_args=())
+@on_tensor_device
 def triton_act_fwd(pre: Tensor, activation: str) -> Tensor:
     from remat.kernels import mlp
 
@@ -148,6 +152,7 @@ def triton_act_fwd(pre: Tensor, activation: str) -> Tensor:
 
 
 @torch.library.custom_op("remat_triton::act_bwd", mutates_args=())
+@on_tensor_device
 def triton_act_bwd(dh: Tensor, pre: Tensor, activation: str, need_h: bool) -> tuple[Tensor, Tensor]:
     from remat.kernels import mlp
 
@@ -161,6 +166,7 @@ triton_act_bwd.register_fake(_fake_act_bwd)
 
 
 @torch.library.custom_op("remat_triton::glu_matmul", mutates_args=())
+@on_tensor_device
 def triton_glu_matmul(x: Tensor, w_gate: Tensor, w_up: Tensor, activation: str, store_pre: bool, norm: str,
                       mean: Optional[Tensor], rstd: Optional[Tensor], norm_weight: Optional[Tensor],
                       norm_bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -181,6 +187,7 @@ def _fake_glu_matmul(x, w_gate, w_up, activation, store_pre, norm, mean, rstd, n
 
 
 @torch.library.custom_op("remat_triton::glu_matmul_bwd", mutates_args=())
+@on_tensor_device
 def triton_glu_matmul_bwd(x: Tensor, w_gate: Tensor, w_up: Tensor, dh: Tensor, activation: str, need_h: bool,
                           norm: str, mean: Optional[Tensor], rstd: Optional[Tensor], norm_weight: Optional[Tensor],
                           norm_bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -205,6 +212,7 @@ def _prologue(norm, mean, rstd, norm_weight, norm_bias):
 
 
 @torch.library.custom_op("remat_triton::norm_stats", mutates_args=())
+@on_tensor_device
 def triton_norm_stats(x: Tensor, eps: float, is_rms: bool) -> tuple[Tensor, Tensor]:
     """Per-row (mean, rstd) of x for the matmul's norm prologue, without writing normalized rows."""
     from remat.kernels import norm
@@ -219,6 +227,7 @@ def _fake_norm_stats(x, eps, is_rms):
 
 
 @torch.library.custom_op("remat_triton::act_matmul", mutates_args=())
+@on_tensor_device
 def triton_act_matmul(x: Tensor, w: Tensor, b: Optional[Tensor], activation: str,
                       store_pre: bool) -> tuple[Tensor, Tensor]:
     """Fused GEMM with activation epilogue: h = act(x W^T + b); pre returned when store_pre
@@ -235,6 +244,7 @@ def _fake_act_matmul(x, w, b, activation, store_pre):
 
 
 @torch.library.custom_op("remat_triton::act_matmul_bwd", mutates_args=())
+@on_tensor_device
 def triton_act_matmul_bwd(x: Tensor, w: Tensor, b: Optional[Tensor], dh: Tensor, activation: str,
                           need_h: bool) -> tuple[Tensor, Tensor]:
     """The backward recompute of act_matmul: the same GEMM, then dpre (and h) in the epilogue."""

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from remat import _extension
+from remat.ops.device import on_tensor_device
 
 
 class NormOps(NamedTuple):
@@ -139,6 +140,7 @@ if _extension.LOADED:
 
 
 @torch.library.custom_op("remat_triton::rms_norm_fwd", mutates_args=())
+@on_tensor_device
 def triton_rms_norm_fwd(
     x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -148,6 +150,7 @@ def triton_rms_norm_fwd(
 
 
 @torch.library.custom_op("remat_triton::layer_norm_fwd", mutates_args=())
+@on_tensor_device
 def triton_layer_norm_fwd(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -157,6 +160,7 @@ def triton_layer_norm_fwd(
 
 
 @torch.library.custom_op("remat_triton::rms_norm_bwd", mutates_args=())
+@on_tensor_device
 def triton_rms_norm_bwd(
     dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor], rstd: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -166,6 +170,7 @@ def triton_rms_norm_bwd(
 
 
 @torch.library.custom_op("remat_triton::layer_norm_bwd", mutates_args=())
+@on_tensor_device
 def triton_layer_norm_bwd(
     dy: Tensor,
     dh: Optional[Tensor],
