@@ -22,8 +22,14 @@ pytest.importorskip("triton")
 
 from remat.kernels import matmul  # noqa: E402
 from remat.kernels import mlp as mlp_kernels  # noqa: E402
-from remat.ops.mlp import (activate, activate_grad, torch_act_bwd,  # noqa: E402
-                          torch_act_fwd, torch_glu_bwd, torch_glu_fwd)
+from remat.ops.mlp import (  # noqa: E402
+    activate,
+    activate_grad,
+    torch_act_bwd,
+    torch_act_fwd,
+    torch_glu_bwd,
+    torch_glu_fwd,
+)
 from remat.ops.norm import torch_layer_norm_fwd, torch_rms_norm_fwd  # noqa: E402
 
 from _checks import assert_within_2x_of_stock  # noqa: E402
