@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import remat
-from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
+from benchmarks.common import Progress, environment_tags, interleaved_ratios, measure, peak_memory_bytes
 from remat import backend as backend_mod
 from remat.memory import saved_bytes
 from remat.reference import attention_reference
@@ -87,6 +87,7 @@ def run(device, quick=False):
         forward_flops = 4 * batch * heads * length * length * head_dim // (2 if causal else 1)
         flops = {"forward": forward_flops, "backward": 2.5 * forward_flops, "full": 3.5 * forward_flops}
         results = []
+        full_steps = {}
         for name, fn, layout in providers(device):
             if layout == "bhnd":
                 leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in bnhd]
@@ -114,6 +115,7 @@ def run(device, quick=False):
                 # An SDPA kernel that does not take this device/dtype says so; record nothing.
                 progress.step(f"attention {name}: skipped ({str(error).splitlines()[0][:80]})")
                 continue
+            full_steps[name] = full
             saved = saved_bytes(fn, *leaves, causal)
             peak = peak_memory_bytes(full, device)
             timings = {"forward": measure(forward, device, budget_s=budget, min_reps=min_reps),
@@ -128,6 +130,11 @@ def run(device, quick=False):
                                 "saved_bytes": saved, "saved_bytes_per_token": saved / (batch * length),
                                 "peak_mem_bytes": peak})
             progress.step(f"attention B{batch} H{heads} N{length} D{head_dim} {dtype} causal={causal} {name}")
+        # The full step's time ratio to SDPA's flash kernel, timed side by side in interleaved rounds.
+        ratios = interleaved_ratios(full_steps, "sdpa-flash", device) if "sdpa-flash" in full_steps else {}
+        for r in results:
+            median, q20, q80 = ratios.get(r["provider"], ("", "", "")) if r["mode"] == "full" else ("", "", "")
+            r.update(full_vs_sdpa_flash=median, full_vs_sdpa_flash_q20=q20, full_vs_sdpa_flash_q80=q80)
         reference = {}
         for r in results:
             if r["provider"] in ("sdpa-flash", "torch"):
@@ -141,4 +148,5 @@ def run(device, quick=False):
 
 
 summary_columns = ["length", "head_dim", "causal", "dtype", "provider", "mode", "median_ms", "q20_ms", "q80_ms",
-                   "tflops", "time_vs_sdpa_flash", "time_vs_eager", "saved_bytes_per_token", "peak_mem_bytes"]
+                   "tflops", "time_vs_sdpa_flash", "full_vs_sdpa_flash", "full_vs_sdpa_flash_q20",
+                   "full_vs_sdpa_flash_q80", "time_vs_eager", "saved_bytes_per_token", "peak_mem_bytes"]

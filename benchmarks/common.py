@@ -82,6 +82,34 @@ def measure(fn, device, *, warmup=3, min_reps=10, max_reps=200, budget_s=1.0, se
     return statistics.median(times), q[1], q[7]
 
 
+def interleaved_ratios(fns, baseline, device, *, rounds=15, warmup=2):
+    """Time ratios to ``baseline`` measured side by side (DESIGN.md section 8): after ``warmup``
+    calls of each, every round times each function of ``fns`` (name -> fn()) once, in turn (A, B,
+    C, A, B, C, ...), and divides its time by the baseline's time in the same round, so load that
+    drifts over seconds affects both sides of a ratio alike. Returns name -> (median, q20, q80) of
+    the per-round ratios; a row whose 20-80% band is wider than its distance from 1 claims nothing."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    per_round = {name: [] for name in fns}
+    for _ in range(rounds):
+        times = {}
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name] = time.perf_counter() - t0
+        for name in fns:
+            per_round[name].append(times[name] / times[baseline])
+    out = {}
+    for name, ratios in per_round.items():
+        q = statistics.quantiles(sorted(ratios), n=10, method="inclusive")
+        out[name] = (statistics.median(ratios), q[1], q[7])
+    return out
+
+
 def peak_memory_bytes(fn, device):
     """Peak device memory allocated while ``fn()`` runs, above what was allocated before (GPU
     only; "" on the CPU, where remat.memory.PeakSavedBytes measures saved bytes instead)."""

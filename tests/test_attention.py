@@ -131,15 +131,18 @@ def test_deterministic_backward_is_bitwise_reproducible(backend):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["plain", "dropout"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("backend", cpu_backends() + ["aten"])
 def test_saves_qkv_o_lse_and_rng_only(backend, dtype, dropout):
+    if backend == "aten" and dropout:
+        pytest.skip("the aten core takes no dropout (remat's Philox stream): refused, tested above")
     b, n, m, hq, hkv, d = 2, 24, 40, 4, 2, 32
     q = torch.randn(b, n, hq, d, dtype=dtype, requires_grad=True)
     k = torch.randn(b, m, hkv, d, dtype=dtype, requires_grad=True)
     v = torch.randn(b, m, hkv, d, dtype=dtype, requires_grad=True)
     element = q.element_size()
     contract = (2 * q.numel() + k.numel() + v.numel()) * element + b * hq * n * 4 + (16 if dropout else 0)
-    assert saved_bytes(remat.attention, q, k, v, causal=True, dropout_p=dropout, backend=backend) == contract
+    causal = backend != "aten"  # N != M here, where the aten core's top-left causal mask is refused
+    assert saved_bytes(remat.attention, q, k, v, causal=causal, dropout_p=dropout, backend=backend) == contract
     # Eager attention at the same shape keeps the [B, Hq, N, M] probabilities (and more).
     eager = saved_bytes(attention_reference, q, k, v, causal=True)
     assert eager >= contract - b * hq * n * 4 + b * hq * n * m * element
@@ -173,7 +176,7 @@ def test_cpp_and_torch_backends_agree():
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"] + ["aten"])
 def test_compile_fullgraph_matches_eager(backend):
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
@@ -184,7 +187,8 @@ def test_compile_fullgraph_matches_eager(backend):
     rope = (angles.cos(), angles.sin())
 
     def block(q, k, v):
-        return (remat.attention(q, k, v, causal=True, rope=rope, softcap=30.0, backend=backend) ** 2).sum()
+        softcap = None if backend == "aten" else 30.0  # the aten core has no softcap
+        return (remat.attention(q, k, v, causal=True, rope=rope, softcap=softcap, backend=backend) ** 2).sum()
 
     counter = CompileCounter()
     compiled = torch.compile(block, backend=counter, fullgraph=True)
@@ -444,6 +448,66 @@ def test_deterministic_algorithms_mode_refuses_atomics():
         remat.attention(q, q, q, causal=True, deterministic=False, backend="torch")
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+
+def _aten_takes(spec):
+    """Whether the aten core (PyTorch's flash kernel) takes this CPU case: no softcap, window or
+    dropout, and causal only with N == M (its causal mask aligns top-left)."""
+    return not (spec.get("softcap") or spec.get("window") or spec.get("dropout")
+                or (spec.get("causal") and spec["n"] != spec["m"]))
+
+
+ATEN_CASES = [c for c in CASES + HEAD_DIM_CASES if _aten_takes(c.values[0])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", ATEN_CASES)
+def test_aten_core_matches_reference(spec, dtype):
+    """PyTorch's CPU flash kernel inside remat's Function (rope applied around it): the 2x rule
+    against the float64 reference, on every CPU case it takes (rope, GQA/MQA, layouts, odd D)."""
+    run_and_check(spec, dtype, "aten")
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(softcap=5.0), "softcap"), (dict(window=(4, None)), "sliding window"), (dict(dropout_p=0.1), "dropout"),
+    (dict(causal=True, n=5, m=9), "top-left"),
+])
+def test_aten_core_refuses_what_it_lacks(options, match):
+    options = dict(options)
+    n, m = options.pop("n", 7), options.pop("m", 7)
+    q, k = torch.randn(1, n, 2, 16), torch.randn(1, m, 2, 16)
+    with pytest.raises(remat.BackendUnavailableError, match=match):
+        remat.attention(q, k, k, backend="aten", **options)
+    with pytest.raises(remat.BackendUnavailableError, match="no norm operators"):
+        remat.rms_norm(torch.randn(2, 8), None, backend="aten")
+
+
+def test_default_on_cpu_is_the_aten_core_when_it_takes_the_call(monkeypatch):
+    """Per op: CPU attention defaults to PyTorch's flash kernel (faster than remat's C++ kernel)
+    when it takes the call, and to cpp for what it lacks; the fused layers too."""
+    import remat.autograd.attention as attention_function
+    import remat.autograd.norm_attention as norm_attention_function
+
+    used = []
+    for module in (attention_function, norm_attention_function):
+        real = module.ops_for
+        monkeypatch.setattr(module, "ops_for", lambda block, name, real=real: used.append(name) or real(block, name))
+    monkeypatch.delenv("REMAT_BACKEND", raising=False)
+    q = torch.randn(1, 9, 4, 16, requires_grad=True)
+    k = torch.randn(1, 9, 2, 16, requires_grad=True)
+    remat.attention(q, k, k, causal=True).sum().backward()
+    assert used == ["aten", "aten"]
+    used.clear()
+    remat.attention(q, k, k, causal=True, softcap=20.0).sum().backward()
+    assert used == ["cpp", "cpp"] if remat._extension.LOADED else ["torch", "torch"]
+    used.clear()
+    layer = remat.nn.LlamaLayer(64, 96, 4, 2)
+    layer(torch.randn(2, 9, 64, requires_grad=True)).sum().backward()
+    assert used == ["aten", "aten"]
+    used.clear()
+    remat.nn.LlamaLayer(64, 96, 4, 2, sliding_window=4)(torch.randn(2, 9, 64)).sum().backward()
+    assert "aten" not in used and used
 
 
 # On a GPU (marked gpu; skipped where none is present): real sizes, every feature, masks across

@@ -6,6 +6,9 @@ Backends:
 - ``"triton"``: the Triton kernels, for CUDA tensors; on CPU tensors only when the Triton
   interpreter is on (``TRITON_INTERPRET=1`` before Triton is imported), which is for testing.
 - ``"torch"``: plain PyTorch implementations of the same recompute contracts, on any device.
+- ``"aten"``: attention only: PyTorch's own fused attention kernels (the CPU flash kernel,
+  FlashAttention-2 on CUDA), which keep remat's attention contract, for the calls whose features
+  they have (remat.ops.attention.aten_unsupported_reason).
 
 Choice: the explicit ``backend=`` argument, else the innermost :func:`use_backend` context, else
 the ``REMAT_BACKEND`` environment variable, else the default: on a CUDA tensor ``cuda`` if the
@@ -25,7 +28,7 @@ import torch
 
 from remat import _extension
 
-BACKENDS = ("cuda", "cpp", "triton", "torch")
+BACKENDS = ("cuda", "cpp", "triton", "torch", "aten")
 
 _state = threading.local()
 
@@ -143,6 +146,10 @@ def unavailable_reason(name, device):
     """Why backend ``name`` cannot run tensors on ``device``, or None if it can."""
     if name == "torch":
         return None
+    if name == "aten":
+        if device.type in ("cpu", "cuda"):
+            return None
+        return f"PyTorch's fused attention kernels run CPU and CUDA tensors, and the input is on {device}"
     if name in ("cuda", "cpp") and not _extension.LOADED:
         return (
             f"the compiled extension remat._C is not importable ({_extension.LOAD_ERROR}); "

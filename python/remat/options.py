@@ -33,7 +33,8 @@ class NormAttentionOptions(NamedTuple):
 
     shape: (B, N, Hq, Hkv, D). norm: "rms" or "layer". eps: the norm's epsilon.
     attention: the :class:`AttentionOptions`. keep_qkv: save q, k, v for backward (True) or
-    recompute them with the projection GEMMs (False).
+    recompute them with the projection GEMMs (False). norm_backend: the backend of the norm
+    kernels, which differs from the attention's when that is the "aten" core (attention only).
     """
 
     shape: tuple
@@ -41,3 +42,4 @@ class NormAttentionOptions(NamedTuple):
     eps: float
     attention: AttentionOptions
     keep_qkv: bool
+    norm_backend: str

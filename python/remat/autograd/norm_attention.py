@@ -38,7 +38,8 @@ class NormAttentionFunction(torch.autograd.Function):
         shape, attention = options.shape, options.attention
         batch, n, hq, hkv, head_dim = shape
         rows = x.reshape(batch * n, x.shape[-1])
-        normed, mean, rstd = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, backend)
+        normed, mean, rstd = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps,
+                                          options.norm_backend)
         q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape)
         del normed
         rng = draw_rng_state(x.device) if attention.dropout_p > 0 else None
@@ -62,7 +63,7 @@ class NormAttentionFunction(torch.autograd.Function):
         rows = x.reshape(batch * n, x.shape[-1])
         # The normalized input, recomputed for the projection weight gradients (and for q, k, v
         # under keep_qkv=False), freed before the norm backward.
-        normed, _, _ = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, backend)
+        normed, _, _ = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, options.norm_backend)
         if q is None:
             q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape)
         if dout.stride(-1) != 1:
@@ -81,7 +82,7 @@ class NormAttentionFunction(torch.autograd.Function):
             grads.append((d_w, d_b))
         del normed
         dx, d_norm_weight, d_norm_bias = norm_backward(d_normed.contiguous(), rows, norm_weight, mean, rstd,
-                                                        options.norm, norm_bias is not None, backend)
+                                                        options.norm, norm_bias is not None, options.norm_backend)
         return (dx.view(x.shape), d_norm_weight if need[1] else None, d_norm_bias if need[2] else None,
                 grads[0][0], grads[1][0], grads[2][0], grads[0][1], grads[1][1], grads[2][1],
                 None, None, None, None)

@@ -8,7 +8,8 @@ import torch
 from remat import checks
 from remat.autograd.attention import AttentionFunction
 from remat.autograd.norm_attention import NormAttentionFunction
-from remat.backend import resolve_backend
+from remat.backend import BackendUnavailableError, default_backend, requested_backend, resolve_backend
+from remat.ops.attention import aten_unsupported_reason
 from remat.options import AttentionOptions, NormAttentionOptions
 
 
@@ -54,15 +55,35 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     checks.check_qkv_shapes(q, k, v, layout)
     checks.check_rope(rope, q.shape[0], q.shape[1], k.shape[1], q.shape[-1], q.device)
     options = _attention_options(q.shape[-1], causal, scale, softcap, window, dropout_p, deterministic)
-    name = resolve_backend(backend, q)
-    options = _respect_deterministic_mode(options, name)
     cos, sin = rope if rope is not None else (None, None)
     (q, k, v), autocast_off = checks.autocast_cast(q, k, v)
+    batch, n, hq, head_dim = q.shape
+    name = _attention_backend(backend, q, (n, k.shape[1], hq, k.shape[2], head_dim), options)
+    options = _respect_deterministic_mode(options, name)
     checks.check_attention_dtype(name, q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with autocast_off:
         o = AttentionFunction.apply(q, k, v, cos, sin, options, name)
     return o.transpose(1, 2) if layout == "bhnd" else o
+
+
+def _attention_backend(explicit, t, sizes, options):
+    """The backend of an attention call on tensors like ``t`` with sizes (N, M, Hq, Hkv, D).
+    Asked for by name: that backend, which must be able to run the call. Otherwise, per this op:
+    on CPU tensors PyTorch's flash kernel (the aten core) whenever it takes the call (measured
+    faster than remat's C++ kernel; benchmarks/results/attention-cpu.csv), else the general default
+    (remat.backend). On CUDA tensors the aten core is not the default until a GPU run has measured
+    it against remat's kernels; ask for it with backend="aten"."""
+    if requested_backend(explicit) is None and t.device.type == "cpu":
+        if aten_unsupported_reason(*sizes, t.dtype, t.device, options) is None:
+            return "aten"
+    name = resolve_backend(explicit, t)
+    if name == "aten":
+        reason = aten_unsupported_reason(*sizes, t.dtype, t.device, options)
+        if reason is not None:
+            raise BackendUnavailableError(f"remat backend 'aten' cannot run this attention call: {reason}; use "
+                                          "backend='cpp', 'cuda', 'triton' or 'torch'")
+    return name
 
 
 def _respect_deterministic_mode(options, backend):
@@ -147,14 +168,16 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     if not isinstance(keep_qkv, bool):
         raise TypeError("keep_qkv must be a bool")
     attention_options = _attention_options(head_dim, causal, scale, softcap, window, dropout_p, deterministic)
-    name = resolve_backend(backend, x)
-    attention_options = _respect_deterministic_mode(attention_options, name)
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = rope if rope is not None else (None, None)
     (x, *params), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v)
+    name = _attention_backend(backend, x, (n, n, num_heads, num_kv_heads, head_dim), attention_options)
+    attention_options = _respect_deterministic_mode(attention_options, name)
     checks.check_attention_dtype(name, x.dtype)
+    # The aten core is attention only: the norm kernels then take the device's default backend.
+    norm_name = default_backend(x.device) if name == "aten" else name
     options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
-                                   attention_options, keep_qkv)
+                                   attention_options, keep_qkv, norm_name)
     with autocast_off:
         return NormAttentionFunction.apply(x, *params, cos, sin, options, name)

@@ -18,6 +18,9 @@ def ops_for(block, backend):
         raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in _TABLES[block]:
+        raise BackendUnavailableError(f"remat backend {backend!r} has no {block} operators (it is PyTorch's own "
+                                      "fused attention core, for attention only)")
     ops = _TABLES[block][backend]
     if ops is None:
         raise BackendUnavailableError(f"remat backend {backend!r} needs the compiled extension remat._C, which "

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from remat import _extension
 from remat.ops.device import on_tensor_device
+from remat.options import AttentionOptions
 from remat.reference import attention_dropout_keep
 
 # Query rows per step of the torch backend: bounds its [B, Hq, rows, M] fp32 temporaries.
@@ -168,6 +169,93 @@ def torch_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, wi
 TORCH_OPS = AttentionOps(torch_attention_fwd, torch_attention_bwd)
 
 
+
+# The "aten" core: PyTorch's own fused attention kernels, which keep exactly remat's contract (q, k,
+# v, o and an fp32 logsumexp; the probabilities recomputed in backward): the CPU flash kernel
+# (aten::_scaled_dot_product_flash_attention_for_cpu and its backward) and, on CUDA,
+# FlashAttention-2 (aten::_scaled_dot_product_flash_attention and its backward). Rope stays remat's:
+# q and k are rotated (fp32, rounded to the dtype, as every backend's kernels do) into temporaries
+# before the core, again in backward from the saved unrotated q and k, and the core's dq/dk are
+# rotated back in fp32 before one rounding. The rotated copies are never saved.
+
+
+def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options):
+    """Why the aten core cannot run attention of N queries and M keys (Hq / Hkv heads of dim D,
+    ``dtype`` on ``device``) with these :class:`remat.options.AttentionOptions`, or None. It has
+    no softcap and no sliding window; its causal mask aligns top-left, so causal needs N == M;
+    remat's dropout mask is remat's own Philox stream, so dropout stays with remat's kernels; on
+    CUDA it takes float16/bfloat16, head dims up to 256 that are multiples of 8 and as many k/v heads
+    as q heads (FlashAttention-2 through aten::_scaled_dot_product_flash_attention)."""
+    if options.softcap > 0:
+        return "PyTorch's fused attention has no logit softcap"
+    if options.dropout_p > 0:
+        return "remat's dropout mask is its own Philox stream, which PyTorch's fused attention does not draw"
+    if options.window_left >= 0 or options.window_right > 0:
+        return "PyTorch's fused attention has no sliding window"
+    if options.window_right == 0 and n != m:
+        return "PyTorch's fused attention aligns the causal mask top-left; remat aligns it bottom-right (N != M)"
+    if device.type == "cuda":
+        if dtype == torch.float32:
+            return "FlashAttention-2 takes float16/bfloat16"
+        if head_dim % 8 or head_dim > 256:
+            return "FlashAttention-2 takes head dims that are multiples of 8 up to 256"
+        if hq != hkv:
+            return "aten::_scaled_dot_product_flash_attention takes as many k/v heads as q heads"
+    elif device.type != "cpu":
+        return f"no PyTorch fused attention kernel for {device.type} tensors"
+    return None
+
+
+def _core_operands(q, k, v, cos, sin):
+    """q, k, v as the core takes them: [B, H, L, D] views, q and k rotated into temporaries."""
+    n, m = q.shape[1], k.shape[1]
+    if cos is None:
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return (_rotate(q, cos, sin, m - n).to(q.dtype), _rotate(k, cos, sin, 0).to(k.dtype), v.transpose(1, 2))
+
+
+def aten_attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
+    """Forward through PyTorch's fused attention core (see aten_unsupported_reason)."""
+    options = AttentionOptions(scale, softcap, window_left, window_right, dropout_p)
+    reason = aten_unsupported_reason(q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device,
+                                     options)
+    if reason is not None:
+        raise ValueError(f"the aten attention core cannot run this call: {reason}")
+    qh, kh, vh = _core_operands(q, k, v, cos, sin)
+    causal = window_right == 0
+    if q.device.type == "cpu":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal, scale=scale)
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False, scale=scale)[:2]
+    return o.transpose(1, 2).contiguous(), lse.contiguous()
+
+
+def aten_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p,
+                       deterministic):
+    """Backward through PyTorch's fused attention core: the probabilities recomputed from q, k and
+    lse by its backward kernel, rope re-applied to q and k and transposed onto dq and dk here. The
+    CPU kernel is deterministic; FlashAttention-2's backward is deterministic unless PyTorch says
+    otherwise for its version (``deterministic`` is not passed on)."""
+    n, m = q.shape[1], k.shape[1]
+    qh, kh, vh = _core_operands(q, k, v, cos, sin)
+    causal = window_right == 0
+    dout_h, o_h = dout.transpose(1, 2), o.transpose(1, 2)
+    if q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout_h, qh, kh, vh, o_h, lse, 0.0, causal, scale=scale)
+    else:
+        cum = torch.empty(0, dtype=torch.int32, device=q.device)
+        no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout_h, qh, kh, vh, o_h, lse, cum, cum, n, m, 0.0, causal, no_rng, no_rng, scale=scale)
+    if cos is not None:
+        dq = _unrotate(dq.float(), cos, sin, m - n)
+        dk = _unrotate(dk.float(), cos, sin, 0)
+    return tuple(g.transpose(1, 2).to(q.dtype).contiguous() for g in (dq, dk, dv))
+
+
+ATEN_OPS = AttentionOps(aten_attention_fwd, aten_attention_bwd)
+
 def _fake_attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
     batch, n, hq, head_dim = q.shape
     return q.new_empty(batch, n, hq, head_dim), q.new_empty(batch, hq, n, dtype=torch.float32)
@@ -214,4 +302,4 @@ TRITON_OPS = AttentionOps(triton_attention_fwd, triton_attention_bwd)
 
 
 # Read by remat.ops.ops_for; None where the extension is not built.
-OPS = {"torch": TORCH_OPS, "triton": TRITON_OPS, "cpp": EXTENSION_OPS, "cuda": EXTENSION_OPS}
+OPS = {"torch": TORCH_OPS, "triton": TRITON_OPS, "cpp": EXTENSION_OPS, "cuda": EXTENSION_OPS, "aten": ATEN_OPS}
