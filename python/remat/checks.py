@@ -14,7 +14,7 @@ import torch
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ATTENTION_LAYOUTS = ("bnhd", "bhnd")
 MAX_HEAD_DIM = 256
-NORMS = ("rms", "layer")
+NORMS = ("rms", "layer", "gemma")
 GELU_APPROXIMATIONS = ("none", "tanh")
 
 
@@ -145,14 +145,15 @@ def check_plain_mlp_weights(x, w_fc, b_fc, w_proj, b_proj):
 
 
 def check_norm(norm, norm_weight, norm_bias, eps, x):
-    """A pre-norm sub-block's norm arguments; returns eps with its default (1e-6 for "rms", 1e-5
-    for "layer") filled in."""
+    """A pre-norm sub-block's norm arguments (norm "rms", "layer" or "gemma": RMSNorm with weight
+    1 + w in fp32, see remat.autograd.norm.norm_forward); returns eps with its default (1e-5 for
+    "layer", else 1e-6) filled in."""
     check_choice(norm, "norm", NORMS)
     check_vector(norm_weight, "norm_weight", x)
     check_vector(norm_bias, "norm_bias", x)
-    if norm == "rms" and norm_bias is not None:
+    if norm != "layer" and norm_bias is not None:
         raise ValueError("norm_bias is only for norm='layer'")
-    eps = (1e-6 if norm == "rms" else 1e-5) if eps is None else eps
+    eps = (1e-5 if norm == "layer" else 1e-6) if eps is None else eps
     check_eps(eps)
     return eps
 

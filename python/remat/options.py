@@ -31,10 +31,12 @@ class AttentionOptions(NamedTuple):
 class NormAttentionOptions(NamedTuple):
     """The pre-norm attention sub-block's non-tensor arguments (remat.autograd.norm_attention).
 
-    shape: (B, N, Hq, Hkv, D). norm: "rms" or "layer". eps: the norm's epsilon.
-    attention: the :class:`AttentionOptions`. keep_qkv: save q, k, v for backward (True) or
-    recompute them with the projection GEMMs (False). norm_backend: the backend of the norm
-    kernels, which differs from the attention's when that is the "aten" core (attention only).
+    shape: (B, N, Hq, Hkv, D). norm: "rms", "layer" or "gemma" (RMSNorm with weight 1 + w in
+    fp32). eps: the norm's epsilon. attention: the :class:`AttentionOptions`. keep_qkv: save q, k,
+    v for backward (True) or recompute them with the projection GEMMs (False). norm_backend: the
+    backend of the norm kernels, which differs from the attention's when that is the "aten" core
+    (attention only). qk_norm: None, or the per-head norm of q and k over D after the projections
+    and before rope ("rms": Qwen3; "gemma": Gemma 3); qk_eps: its epsilon.
     """
 
     shape: tuple
@@ -43,3 +45,5 @@ class NormAttentionOptions(NamedTuple):
     attention: AttentionOptions
     keep_qkv: bool
     norm_backend: str
+    qk_norm: str | None = None
+    qk_eps: float = 0.0

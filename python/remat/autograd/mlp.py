@@ -150,7 +150,8 @@ class NormGatedMLPFunction(torch.autograd.Function):
     def forward(ctx, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down,
                 norm, eps, activation, recompute, backend):
         ops = ops_for("mlp", backend)
-        fused = _fused_gate_up(ops, "block", b_gate, b_up) and recompute == "block"
+        # The fused kernel's prologue computes "rms" and "layer" norms only (not "gemma"'s fp32 1 + w).
+        fused = _fused_gate_up(ops, "block", b_gate, b_up) and recompute == "block" and norm in ("rms", "layer")
         gate = up = None
         if fused:
             # Statistics only, then the normalized input is computed per tile in the matmul's

@@ -90,8 +90,18 @@ def _unit_col(grad):
 
 def norm_forward(x, weight, bias, norm, eps, backend):
     """The normalized rows of a fused sub-block's input: (y, mean, rstd) with mean None for
-    ``norm="rms"``. x [rows, cols] with unit column stride; y in x's dtype, statistics fp32."""
+    ``norm="rms"`` and ``"gemma"``. x [rows, cols] with unit column stride; y in x's dtype,
+    statistics fp32.
+
+    ``norm="gemma"`` is Gemma's RMSNorm, ``x_hat * (1 + w)`` with ``1 + w`` formed in fp32 and the
+    product rounded once to x's dtype (Hugging Face: ``norm(x.float()) * (1 + w.float())`` cast
+    back). The norm kernels take the weight in x's dtype, where ``1 + w`` would round, so they run
+    on an fp32 copy of the rows with the fp32 weight ``1 + w``; the copy is a temporary, and the
+    statistics are those of x."""
     ops = ops_for("norm", backend)
+    if norm == "gemma":
+        y, _, rstd = ops.rms_norm_fwd(x.float(), _one_plus(weight), None, eps)
+        return y.to(x.dtype), None, rstd
     if norm == "rms":
         y, _, rstd = ops.rms_norm_fwd(x, weight, None, eps)
         return y, None, rstd
@@ -101,10 +111,19 @@ def norm_forward(x, weight, bias, norm, eps, backend):
 
 def norm_backward(dy, x, weight, mean, rstd, norm, has_bias, backend):
     """Gradients of :func:`norm_forward` from the saved x and statistics (x_hat recomputed):
-    (dx, d_weight or None, d_bias or None)."""
+    (dx, d_weight or None, d_bias or None). For ``norm="gemma"`` the kernel runs in fp32 (as
+    Hugging Face's backward does) and dx, d_weight are rounded once to x's / the weight's dtype."""
     ops = ops_for("norm", backend)
+    if norm == "gemma":
+        dx, dw = ops.rms_norm_bwd(dy.float(), None, x.float(), _one_plus(weight), rstd)
+        return dx.to(x.dtype), (dw.to(weight.dtype) if weight is not None else None), None
     if norm == "rms":
         dx, dw = ops.rms_norm_bwd(dy, None, x, weight, rstd)
         return dx, (dw if weight is not None else None), None
     dx, dw, db = ops.layer_norm_bwd(dy, None, x, weight, mean, rstd, has_bias)
     return dx, (dw if weight is not None else None), (db if has_bias else None)
+
+
+def _one_plus(weight):
+    """Gemma's effective norm weight ``1 + w`` in fp32 (a temporary; None without a weight)."""
+    return None if weight is None else weight.float() + 1.0

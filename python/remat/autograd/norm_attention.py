@@ -1,17 +1,21 @@
 """The pre-norm attention sub-block of a transformer layer as one autograd Function: norm, the
-q/k/v projections, rotary embedding and flash attention, up to the attention output o (the output
-projection and the residual add stay outside, as plain autograd ops).
+q/k/v projections, the optional per-head q/k norms (Qwen3, Gemma 3), rotary embedding and flash
+attention, up to the attention output o (the output projection and the residual add stay
+outside, as plain autograd ops).
 
 Recompute contract (DESIGN.md section 2), checked byte for byte in tests/models/:
 
 - ``keep_qkv=True`` (layer policies "speed" and "balanced"): saves the sub-block input x, the fp32
-  norm statistics, q, k, v (unrotated), o and the fp32 logsumexp (and 16 bytes of RNG state with
-  dropout, the caller's cos/sin with rope). Backward recomputes the normalized input (for the
-  projection weight gradients), the rotated q/k and the probabilities.
+  norm statistics, q, k, v (the projections: unrotated and, with per-head q/k norms, before those
+  norms), o and the fp32 logsumexp (and 16 bytes of RNG state with dropout, the caller's cos/sin
+  with rope). Backward recomputes the normalized input (for the projection weight gradients), the
+  per-head normalized q/k with their statistics, the rotated q/k and the probabilities.
 - ``keep_qkv=False`` (policy "memory"): saves x, the statistics, o and lse only; backward also
   recomputes q, k and v with the three projection GEMMs.
 
-Never saved: the normalized input, rotated q/k, the N x M probabilities, a dropout mask.
+Never saved: the normalized input, the per-head normalized q/k or their statistics (recomputed
+from the saved or recomputed q/k by the same norm kernel, so bitwise the forward's), rotated q/k,
+the N x M probabilities, a dropout mask.
 """
 
 import torch
@@ -29,12 +33,32 @@ def _project(normed, weights, biases, shape):
     return [F.linear(normed, w, b).view(batch, n, h, head_dim) for w, b, h in zip(weights, biases, heads)]
 
 
+def _head_norm(t, weight, options):
+    """The per-head norm of q or k ``[B, N, H, D]`` over D (rows [B N H, D] through the norm
+    kernels): (normed [B, N, H, D], fp32 rstd [B N H])."""
+    rows = t.reshape(-1, t.shape[-1])
+    normed, _, rstd = norm_forward(rows, weight, None, options.qk_norm, options.qk_eps, options.norm_backend)
+    return normed.view(t.shape), rstd
+
+
+def _head_norm_backward(grad, t, weight, rstd, options):
+    """(d t, d weight) of :func:`_head_norm` from the pre-norm t and its statistics."""
+    rows = t.reshape(-1, t.shape[-1])
+    dy = grad.reshape(rows.shape)
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    d_rows, d_weight, _ = norm_backward(dy, rows, weight, None, rstd, options.qk_norm, False, options.norm_backend)
+    return d_rows.view(t.shape), d_weight
+
+
 class NormAttentionFunction(torch.autograd.Function):
-    """o = attention(rope(norm(x) Wq^T + bq), rope(norm(x) Wk^T + bk), norm(x) Wv^T + bv); the
+    """o = attention(rope(qn(norm(x) Wq^T + bq)), rope(kn(norm(x) Wk^T + bk)), norm(x) Wv^T + bv),
+    with qn / kn the optional per-head norms (identity without ``options.qk_norm``); the
     non-tensor arguments are one :class:`remat.options.NormAttentionOptions`."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, cos, sin, options, backend):
+    def forward(ctx, x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, cos, sin,
+                options, backend):
         shape, attention = options.shape, options.attention
         batch, n, hq, hkv, head_dim = shape
         rows = x.reshape(batch * n, x.shape[-1])
@@ -42,20 +66,25 @@ class NormAttentionFunction(torch.autograd.Function):
                                           options.norm_backend)
         q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape)
         del normed
+        q_in, k_in = q, k
+        if options.qk_norm is not None:
+            q_in, _ = _head_norm(q, q_norm_weight, options)
+            k_in, _ = _head_norm(k, k_norm_weight, options)
         rng = draw_rng_state(x.device) if attention.dropout_p > 0 else None
         cos32, sin32 = kernel_rope_tables(cos, sin, head_dim)
-        o, lse = ops_for("attention", backend).attention_fwd(q, k, v, cos32, sin32, rng, *attention[:5])
+        o, lse = ops_for("attention", backend).attention_fwd(q_in, k_in, v, cos32, sin32, rng, *attention[:5])
+        del q_in, k_in
         if not options.keep_qkv:
             q = k = v = None
-        ctx.save_for_backward(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, mean, rstd, q, k, v, o, lse,
-                              rng, cos, sin)
+        ctx.save_for_backward(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight,
+                              mean, rstd, q, k, v, o, lse, rng, cos, sin)
         ctx.options, ctx.backend = options, backend
         return o
 
     @staticmethod
     def backward(ctx, dout):
-        (x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, mean, rstd, q, k, v, o, lse, rng, cos,
-         sin) = ctx.saved_tensors
+        (x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, mean, rstd, q, k, v, o,
+         lse, rng, cos, sin) = ctx.saved_tensors
         options, backend = ctx.options, ctx.backend
         shape = options.shape
         batch, n, hq, hkv, head_dim = shape
@@ -66,12 +95,22 @@ class NormAttentionFunction(torch.autograd.Function):
         normed, _, _ = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, options.norm_backend)
         if q is None:
             q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape)
+        q_in, k_in = q, k
+        if options.qk_norm is not None:
+            # The per-head norms and their statistics, recomputed from the pre-norm q and k.
+            q_in, q_rstd = _head_norm(q, q_norm_weight, options)
+            k_in, k_rstd = _head_norm(k, k_norm_weight, options)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         cos32, sin32 = kernel_rope_tables(cos, sin, head_dim)
-        dq, dk, dv = ops_for("attention", backend).attention_bwd(dout, q, k, v, o, lse, cos32, sin32, rng,
+        dq, dk, dv = ops_for("attention", backend).attention_bwd(dout, q_in, k_in, v, o, lse, cos32, sin32, rng,
                                                                  *options.attention)
-        del q, k, v
+        del q_in, k_in, v
+        d_q_norm = d_k_norm = None
+        if options.qk_norm is not None:
+            dq, d_q_norm = _head_norm_backward(dq, q, q_norm_weight, q_rstd, options)
+            dk, d_k_norm = _head_norm_backward(dk, k, k_norm_weight, k_rstd, options)
+        del q, k
         d_normed = None
         grads = []
         for grad, weight, bias, need_w, need_b in ((dq, w_q, b_q, need[3], need[6]), (dk, w_k, b_k, need[4], need[7]),
@@ -85,4 +124,4 @@ class NormAttentionFunction(torch.autograd.Function):
                                                         options.norm, norm_bias is not None, options.norm_backend)
         return (dx.view(x.shape), d_norm_weight if need[1] else None, d_norm_bias if need[2] else None,
                 grads[0][0], grads[1][0], grads[2][0], grads[0][1], grads[1][1], grads[2][1],
-                None, None, None, None)
+                d_q_norm if need[9] else None, d_k_norm if need[10] else None, None, None, None, None)

@@ -114,13 +114,16 @@ def _attention_options(head_dim, causal, scale, softcap, window, dropout_p, dete
 
 
 def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=None, norm_bias=None, b_q=None,
-                   b_k=None, b_v=None, norm="rms", eps=None, causal=True, scale=None, rope=None, window=None,
-                   softcap=None, dropout_p=0.0, deterministic=True, keep_qkv=True, backend=None):
+                   b_k=None, b_v=None, norm="rms", eps=None, qk_norm=None, q_norm_weight=None, k_norm_weight=None,
+                   qk_eps=None, causal=True, scale=None, rope=None, window=None, softcap=None, dropout_p=0.0,
+                   deterministic=True, keep_qkv=True, backend=None):
     """The pre-norm attention sub-block of a transformer layer in one fused Function: the norm, the
     q/k/v projections, rotary embedding and flash attention, up to the attention output (the
     output projection and residual add are the caller's).
 
-    ``o = attention(rope(norm(x) w_q^T + b_q), rope(norm(x) w_k^T + b_k), norm(x) w_v^T + b_v)``
+    ``o = attention(rope(qn(norm(x) w_q^T + b_q)), rope(kn(norm(x) w_k^T + b_k)), norm(x) w_v^T + b_v)``
+
+    with ``qn``, ``kn`` the optional per-head norms (``qk_norm``; identity by default).
 
     Args:
         x: ``[B, N, H]`` float32, float16 or bfloat16 (a last dim that is strided is copied once).
@@ -129,7 +132,14 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
             dtype (under autocast any float dtype: all are cast to the autocast dtype).
         num_heads: Hq; num_kv_heads: Hkv (default Hq), Hq a multiple of Hkv. D = rows of w_q / Hq.
         b_q, b_k, b_v: optional projection biases.
-        norm: ``"rms"`` (default) or ``"layer"``; eps: default 1e-6 (rms) or 1e-5 (layer).
+        norm: ``"rms"`` (default), ``"layer"`` or ``"gemma"`` (Gemma's RMSNorm: ``x_hat * (1 + w)``
+            with ``1 + w`` in fp32 and one rounding to x's dtype, as Hugging Face computes it); eps:
+            default 1e-6 (rms, gemma) or 1e-5 (layer).
+        qk_norm: None (default), ``"rms"`` (Qwen3) or ``"gemma"`` (Gemma 3): a norm of each head of
+            q and of k over D, after the projections and before rope, with the weights
+            q_norm_weight, k_norm_weight (``[D]`` in x's dtype, or None for none) and epsilon
+            qk_eps (default 1e-6). It is recomputed in backward with the projections' outputs,
+            never saved: with keep_qkv the saved q, k are the projections before these norms.
         causal, scale, rope, window, softcap, dropout_p, deterministic: as for :func:`attention`
             (self-attention: M = N).
         keep_qkv: True keeps q, k, v for backward; False recomputes them there with the three
@@ -141,7 +151,8 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
 
     Saved for backward: x, the fp32 norm statistics, o, fp32 lse ``[B, Hq, N]``, with keep_qkv
     also q, k, v (16 bytes of RNG state with dropout; the caller's rope tables). The normalized
-    input, rotated q/k and the probabilities are recomputed (remat.autograd.norm_attention).
+    input, the per-head normalized q/k and their statistics, rotated q/k and the probabilities are
+    recomputed (remat.autograd.norm_attention).
     """
     checks.check_hidden_states(x)
     checks.check_input(x)
@@ -164,6 +175,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     for name, b, width in (("b_q", b_q, q_width), ("b_k", b_k, kv_width), ("b_v", b_v, kv_width)):
         checks.check_weight(b, name, (width,), x, optional=True)
     eps = checks.check_norm(norm, norm_weight, norm_bias, eps, x)
+    qk_eps = _check_qk_norm(qk_norm, q_norm_weight, k_norm_weight, qk_eps, head_dim, x)
     checks.check_rope(rope, batch, n, n, head_dim, x.device)
     if not isinstance(keep_qkv, bool):
         raise TypeError("keep_qkv must be a bool")
@@ -171,13 +183,29 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = rope if rope is not None else (None, None)
-    (x, *params), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v)
+    (x, *params), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v,
+                                                      q_norm_weight, k_norm_weight)
     name = _attention_backend(backend, x, (n, n, num_heads, num_kv_heads, head_dim), attention_options)
     attention_options = _respect_deterministic_mode(attention_options, name)
     checks.check_attention_dtype(name, x.dtype)
     # The aten core is attention only: the norm kernels then take the device's default backend.
     norm_name = default_backend(x.device) if name == "aten" else name
     options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
-                                   attention_options, keep_qkv, norm_name)
+                                   attention_options, keep_qkv, norm_name, qk_norm, qk_eps)
     with autocast_off:
         return NormAttentionFunction.apply(x, *params, cos, sin, options, name)
+
+
+def _check_qk_norm(qk_norm, q_norm_weight, k_norm_weight, qk_eps, head_dim, x):
+    """The per-head q/k norm arguments of norm_attention; returns qk_eps as a float (0.0 without
+    the norms)."""
+    if qk_norm is None:
+        if q_norm_weight is not None or k_norm_weight is not None or qk_eps is not None:
+            raise ValueError("q_norm_weight, k_norm_weight and qk_eps need qk_norm='rms' or 'gemma'")
+        return 0.0
+    checks.check_choice(qk_norm, "qk_norm", ("rms", "gemma"))
+    for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        checks.check_weight(weight, name, (head_dim,), x, optional=True)
+    qk_eps = 1e-6 if qk_eps is None else qk_eps
+    checks.check_eps(qk_eps)
+    return float(qk_eps)
