@@ -75,7 +75,8 @@ def extension_modules():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     cpp_sources = ["csrc/ops.cpp", "csrc/norm/norm_cpu.cpp", "csrc/mlp/act_cpu.cpp",
-                   "csrc/attention/attention_cpu.cpp", "csrc/dropout/dropout_cpu.cpp"]
+                   "csrc/attention/attention_cpu.cpp", "csrc/dropout/dropout_cpu.cpp",
+                   "csrc/cross_entropy/cross_entropy_cpu.cpp"]
     cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if cuda_root:
@@ -87,7 +88,8 @@ def extension_modules():
             sources=cpp_sources
             + ["csrc/norm/norm_cuda.cpp", "csrc/norm/norm.cu", "csrc/mlp/act_cuda.cpp", "csrc/mlp/act.cu",
                "csrc/attention/attention_cuda.cpp", "csrc/attention/attention.cu", "csrc/dropout/dropout_cuda.cpp",
-               "csrc/dropout/dropout.cu"],
+               "csrc/dropout/dropout.cu", "csrc/cross_entropy/cross_entropy_cuda.cpp",
+               "csrc/cross_entropy/cross_entropy.cu"],
             include_dirs=include_dirs,
             define_macros=[("REMAT_WITH_CUDA", "1")],
             extra_compile_args={

@@ -42,6 +42,16 @@ TORCH_LIBRARY(remat, m) {
   // Philox stream of rng = (seed, offset) at counter offset + i (common/philox.h). x contiguous.
   // The backward applies the same op to dy.
   m.def("philox_dropout(Tensor x, Tensor rng, float p) -> Tensor y");
+  // Linear + cross-entropy that never stores the [T, V] logits (python/remat/ops/cross_entropy.py
+  // documents the contract). x [T, H] with unit column stride, weight [V, H], bias [V] or None, target
+  // int64 [T]; loss and lse fp32 [T]; softcap 0 = off; chunk = vocabulary columns per chunk.
+  // grad_loss fp32 [T] (the reduction applied), grad_lse fp32 [T] or None; dx, dw, db are empty
+  // when not needed.
+  m.def("linear_cross_entropy_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index,"
+        " float label_smoothing, float softcap, float z_loss, int chunk) -> (Tensor loss, Tensor lse)");
+  m.def("linear_cross_entropy_bwd(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor lse,"
+        " Tensor grad_loss, Tensor? grad_lse, int ignore_index, float label_smoothing, float softcap, float z_loss,"
+        " int chunk, bool need_dx, bool need_dw, bool need_db) -> (Tensor dx, Tensor dw, Tensor db)");
 }
 
 // The module carries no functions: importing it runs the registrations above, and Python calls

@@ -72,8 +72,9 @@ def _fused_matmul_op_samples(dtype=torch.float16):
     }
 
 
-# Opchecked in tests/test_attention.py with their own samples.
-_OPCHECKED_ELSEWHERE = {"attention_fwd", "attention_bwd", "philox_dropout"}
+# Opchecked in tests/test_attention.py, tests/test_cross_entropy.py with their own samples.
+_OPCHECKED_ELSEWHERE = {"attention_fwd", "attention_bwd", "philox_dropout", "linear_cross_entropy_fwd",
+                        "linear_cross_entropy_bwd"}
 
 
 def _namespaces():

@@ -9,6 +9,7 @@ from remat.models.gpt2 import Conv1D, GPT2Layer  # noqa: E402  (the families bui
 from remat.models.llama import LlamaLayer  # noqa: E402
 from remat.nn.attention import Attention
 from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
+from remat.nn.loss import LinearCrossEntropy
 from remat.nn.mlp import GELUMLP, SwiGLUMLP
 from remat.nn.norm import LayerNorm, RMSNorm
 
@@ -19,6 +20,7 @@ __all__ = [
     "GPT2Layer",
     "LAYER_POLICIES",
     "LayerNorm",
+    "LinearCrossEntropy",
     "LlamaLayer",
     "PreNormDecoderLayer",
     "RMSNorm",

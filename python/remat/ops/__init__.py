@@ -4,9 +4,10 @@ table (backend name -> that backend's operators, one NamedTuple per block), and
 :func:`ops_for` is the one place the autograd Functions get their operators from."""
 
 from remat.backend import BACKENDS, BackendUnavailableError
-from remat.ops import attention, dropout, mlp, norm
+from remat.ops import attention, cross_entropy, dropout, mlp, norm
 
-_TABLES = {"norm": norm.OPS, "mlp": mlp.OPS, "attention": attention.OPS, "dropout": dropout.OPS}
+_TABLES = {"norm": norm.OPS, "mlp": mlp.OPS, "attention": attention.OPS, "dropout": dropout.OPS,
+           "cross_entropy": cross_entropy.OPS}
 BLOCKS = tuple(_TABLES)
 
 

@@ -1,0 +1,140 @@
+"""The output block: linear (lm_head) + cross-entropy as one autograd Function that never stores
+the logits.
+
+Recompute contract (DESIGN.md section 2), asserted byte for byte in tests/test_cross_entropy.py:
+
+- saved: x [T, H] (the caller's rows, in x's dtype: s*H bytes per token), the caller's int64
+  target [T] (8 bytes per token) and one fp32 logsumexp per token (4 bytes); weight and bias are
+  saved too but are parameters and live anyway. Saved bytes = T * (s*H + 12).
+- recomputed in backward: the logits, one vocabulary chunk [T, C] at a time (the same GEMM in x's
+  dtype as the forward, so the same rounding), their softmax from the saved lse, and the chunk's
+  logit gradient; from it the chunk's rows of dW and db and its term of dx. Neither pass ever
+  holds a [T, V] tensor: no temporary is larger than one chunk of logits in fp32 ([T, C], 4TC
+  bytes; measured in tests/test_cross_entropy.py), other than [T, H]-shaped ones (dx's fp32
+  accumulator; on a GPU with 16-bit inputs also one chunk's fp32 dx term) and the gradients.
+- the forward computes no gradient (design (b), dx and dW in the forward as Liger does, would
+  save dx and keep dW; it is not offered): the backward's extra cost is one more GEMM of logits,
+  4 GEMMs of T*V*H against eager's 3.
+
+Chunk size: :func:`chunk_size` (the rule is stated there), fixed at the forward and reused by the
+backward.
+
+Inputs are already 2-D: x [T, H] with unit column stride, target [T] (remat.functional reshapes).
+"""
+
+import math
+import os
+
+import torch
+
+from remat.ops import ops_for
+
+REDUCTIONS = ("mean", "sum", "none")
+
+# Bytes one chunk of fp32 logits [T, C] may take, before the free-memory limit: large enough that
+# each chunk's GEMMs are large (T x C x H), small next to the [T, V] logits it replaces.
+CHUNK_BYTES = {"cuda": 256 * 2**20, "cpu": 64 * 2**20}
+# Never more than this fraction of the free device memory.
+FREE_MEMORY_FRACTION = 8
+# Chunks hold at least this many vocabulary columns (GEMM efficiency; for T past
+# CHUNK_BYTES / (4 * 256) tokens a chunk is then larger than CHUNK_BYTES) and are rounded up to a
+# multiple of COLUMN_ALIGN.
+MIN_CHUNK_COLUMNS = 256
+COLUMN_ALIGN = 128
+
+
+@torch.compiler.assume_constant_result
+def free_memory_bytes(device_type, index):
+    """Free memory of the device now: cudaMemGetInfo's free bytes on a GPU (no stream sync), the
+    kernel's MemAvailable on the CPU; None where unknown. torch.compile evaluates it once, when it
+    traces the call."""
+    if device_type == "cuda":
+        return torch.cuda.mem_get_info(index)[0]
+    if device_type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def chunk_size(tokens, vocab, device, budget_bytes=None):
+    """Vocabulary columns per chunk, C, for T = ``tokens`` rows and V = ``vocab`` classes.
+
+    Rule: a chunk of fp32 logits [T, C] may take ``budget_bytes``, by default
+    min(CHUNK_BYTES[device type] (256 MiB on a GPU, 64 MiB on the CPU), free memory / 8); so
+    C = budget / (4 T), at least MIN_CHUNK_COLUMNS (256) and at most V. The chunks are then
+    balanced: with n = ceil(V / C) chunks, C = ceil(V / n) rounded up to a multiple of 128 (at most
+    V), so that the last chunk is not a sliver. E.g. on a GPU with T = 8192: C = 8192, and
+    V = 128256 takes 16 chunks of 8064 columns (the last 7296).
+    """
+    device = torch.device(device)
+    if budget_bytes is None:
+        budget_bytes = CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"])
+        free = free_memory_bytes(device.type, device.index if device.index is not None else 0)
+        if free:
+            budget_bytes = min(budget_bytes, free // FREE_MEMORY_FRACTION)
+    columns = max(MIN_CHUNK_COLUMNS, int(budget_bytes) // (4 * max(int(tokens), 1)))
+    if columns >= vocab:
+        return int(vocab)
+    n_chunks = math.ceil(vocab / columns)
+    columns = math.ceil(vocab / n_chunks)
+    columns = math.ceil(columns / COLUMN_ALIGN) * COLUMN_ALIGN
+    return int(min(columns, vocab))
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """(loss, lse) of cross_entropy(x W^T + b) with label smoothing, softcap and z-loss.
+
+    loss is reduced by ``reduction`` ("mean" over the non-ignored tokens, "sum", or "none": fp32
+    [T], 0 for ignored tokens); lse is fp32 [T]. Gradients reach x, weight and bias, from the loss
+    and from lse (when the caller uses it).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, z_loss, chunk,
+                backend):
+        ops = ops_for("cross_entropy", backend)
+        loss, lse = ops.linear_cross_entropy_fwd(x, weight, bias, target, ignore_index, label_smoothing, softcap,
+                                                 z_loss, chunk)
+        if reduction == "sum":
+            loss = loss.sum()
+        elif reduction == "mean":
+            # 0 / 0 = nan when every target is ignored, as F.cross_entropy.
+            loss = loss.sum() / (target != ignore_index).sum()
+        ctx.save_for_backward(x, weight, bias, target, lse)
+        ctx.set_materialize_grads(False)
+        ctx.options = (ignore_index, reduction, label_smoothing, softcap, z_loss, chunk, backend)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        x, weight, bias, target, lse = ctx.saved_tensors
+        ignore_index, reduction, label_smoothing, softcap, z_loss, chunk, backend = ctx.options
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], (
+            bias is not None and ctx.needs_input_grad[2])
+        if grad_loss is None and grad_lse is None or not (need_dx or need_dw or need_db):
+            return (None,) * 11
+        tokens = x.shape[0]
+        if grad_loss is None:
+            per_token = lse.new_zeros(tokens)
+        elif reduction == "none":
+            per_token = grad_loss.float().contiguous()
+        elif reduction == "sum":
+            per_token = grad_loss.float().expand(tokens).contiguous()
+        else:
+            # Ignored tokens never read their entry, so the inf of a batch with no target is unused.
+            per_token = (grad_loss.float() / (target != ignore_index).sum()).expand(tokens).contiguous()
+        if grad_lse is not None:
+            grad_lse = grad_lse.float().contiguous()
+        dx, dw, db = ops_for("cross_entropy", backend).linear_cross_entropy_bwd(
+            x, weight, bias, target, lse, per_token, grad_lse, ignore_index, label_smoothing, softcap, z_loss, chunk,
+            need_dx, need_dw, need_db)
+        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 8
