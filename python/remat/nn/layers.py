@@ -8,6 +8,10 @@ A family (remat.models.<family>) subclasses :class:`PreNormDecoderLayer` with it
 layout: what the attention sub-block is given (:meth:`attention_output`), the output projection
 (:meth:`out_proj`) and the MLP sub-block (:meth:`mlp_block`). The policy decides what the two
 fused sub-blocks keep for backward, the same way for every family.
+
+``out_proj`` and ``mlp_block`` return what is added to the residual stream, so a family whose
+sub-blocks end in a norm before the residual add (Gemma's "sandwich" post-norms) applies it there:
+``h = x + dropout(post_norm(out_proj(o)))``.
 """
 
 from torch import nn
@@ -59,12 +63,14 @@ class PreNormDecoderLayer(nn.Module):
         raise NotImplementedError
 
     def out_proj(self, o):
-        """The attention output projection of o ``[B, N, Hq * D]``."""
+        """The attention output projection of o ``[B, N, Hq * D]``: what is added to the residual
+        stream (a family's post-norm included)."""
         raise NotImplementedError
 
     def mlp_block(self, h):
-        """The MLP sub-block's output for the residual stream h (pre-norm included; through
-        functional.norm_mlp or norm_gelu_mlp with ``recompute=self.mlp_recompute``)."""
+        """The MLP sub-block's output for the residual stream h (pre-norm included, and a family's
+        post-norm; through functional.norm_mlp or norm_gelu_mlp with
+        ``recompute=self.mlp_recompute``)."""
         raise NotImplementedError
 
     def _dropout(self, t):
