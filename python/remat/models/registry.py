@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 # The family modules, in lookup order.
-FAMILY_MODULES = ("remat.models.llama", "remat.models.gpt2", "remat.models.qwen3", "remat.models.gemma",
-                  "remat.models.torch_norms")
+FAMILY_MODULES = ("remat.models.llama", "remat.models.gpt2", "remat.models.qwen3", "remat.models.phi3",
+                  "remat.models.gemma", "remat.models.torch_norms")
 
 PART_KINDS = ("norm", "mlp", "attention")
 
