@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-requirements
 BUILD_STAMP := $(VENV)/.built-extension
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h') setup.py
 
-.PHONY: test bench build gpu-check lint clean
+.PHONY: test bench build gpu-check lint clean mutate
 
 $(STAMP): requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ bench: $(BUILD_STAMP)
 # the gpu-marked tests and a short benchmark, write logs and CSVs under $OUT (or gpu-out/).
 gpu-check:
 	bash benchmarks/gpu_check.sh
+
+# Mutation testing of one block under the Triton interpreter: `make mutate BLOCK=norm` (or mlp,
+# attention). mutation/run.py mutates a copy of the block's Python and Triton sources, runs the
+# block's tests on each mutant and prints the survivors; 25 minutes of wall time by default
+# (MUTATE_ARGS="--budget-s 0" for no limit, "--only ID ..." to rerun mutants, "--list" to list them).
+mutate: $(BUILD_STAMP)
+	@test -n "$(BLOCK)" || { echo "usage: make mutate BLOCK=norm|mlp|attention [MUTATE_ARGS=...]"; exit 2; }
+	$(PY) mutation/run.py --block $(BLOCK) $(MUTATE_ARGS)
 
 clean:
 	rm -rf build $(VENV) python/remat/_C*.so python/remat/_build_info.py *.egg-info python/*.egg-info
