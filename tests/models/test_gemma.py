@@ -25,6 +25,7 @@ from helpers import (
     INTER,
     KV_HEADS,
     LENGTH,
+    CompileCounter,
     batch,
     cpu_backends,
     logits_and_grads,
@@ -336,3 +337,42 @@ def test_bidirectional_gemma3_is_left_alone():
     reasons = {name: why for name, _, why in report.left_alone}
     assert set(reasons) >= {"model.layers.0", "model.layers.1"}
     assert "bidirectional" in reasons["model.layers.0"]
+
+
+@pytest.mark.parametrize("policy", ["balanced", "memory"])
+def test_compile_fullgraph_on_patched_gemma(policy):
+    """The Gemma-specific Functions (norm, post-norm projection, sandwich MLP) trace into one graph."""
+    torch._dynamo.reset()
+    model = gemma_model("gemma3")
+    remat.patch(model, policy=policy)
+    model.eval()  # the logits path (in training with labels the loss may be computed fused)
+    ids, mask, labels = batch()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    compiled_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    eager = model(input_ids=ids, attention_mask=mask, labels=labels)
+    eager.loss.backward()
+    assert counter.frames == 1
+    torch.testing.assert_close(out.logits, eager.logits)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(compiled_grads[name], p.grad, msg=name)
+
+
+@pytest.mark.parametrize("policy", ["balanced", "memory"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_autocast_bf16_matches_stock_autocast(kind, policy):
+    ids, mask, labels = batch()
+    reference, stock, patched = gemma_model(kind, torch.float64), gemma_model(kind), gemma_model(kind)
+    remat.patch(patched, policy=policy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        base = logits_and_grads(stock, ids, mask, labels)
+        got = logits_and_grads(patched, ids, mask, labels)
+    want = logits_and_grads(reference, ids, mask, labels)
+    real = mask.bool()
+    assert_within_2x_of_stock("logits", got[0][real].float(), base[0][real].float(), want[0][real], torch.bfloat16)
+    for name in want[2]:
+        assert got[2][name].dtype == torch.float32
+        assert_within_2x_of_stock(name, got[2][name], base[2][name], want[2][name], torch.bfloat16)

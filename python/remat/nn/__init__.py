@@ -5,8 +5,11 @@ families share). ``from_module`` converts a stock module, sharing its parameters
 The whole decoder layers of the model families live in remat.models and are re-exported here.
 """
 
-from remat.models.gpt2 import Conv1D, GPT2Layer  # noqa: E402  (the families build on the modules above)
+from remat.models.gemma import GemmaLayer, GemmaRMSNorm  # noqa: E402  (the families build on the modules above)
+from remat.models.gpt2 import Conv1D, GPT2Layer  # noqa: E402
 from remat.models.llama import LlamaLayer  # noqa: E402
+from remat.models.phi3 import Phi3Layer  # noqa: E402
+from remat.models.qwen3 import QKNormAttention, Qwen3Layer  # noqa: E402
 from remat.nn.attention import Attention
 from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
 from remat.nn.loss import LinearCrossEntropy
@@ -18,11 +21,16 @@ __all__ = [
     "Conv1D",
     "GELUMLP",
     "GPT2Layer",
+    "GemmaLayer",
+    "GemmaRMSNorm",
     "LAYER_POLICIES",
     "LayerNorm",
     "LinearCrossEntropy",
     "LlamaLayer",
+    "Phi3Layer",
     "PreNormDecoderLayer",
+    "QKNormAttention",
+    "Qwen3Layer",
     "RMSNorm",
     "SwiGLUMLP",
 ]
