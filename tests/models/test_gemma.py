@@ -376,3 +376,28 @@ def test_autocast_bf16_matches_stock_autocast(kind, policy):
     for name in want[2]:
         assert got[2][name].dtype == torch.float32
         assert_within_2x_of_stock(name, got[2][name], base[2][name], want[2][name], torch.bfloat16)
+
+
+def real_shaped_per_token(layer, head_dim, n=64):
+    """Saved bytes per token of a layer built on the meta device, with bf16 rope tables passed as
+    the model passes them (Parameters here, so left out like the model's shared tables)."""
+    with torch.device("meta"):
+        x = torch.randn(1, n, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16, requires_grad=True)
+        rope = tuple(torch.nn.Parameter(torch.randn(1, n, head_dim, dtype=torch.bfloat16), requires_grad=False)
+                     for _ in range(2))
+    return saved_bytes(layer, x, position_embeddings=rope) / n
+
+
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+@pytest.mark.parametrize("kind,sizes,expected", [
+    ("gemma2", dict(hidden=2304, intermediate=9216, softcap=50.0, sliding_window=4096),
+     dict(speed=67632, balanced=30768, memory=13360)),
+    ("gemma3", dict(hidden=2560, intermediate=10240, qk_norm=True, sliding_window=1024),
+     dict(speed=73776, balanced=32816, memory=14384)),
+])
+def test_real_shaped_layer_keeps_the_readme_bytes(kind, sizes, expected, policy):
+    """README's table: Gemma-2-2B- and Gemma-3-4B-shaped layers (8/4 heads of 256), bf16."""
+    with torch.device("meta"):
+        layer = GemmaLayer(num_heads=8, num_kv_heads=4, head_dim=256, query_pre_attn_scalar=256, policy=policy,
+                           backend="torch", dtype=torch.bfloat16, **sizes)
+    assert real_shaped_per_token(layer, 256) == layer.saved_bytes_per_token(2) == expected[policy]

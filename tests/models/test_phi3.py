@@ -158,3 +158,22 @@ def test_phi3_residual_dropout_is_reproducible_and_stores_no_mask():
     layer.policy = "memory"
     tables = 2 * LENGTH * (HEAD_DIM // 2) * 4
     assert saved_bytes(layer, x) == BATCH * LENGTH * per_token_formula("memory", 4) + tables + 2 * 16
+
+
+def real_shaped_per_token(layer, head_dim, n=64):
+    """Saved bytes per token of a layer built on the meta device, with bf16 rope tables passed as
+    the model passes them (Parameters here, so left out like the model's shared tables)."""
+    with torch.device("meta"):
+        x = torch.randn(1, n, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16, requires_grad=True)
+        rope = tuple(torch.nn.Parameter(torch.randn(1, n, head_dim, dtype=torch.bfloat16), requires_grad=False)
+                     for _ in range(2))
+    return saved_bytes(layer, x, position_embeddings=rope) / n
+
+
+@pytest.mark.parametrize("policy,expected", [("speed", 69768), ("balanced", 37000), ("memory", 18568)])
+def test_real_shaped_layer_keeps_the_readme_bytes(policy, expected):
+    """README's table: a Phi-3-mini-shaped layer (h 3072, I 8192, 32/32 heads of 96), bf16."""
+    with torch.device("meta"):
+        layer = Phi3Layer(3072, 8192, 32, 32, sliding_window=2047, policy=policy, backend="torch",
+                          dtype=torch.bfloat16)
+    assert real_shaped_per_token(layer, 96) == layer.saved_bytes_per_token(2) == expected

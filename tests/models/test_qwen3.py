@@ -255,3 +255,21 @@ def test_qk_norm_attention_module_matches_the_stock_attention():
     torch.testing.assert_close(module(x, position_embeddings=rope), want, rtol=1e-5, atol=1e-5)
     # The built-in rope tables (the config's theta) give the same result.
     torch.testing.assert_close(module(x), want, rtol=1e-5, atol=1e-5)
+
+
+def real_shaped_per_token(layer, head_dim, n=64):
+    """Saved bytes per token of a layer built on the meta device, with bf16 rope tables passed as
+    the model passes them (Parameters here, so left out like the model's shared tables)."""
+    with torch.device("meta"):
+        x = torch.randn(1, n, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16, requires_grad=True)
+        rope = tuple(torch.nn.Parameter(torch.randn(1, n, head_dim, dtype=torch.bfloat16), requires_grad=False)
+                     for _ in range(2))
+    return saved_bytes(layer, x, position_embeddings=rope) / n
+
+
+@pytest.mark.parametrize("policy,expected", [("speed", 86152), ("balanced", 37000), ("memory", 24712)])
+def test_real_shaped_layer_keeps_the_readme_bytes(policy, expected):
+    """README's table: a Qwen3-8B-shaped layer (h 4096, I 12288, 32/8 heads of 128), bf16."""
+    with torch.device("meta"):
+        layer = Qwen3Layer(4096, 12288, 32, 8, 128, policy=policy, backend="torch", dtype=torch.bfloat16)
+    assert real_shaped_per_token(layer, 128) == layer.saved_bytes_per_token(2) == expected
