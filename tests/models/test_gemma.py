@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat.memory import saved_bytes
+from remat.memory import retained_bytes, saved_bytes
 from remat.models.gemma import GemmaLayer, GemmaRMSNorm
 from remat.reference import attention_reference
 
@@ -401,3 +401,16 @@ def test_real_shaped_layer_keeps_the_readme_bytes(kind, sizes, expected, policy)
         layer = GemmaLayer(num_heads=8, num_kv_heads=4, head_dim=256, query_pre_attn_scalar=256, policy=policy,
                            backend="torch", dtype=torch.bfloat16, **sizes)
     assert real_shaped_per_token(layer, 256) == layer.saved_bytes_per_token(2) == expected[policy]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["gemma2", "gemma3"])
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+def test_layer_retains_what_it_saves(policy, dtype, backend, qk_norm):
+    """What a forward keeps alive (remat.memory.retained_bytes) is what it saves for backward, less
+    the caller's input: no temporary (fp32 norm copies, post-norm recompute) outlives the forward."""
+    layer = GemmaLayer(HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, qk_norm=qk_norm, softcap=None if qk_norm else SOFTCAP,
+                       sliding_window=WINDOW, policy=policy, backend=backend, dtype=dtype)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
+    assert retained_bytes(layer, x) == saved_bytes(layer, x) - x.numel() * x.element_size() > 0

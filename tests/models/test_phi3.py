@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import remat
-from remat.memory import saved_bytes
+from remat.memory import retained_bytes, saved_bytes
 from remat.models.phi3 import Phi3Layer
 
 from _checks import assert_within_2x_of_stock
@@ -177,3 +177,15 @@ def test_real_shaped_layer_keeps_the_readme_bytes(policy, expected):
         layer = Phi3Layer(3072, 8192, 32, 32, sliding_window=2047, policy=policy, backend="torch",
                           dtype=torch.bfloat16)
     assert real_shaped_per_token(layer, 96) == layer.saved_bytes_per_token(2) == expected
+
+
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+def test_layer_retains_what_it_saves(policy, dtype, backend):
+    """What a forward keeps alive (remat.memory.retained_bytes) is what it saves for backward, less
+    the caller's input: no temporary (weight slices, dropouts) outlives the forward."""
+    layer = Phi3Layer(HIDDEN, INTER, HEADS, KV_HEADS, policy=policy, resid_dropout=0.1, backend=backend,
+                      dtype=dtype)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
+    assert retained_bytes(layer, x) == saved_bytes(layer, x) - x.numel() * x.element_size() > 0

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat.memory import SavedTensorLog, saved_bytes
+from remat.memory import SavedTensorLog, retained_bytes, saved_bytes
 from remat.models.qwen3 import Qwen3Layer, attention_from_hf
 from remat.reference import attention_reference
 
@@ -273,3 +273,14 @@ def test_real_shaped_layer_keeps_the_readme_bytes(policy, expected):
     with torch.device("meta"):
         layer = Qwen3Layer(4096, 12288, 32, 8, 128, policy=policy, backend="torch", dtype=torch.bfloat16)
     assert real_shaped_per_token(layer, 128) == layer.saved_bytes_per_token(2) == expected
+
+
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+def test_layer_retains_what_it_saves(policy, dtype, backend):
+    """What a forward keeps alive (remat.memory.retained_bytes) is what it saves for backward, less
+    the caller's input: no temporary (q/k norms) outlives the forward."""
+    layer = Qwen3Layer(HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, policy=policy, backend=backend, dtype=dtype)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
+    assert retained_bytes(layer, x) == saved_bytes(layer, x) - x.numel() * x.element_size() > 0
