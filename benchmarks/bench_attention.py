@@ -8,6 +8,8 @@ TFLOP/s follow the FlashAttention convention, so numbers compare with published 
 They do not count recompute: remat's deterministic backward recomputes QK^T in both its dk/dv and
 its dq pass, which this convention leaves out (as it leaves out FlashAttention's own recompute)."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -41,6 +43,10 @@ def _flash_attn():
     except ImportError:
         return None
     return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)
+
+
+def _full_step(fn, leaves, causal, dout):
+    torch.autograd.grad(fn(*leaves, causal), leaves, dout)
 
 
 def providers(device):
@@ -115,7 +121,8 @@ def run(device, quick=False):
                 # An SDPA kernel that does not take this device/dtype says so; record nothing.
                 progress.step(f"attention {name}: skipped ({str(error).splitlines()[0][:80]})")
                 continue
-            full_steps[name] = full
+            # Bound now: a closure over the loop variables would time the last provider for every name.
+            full_steps[name] = functools.partial(_full_step, fn, leaves, causal, dout)
             saved = saved_bytes(fn, *leaves, causal)
             peak = peak_memory_bytes(full, device)
             timings = {"forward": measure(forward, device, budget_s=budget, min_reps=min_reps),

@@ -291,11 +291,16 @@ def batch(vocab=96, seed=1):
 
 
 def logits_and_grads(model, ids, mask, labels):
+    """(logits, loss, {parameter name: gradient}) of one step. The loss and gradients come from a
+    forward with labels (a patched causal LM in training mode computes that loss fused, without
+    logits); the logits from a second forward without labels."""
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    return out.logits.detach(), out.loss.detach(), grads
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return logits.detach(), out.loss.detach(), grads
 
 
 def gpt2_model(dtype=torch.float32, seed=0, dropout=0.0):

@@ -32,15 +32,17 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from remat.models import registry
+from remat.models import causal_lm, registry
 from remat.models.hf import check_attention_mask
 from remat.nn.layers import LAYER_POLICIES
 
-MODULE_KINDS = registry.PART_KINDS
+# "loss": a causal LM's training loss through remat.linear_cross_entropy (remat.models.causal_lm).
+MODULE_KINDS = (*registry.PART_KINDS, "loss")
 _ORIGINAL = "_remat_original"
 _HOOK = "_remat_patched"
 _USE_CACHE = "_remat_saved_use_cache"
 _PREVIOUS_FORWARD = "_remat_previous_forward"
+_MASK_CHECK = "_remat_mask_check"
 
 
 @dataclass
@@ -69,7 +71,11 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
             ``LayerNorm`` layers.
         policy: ``"speed"``, ``"balanced"`` (default) or ``"memory"``: what whole decoder layers
             keep for backward (see remat.nn.LlamaLayer).
-        modules: which kinds to replace, a subset of ``("norm", "mlp", "attention")``.
+        modules: which kinds to replace, a subset of ``("norm", "mlp", "attention", "loss")``
+            (default: all). Whole decoder layers need norm, mlp and attention. "loss": a causal
+            LM of a known family computes its training loss (training mode, labels given) with
+            remat.linear_cross_entropy, never materialising the logits; its output's ``logits``
+            is then None (see remat.models.causal_lm).
         backend: remat backend for the new modules, or None for the default choice.
     """
     if not isinstance(model, nn.Module):
@@ -83,16 +89,21 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
     if getattr(model, _HOOK, False):
         raise ValueError("model is already patched; call remat.unpatch(model) first")
     report = PatchReport()
-    whole_layers = set(MODULE_KINDS) <= set(modules)
+    whole_layers = set(registry.PART_KINDS) <= set(modules)
     _patch_children(model, "", modules, whole_layers, policy, backend, report)
+    layers_replaced = bool(report.replaced)
+    if "loss" in modules:
+        _patch_loss(model, report)
     if not report.replaced:
         return report
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "use_cache", None):
-        setattr(model, _USE_CACHE, config.use_cache)
-        config.use_cache = False
     setattr(model, _HOOK, True)
-    _install_mask_check(model)
+    if layers_replaced:
+        # remat's attention reads no mask and keeps no cache: check masks, turn the cache off.
+        config = getattr(model, "config", None)
+        if config is not None and getattr(config, "use_cache", None):
+            setattr(model, _USE_CACHE, config.use_cache)
+            config.use_cache = False
+        _install_mask_check(model)
     return report
 
 
@@ -124,6 +135,19 @@ def _patch_children(parent, prefix, modules, whole_layers, policy, backend, repo
         report.replaced.append((qualified, type(child).__name__, type(replacement).__name__))
 
 
+def _patch_loss(model, report):
+    for name, module in model.named_modules():
+        if not causal_lm.is_causal_lm(module):
+            continue
+        qualified = name or type(module).__name__
+        reason = causal_lm.refusal(module)
+        if reason is not None:
+            report.left_alone.append((qualified, "loss", reason))
+            continue
+        causal_lm.install(module)
+        report.replaced.append((qualified, f"{type(module).__name__} loss", "fused linear cross-entropy"))
+
+
 def _install_mask_check(model):
     """Makes model's forward check its attention_mask first. The wrapper is a method bound to the
     model (so deepcopy binds it to the copy), keeps the wrapped forward's signature (Hugging Face's
@@ -150,6 +174,7 @@ def _install_mask_check(model):
     if previous is not None:
         setattr(model, _PREVIOUS_FORWARD, previous)
     model.forward = types.MethodType(checked_forward, model)
+    setattr(model, _MASK_CHECK, True)
 
 
 def unpatch(model):
@@ -162,13 +187,16 @@ def unpatch(model):
     if not getattr(model, _HOOK, False):
         raise ValueError("model is not patched by remat.patch")
     delattr(model, _HOOK)
-    del model.forward
+    if model.__dict__.pop(_MASK_CHECK, False):
+        del model.forward
     if hasattr(model, _PREVIOUS_FORWARD):
         model.forward = getattr(model, _PREVIOUS_FORWARD)
         delattr(model, _PREVIOUS_FORWARD)
     if hasattr(model, _USE_CACHE):
         model.config.use_cache = getattr(model, _USE_CACHE)
         delattr(model, _USE_CACHE)
+    for module in model.modules():
+        causal_lm.uninstall(module)
     _unpatch_children(model)
 
 

@@ -354,6 +354,8 @@ class HFGemmaLayer(GemmaLayer):
 FAMILY = Family(
     name="gemma",
     layer_classes=tuple(_VARIANTS),
+    # Their forwards apply config.final_logit_softcapping, which the fused loss takes as its cap.
+    causal_lms=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
     build_layer=HFGemmaLayer.from_module,
     parts=(
         Part("mlp", ("Gemma2MLP", "Gemma3MLP"), SwiGLUMLP.from_module),

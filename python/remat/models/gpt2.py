@@ -149,6 +149,7 @@ class HFGPT2Layer(GPT2Layer):
 FAMILY = Family(
     name="gpt2",
     layer_classes=("GPT2Block",),
+    causal_lms=("GPT2LMHeadModel",),
     build_layer=HFGPT2Layer.from_module,
     whole_only=("GPT2Attention", "GPT2MLP"),
     whole_only_reason=("GPT-2's attention and MLP are replaced only as whole blocks: pass all of "

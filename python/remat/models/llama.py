@@ -153,6 +153,7 @@ def _rms_norm(stock, *, backend):
 FAMILY = Family(
     name="llama",
     layer_classes=tuple(f"{prefix}DecoderLayer" for prefix in _PREFIXES),
+    causal_lms=tuple(f"{prefix}ForCausalLM" for prefix in _PREFIXES),
     build_layer=HFLlamaLayer.from_module,
     parts=(
         Part("attention", tuple(f"{prefix}Attention" for prefix in _PREFIXES), HFAttention.from_module),

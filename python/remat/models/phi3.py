@@ -238,6 +238,7 @@ class HFPhi3Layer(Phi3Layer):
 FAMILY = Family(
     name="phi3",
     layer_classes=("Phi3DecoderLayer",),
+    causal_lms=("Phi3ForCausalLM",),
     build_layer=HFPhi3Layer.from_module,
     parts=(Part("norm", ("Phi3RMSNorm",), _rms_norm, accepts=is_hf_rms_norm),),
     whole_only=("Phi3Attention", "Phi3MLP"),

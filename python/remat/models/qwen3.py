@@ -205,6 +205,7 @@ class HFQwen3Layer(Qwen3Layer):
 FAMILY = Family(
     name="qwen3",
     layer_classes=("Qwen3DecoderLayer",),
+    causal_lms=("Qwen3ForCausalLM",),
     build_layer=HFQwen3Layer.from_module,
     parts=(
         Part("mlp", ("Qwen3MLP",), SwiGLUMLP.from_module),

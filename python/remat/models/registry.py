@@ -38,7 +38,10 @@ class Family:
     """A model family: ``layer_classes`` (decoder-layer class names) are replaced whole by
     ``build_layer(stock, *, policy, backend)``; ``parts`` one by one; ``whole_only`` names classes
     replaced only inside a whole layer (left alone, with ``whole_only_reason``, when the user asks
-    for parts)."""
+    for parts). ``causal_lms`` names the family's causal LM classes whose forward is the plain
+    ``lm_head`` + ForCausalLM loss (optionally Gemma's ``config.final_logit_softcapping``), whose
+    training loss remat.models.causal_lm may compute fused; a class that changes the logits
+    otherwise (Cohere's logit_scale, Granite's logits_scaling) must not be listed."""
 
     name: str
     layer_classes: tuple = ()
@@ -46,6 +49,7 @@ class Family:
     parts: tuple = ()
     whole_only: tuple = ()
     whole_only_reason: str = ""
+    causal_lms: tuple = ()
 
 
 class Match(NamedTuple):
@@ -66,6 +70,13 @@ def families():
     if not _FAMILIES:
         _FAMILIES.extend(importlib.import_module(name).FAMILY for name in FAMILY_MODULES)
     return tuple(_FAMILIES)
+
+
+def causal_lm_family(module):
+    """The name of the family that lists ``module``'s class (or a base class of it: FSDP2's
+    fully_shard swaps in a subclass) among its causal LMs, or None."""
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return next((family.name for family in families() if names & set(family.causal_lms)), None)
 
 
 def match(module):

@@ -1,0 +1,140 @@
+"""The output block of Hugging Face causal LMs: a patched ``*ForCausalLM`` (or GPT-2's
+``LMHeadModel``) computes its training loss with :func:`remat.linear_cross_entropy`, so the
+``[tokens, vocab]`` logits are never materialised, the largest tensor of a training step with a
+large vocabulary.
+
+When it applies: the model is in training mode and ``labels`` are given (as in stock, a
+``shift_labels`` keyword then replaces the shifted labels).
+Then the forward runs the base model, and the loss is HF's ``ForCausalLMLoss`` computed fused:
+labels shifted left by one (or ``shift_labels`` as given), ``ignore_index=-100``, mean over the
+non-ignored tokens, or the sum divided by ``num_items_in_batch`` when the Trainer passes it (for
+gradient accumulation); Gemma 2's ``config.final_logit_softcapping`` becomes the fused cap; a tied
+``lm_head`` (the embedding Parameter) is used as it is. The output's ``logits`` is None (as
+Liger-Kernel returns): ask for logits with a forward without labels, or in eval mode, where the
+model runs as stock. Everything else the base model returns (hidden states, attentions) passes
+through.
+
+Only the causal LM classes a family lists (``Family.causal_lms``: whose forward is the plain
+``lm_head`` + loss) are taken. Refused at patch time (left alone, with the reason in the patch
+report): an unlisted class, an ``lm_head`` that is not
+a plain ``nn.Linear`` (a LoRA adapter on it, a quantized layer: its term would be silently
+dropped), a model with its own ``loss_function`` or a ``loss_type`` other than ForCausalLM. An
+adapter put on ``lm_head`` after patching raises ValueError at the next training forward, never
+ignored.
+"""
+
+import functools
+import inspect
+import types
+
+import torch
+from torch import nn
+
+from remat.functional.cross_entropy import linear_cross_entropy
+from remat.models import registry
+
+LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+_STOCK_FORWARD = "_remat_loss_previous_forward"
+_INSTALLED = "_remat_fused_loss"
+# Arguments of the causal LM's forward that are its own, not the base model's.
+_LOSS_ARGUMENTS = ("labels", "shift_labels", "logits_to_keep", "num_items_in_batch", "ignore_index")
+
+
+def is_causal_lm(module):
+    """A Hugging Face causal LM head model: its class name ends in ForCausalLM or LMHeadModel and it
+    has an ``lm_head``."""
+    return type(module).__name__.endswith(LM_SUFFIXES) and hasattr(module, "lm_head")
+
+
+def refusal(module):
+    """Why the fused loss cannot replace this causal LM's loss, or None."""
+    if registry.causal_lm_family(module) is None:
+        return (f"{type(module).__name__} is not a causal LM of a family remat knows (its forward may change the "
+                "logits before the loss); its loss stays stock")
+    if type(module.lm_head) is not nn.Linear:
+        return (f"lm_head is a {type(module.lm_head).__name__}, not a plain nn.Linear (an adapter or quantized "
+                "layer); its loss stays stock, since the fused loss would drop its extra terms")
+    if "_loss_function" in module.__dict__:
+        return "the model has its own loss_function"
+    loss_type = getattr(module, "loss_type", None)
+    if loss_type not in (None, "ForCausalLM"):
+        return f"the model's loss_type is {loss_type!r}, not ForCausalLM"
+    if getattr(module, "base_model", None) is None or module.base_model is module:
+        return "no base model to run under the lm_head"
+    return None
+
+
+def install(module):
+    """Makes ``module`` (a causal LM that :func:`refusal` accepts) compute its training loss fused.
+    The new forward is a method bound to the instance with the stock forward's signature, so Trainer
+    and PEFT see the arguments they expect; :func:`uninstall` restores the previous forward."""
+    stock_forward = type(module).forward
+    signature = inspect.signature(stock_forward)
+    output_type = signature.return_annotation
+    if isinstance(output_type, str):  # postponed annotations: the name in the model's module
+        output_type = stock_forward.__globals__.get(output_type)
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    @functools.wraps(stock_forward)
+    def forward(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs).arguments
+        extra = dict(bound.pop(var_keyword, {})) if var_keyword else {}
+        bound.pop("self", None)
+        arguments = {**bound, **extra}
+        if not (self.training and arguments.get("labels") is not None):
+            inner = self.__dict__.get(_STOCK_FORWARD)
+            return inner(*args, **kwargs) if inner is not None else stock_forward(self, *args, **kwargs)
+        return _fused_loss_forward(self, output_type, arguments)
+
+    previous = module.__dict__.get("forward")
+    if previous is not None:
+        setattr(module, _STOCK_FORWARD, previous)
+    module.forward = types.MethodType(forward, module)
+    setattr(module, _INSTALLED, True)
+
+
+def uninstall(module):
+    """Restores the forward :func:`install` replaced."""
+    if not module.__dict__.get(_INSTALLED):
+        return
+    delattr(module, _INSTALLED)
+    del module.forward
+    previous = module.__dict__.get(_STOCK_FORWARD)
+    if previous is not None:
+        module.forward = previous
+        delattr(module, _STOCK_FORWARD)
+
+
+def _fused_loss_forward(model, output_type, arguments):
+    reason = refusal(model)
+    if reason is not None:
+        raise ValueError(f"remat's fused loss cannot train this model: {reason}; call remat.unpatch(model) "
+                         "and patch again (the loss then stays stock)")
+    labels, shift_labels = arguments.get("labels"), arguments.get("shift_labels")
+    num_items = arguments.get("num_items_in_batch")
+    ignore_index = arguments.get("ignore_index", -100)
+    base_arguments = {k: v for k, v in arguments.items() if k not in _LOSS_ARGUMENTS}
+    outputs = model.base_model(**base_arguments)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    if shift_labels is None:
+        # HF's ForCausalLMLoss: the token at position i predicts the label at i + 1.
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    lm_head = model.lm_head
+    softcap = getattr(model.config, "final_logit_softcapping", None) or None
+    reduction = "sum" if num_items is not None else "mean"
+    loss = linear_cross_entropy(hidden, lm_head.weight, shift_labels, lm_head.bias, ignore_index=ignore_index,
+                                reduction=reduction, softcap=softcap)
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    fields = {"loss": loss, "logits": None}
+    for name in ("past_key_values", "hidden_states", "attentions", "cross_attentions"):
+        if hasattr(outputs, name):
+            fields[name] = getattr(outputs, name)
+    if not isinstance(output_type, type):
+        raise TypeError(f"{type(model).__name__}.forward declares no output class to build")
+    accepted = set(inspect.signature(output_type).parameters)
+    output = output_type(**{k: v for k, v in fields.items() if k in accepted})
+    if arguments.get("return_dict") is False:
+        return output.to_tuple()
+    return output
