@@ -414,3 +414,17 @@ def test_layer_retains_what_it_saves(policy, dtype, backend, qk_norm):
                        sliding_window=WINDOW, policy=policy, backend=backend, dtype=dtype)
     x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
     assert retained_bytes(layer, x) == saved_bytes(layer, x) - x.numel() * x.element_size() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_patched_gemma3_on_the_default_backend(dtype):
+    """No backend named: on the CPU the global layer's attention runs PyTorch's flash kernel (aten)
+    with the per-head q/k norms around it, the sliding layer remat's C++ kernel."""
+    reference, stock, patched = (gemma_model("gemma3", d) for d in (torch.float64, dtype, dtype))
+    remat.patch(patched)
+    ids, mask, labels = batch()
+    real = mask.bool()
+    want, base, got = (logits_and_grads(m, ids, mask, labels) for m in (reference, stock, patched))
+    assert_within_2x_of_stock("logits", got[0][real], base[0][real], want[0][real], dtype)
+    for name in want[2]:
+        assert_within_2x_of_stock(name, got[2][name], base[2][name], want[2][name], dtype)
