@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from benchmarks import bench_attention, bench_checkpoint, bench_layers, bench_mlp, bench_norm
+from benchmarks import bench_attention, bench_checkpoint, bench_cross_entropy, bench_layers, bench_mlp, bench_norm
 from benchmarks.common import RESULTS_DIR, print_table, write_csv
 
 
@@ -53,8 +53,8 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     parser.add_argument("--out", default=None, help=f"output folder (default {RESULTS_DIR})")
     parser.add_argument("--no-plots", action="store_true", help="write CSVs only")
-    parser.add_argument("--only", choices=["norm", "mlp", "attention", "layers", "checkpoint"], default=None,
-                        help="run one benchmark")
+    parser.add_argument("--only", choices=["norm", "mlp", "attention", "layers", "checkpoint", "cross_entropy"],
+                        default=None, help="run one benchmark")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tag = ("gpu" if device.type == "cuda" else "cpu") + ("-quick" if args.quick else "")
@@ -66,7 +66,8 @@ def main(argv=None):
         print(f"\nwrote {path}" + (f" and {png}" if png else ""))
         print(f"device: {rows[0]['device']}; measured copy bandwidth {rows[0]['copy_gbps']:.1f} GB/s; "
               f"commit {rows[0]['commit']}\n")
-    for name, bench in (("mlp", bench_mlp), ("attention", bench_attention), ("layers", bench_layers)):
+    for name, bench in (("mlp", bench_mlp), ("attention", bench_attention), ("layers", bench_layers),
+                        ("cross_entropy", bench_cross_entropy)):
         if args.only in (None, name):
             rows = bench.run(device, quick=args.quick)
             print_table(rows, bench.summary_columns)

@@ -14,9 +14,10 @@ writes their gradient dz, rounded to x's dtype (where autograd's cast of the fp3
 it), into one [T, C] buffer, the only chunk-sized tensor; then `_matmul_kernel` forms the chunk's
 dW rows = dz^T x (one GEMM over all tokens, rounded once, as F.linear's backward) and adds
 dz W_chunk into an fp32 [T, H] accumulator of dx (rounded once after the last chunk, as one GEMM
-over the whole vocabulary). Both GEMMs read dz in place through strides (no transpose copy); db
-is the chunk's column sum. No atomics: every output element is written by one program, and the
-chunks run in order, so results are deterministic.
+over the whole vocabulary; with a single chunk, that GEMM writes dx in x's dtype directly). Both
+GEMMs read dz in place through strides (no transpose copy); db is the chunk's column sum. No
+atomics: every output element is written by one program, and the chunks run in order, so results
+are deterministic.
 
 Rounding points and arithmetic order are those of remat.ops.cross_entropy's torch backend (which
 F.linear + F.cross_entropy computes): logits rounded to x's dtype, softmax and gradient in fp32,
@@ -290,12 +291,16 @@ def linear_cross_entropy_bwd(x, weight, bias, target, lse, grad_loss, grad_lse, 
     smooth = g * (label_smoothing / vocab)
     hit = g * (1.0 - label_smoothing)
     lse = lse.contiguous()
-    dx_acc = None
-    if need_dx:
+    chunk = max(1, min(int(chunk), vocab))
+    # One chunk: dx is one GEMM rounded once to x's dtype; several: an fp32 sum rounded at the end.
+    one_chunk = chunk == vocab
+    dx_acc = dx = None
+    if need_dx and one_chunk:
+        dx = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    elif need_dx:
         dx_acc = torch.zeros((tokens, hidden), dtype=torch.float32, device=x.device)
     dw = torch.empty((vocab, hidden), dtype=weight.dtype, device=x.device) if need_dw else weight.new_empty(0)
     db = torch.empty(vocab, dtype=bias.dtype, device=x.device) if need_db else x.new_empty(0)
-    chunk = max(1, min(int(chunk), vocab))
     buffer = torch.empty(tokens * chunk, dtype=x.dtype, device=x.device)
     tiles = logits_tiles(tokens, x.dtype)
     for start in range(0, vocab, chunk):
@@ -315,9 +320,10 @@ def linear_cross_entropy_bwd(x, weight, bias, target, lse, grad_loss, grad_lse, 
         if need_db:
             torch.sum(dz, dim=0, out=db[start:end])
         if need_dx and tokens > 0:
-            _matmul(dz, weight[start:end], dx_acc, accumulate=True)
-    dx = dx_acc.to(x.dtype) if need_dx else x.new_empty(0)
-    return dx, dw, db
+            _matmul(dz, weight[start:end], dx if one_chunk else dx_acc, accumulate=not one_chunk)
+    if dx_acc is not None:
+        dx = dx_acc.to(x.dtype)
+    return (dx if need_dx else x.new_empty(0)), dw, db
 
 
 def aot_specs():

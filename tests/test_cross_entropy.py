@@ -505,6 +505,8 @@ def test_bad_shapes_dtypes_devices():
         (TypeError, "ignore_index must be an int", dict(ignore_index=1.5)),
         (TypeError, "return_lse must be a bool", dict(return_lse=1)),
     ]
+    with pytest.raises(remat.BackendUnavailableError, match="has no linear_cross_entropy"):
+        remat.linear_cross_entropy(x, w, t, backend="aten")
     for error, message, change in cases:
         args = dict(x=x, weight=w, target=t)
         args.update({k: v for k, v in change.items() if k in args})

@@ -118,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
     const float g = t[r] != ignore_index ? grad_c.const_data_ptr<float>()[r] : 0.0f;
     terms[r] = lce_row_terms(g, lse_p[r], grad_lse_c.defined() ? grad_lse_c.const_data_ptr<float>()[r] : 0.0f, c);
   }
-  LceGradients grads(x, weight, bias, need_dx, need_dw, need_db);
+  LceGradients grads(x, weight, bias, need_dx, need_dw, need_db, chunk);
   const Storage storage = storage_of(x.scalar_type());
   for_each_logits_chunk(x, weight, bias, chunk, [&](const at::Tensor& logits, int64_t start) {
     const int64_t width = logits.size(1), element = logits.element_size();
@@ -139,6 +139,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
 }
 
 }  // namespace
+
+// fp32 copies of the operands, multiplied by ATen's fp32 GEMM: exact products (a 16-bit value is an
+// fp32 value) accumulated in fp32, as a 16-bit GEMM accumulates before it rounds. ATen's CPU GEMMs
+// have no fp32 output for 16-bit inputs (and oneDNN's bf16 GEMM with an fp32 output is not
+// exported). The copies are made in blocks of rows of w_chunk (columns of dz), all of them when
+// T >= H, else T C / H, so that no copy is larger than an fp32 chunk of logits [T, C]. Widened by
+// common/cpu_convert.h on the calling thread: memory-bound, and an at::parallel_for here, between
+// MKL's GEMMs, was measured 5-30x slower than the serial loop on the 2-core build machine.
+// The cost: ATen's fp32 GEMM (MKL) ran 2-4x slower than its bf16 GEMM (oneDNN, AVX512-BF16) there,
+// which is what several 16-bit chunks cost on the CPU; one chunk takes the 16-bit GEMM itself
+// (LceGradients).
+void accumulate_dx_cpu_16bit(at::Tensor& dx_acc, const at::Tensor& dz, const at::Tensor& w_chunk) {
+  const int64_t tokens = dz.size(0), columns = dz.size(1), hidden = std::max<int64_t>(w_chunk.size(1), 1);
+  const int64_t block = std::max<int64_t>(1, std::min(columns, tokens * columns / hidden));
+  const Storage storage = storage_of(dz.scalar_type());
+  const at::Tensor w_c = w_chunk.contiguous();
+  at::Tensor dz_f = at::empty({tokens, block}, dx_acc.options());
+  at::Tensor w_f = at::empty({block, hidden}, dx_acc.options());
+  const char* dz_src = static_cast<const char*>(dz.const_data_ptr());
+  const char* w_src = static_cast<const char*>(w_c.const_data_ptr());
+  const int64_t element = dz.element_size(), dz_row = dz.stride(0);
+  for (int64_t k = 0; k < columns; k += block) {
+    const int64_t width = std::min(block, columns - k);
+    at::Tensor dz_block = dz_f.narrow(1, 0, width), w_block = w_f.narrow(0, 0, width);
+    float* dz_dst = dz_f.data_ptr<float>();
+    float* w_dst = w_f.data_ptr<float>();
+    for (int64_t r = 0; r < tokens; ++r) {
+      widen(dz_src + (r * dz_row + k) * element, dz_dst + r * block, width, storage);
+    }
+    for (int64_t r = 0; r < width; ++r) {
+      widen(w_src + (k + r) * hidden * element, w_dst + r * hidden, hidden, storage);
+    }
+    dx_acc.addmm_(dz_block, w_block);
+  }
+}
 
 TORCH_LIBRARY_IMPL(remat, CPU, m) {
   m.impl("linear_cross_entropy_fwd", &linear_cross_entropy_fwd_cpu);

@@ -76,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
   const at::Tensor target_c = target.contiguous(), lse_c = lse.contiguous(), grad_c = grad_loss.contiguous();
   const at::Tensor grad_lse_c = grad_lse.has_value() ? grad_lse->contiguous() : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  LceGradients grads(x, weight, bias, need_dx, need_dw, need_db);
+  LceGradients grads(x, weight, bias, need_dx, need_dw, need_db, chunk);
   for_each_logits_chunk(x, weight, bias, chunk, [&](const at::Tensor& logits, int64_t start) {
     C10_CUDA_CHECK(lce_bwd_chunk_cuda(chunk_of(logits, start, target_c, ignore_index, c), lse_c.const_data_ptr<float>(),
                                       grad_c.const_data_ptr<float>(),

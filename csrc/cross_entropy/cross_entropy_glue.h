@@ -67,12 +67,14 @@ void for_each_logits_chunk(const at::Tensor& x, const at::Tensor& weight, const 
   }
 }
 
+// dx_acc += dz @ w_chunk for 16-bit dz and w_chunk on the CPU, accumulated in fp32
+// (cross_entropy_cpu.cpp).
+void accumulate_dx_cpu_16bit(at::Tensor& dx_acc, const at::Tensor& dz, const at::Tensor& w_chunk);
+
 // dx_acc (fp32 [T, H]) += dz [T, C] @ w_chunk [C, H], accumulated in fp32 and never rounded to
 // dz's dtype (a 16-bit GEMM's output would be, once per chunk): fp32 adds in place; 16-bit on a
 // GPU runs cuBLAS with an fp32 output (into `scratch`, [T, H] fp32, then added); 16-bit on the
-// CPU, where ATen has no GEMM with an fp32 output, multiplies fp32 copies of the operands (exact:
-// a 16-bit value is an fp32 value), in column blocks of dz so that no copy exceeds an fp32 chunk of
-// logits [T, C].
+// CPU, where ATen has no GEMM with an fp32 output, see accumulate_dx_cpu_16bit.
 inline void accumulate_dx(at::Tensor& dx_acc, const at::Tensor& dz, const at::Tensor& w_chunk, at::Tensor& scratch) {
   if (dz.scalar_type() == at::kFloat) {
     dx_acc.addmm_(dz, w_chunk);
@@ -81,26 +83,24 @@ inline void accumulate_dx(at::Tensor& dx_acc, const at::Tensor& dz, const at::Te
     at::mm_out(scratch, dz, w_chunk, at::kFloat);
     dx_acc.add_(scratch);
   } else {
-    const int64_t tokens = dz.size(0), columns = dz.size(1), hidden = std::max<int64_t>(w_chunk.size(1), 1);
-    const int64_t block = std::max<int64_t>(1, std::min(columns, tokens * columns / hidden));
-    for (int64_t k = 0; k < columns; k += block) {
-      const int64_t width = std::min(block, columns - k);
-      dx_acc.addmm_(dz.narrow(1, k, width).to(at::kFloat), w_chunk.narrow(0, k, width).to(at::kFloat));
-    }
+    accumulate_dx_cpu_16bit(dx_acc, dz, w_chunk);
   }
 }
 
 // The backward's GEMMs for one chunk whose gradient dz [T, width] (x's dtype) is known: the
 // chunk's rows of dW = dz^T x and of db = column sums of dz (one GEMM / sum each, rounded once, as
-// F.linear's backward), and its term of dx.
+// F.linear's backward), and its term of dx. When one chunk holds the whole vocabulary, dx is the
+// single GEMM dz @ W in x's dtype (F.linear's backward itself); else the chunks' terms are summed
+// in fp32 (accumulate_dx) and rounded once at the end.
 struct LceGradients {
-  at::Tensor dx_acc, dw, db, scratch;
-  bool need_dx, need_dw, need_db;
+  at::Tensor dx_acc, dx_direct, dw, db, scratch;
+  bool need_dx, need_dw, need_db, one_chunk;
 
   LceGradients(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool need_dx_,
-               bool need_dw_, bool need_db_)
-      : need_dx(need_dx_), need_dw(need_dw_), need_db(need_db_ && bias.has_value()) {
-    dx_acc = need_dx ? at::zeros(x.sizes(), x.options().dtype(at::kFloat)) : at::Tensor();
+               bool need_dw_, bool need_db_, int64_t chunk)
+      : need_dx(need_dx_), need_dw(need_dw_), need_db(need_db_ && bias.has_value()),
+        one_chunk(chunk >= weight.size(0)) {
+    dx_acc = need_dx && !one_chunk ? at::zeros(x.sizes(), x.options().dtype(at::kFloat)) : at::Tensor();
     dw = need_dw ? at::empty(weight.sizes(), weight.options()) : at::empty({0}, weight.options());
     db = need_db ? at::empty({weight.size(0)}, bias->options()) : at::empty({0}, x.options());
   }
@@ -115,12 +115,16 @@ struct LceGradients {
       at::Tensor rows = db.narrow(0, start, width);
       at::sum_out(rows, dz, {0});
     }
-    if (need_dx && dz.size(0) > 0) accumulate_dx(dx_acc, dz, weight.narrow(0, start, width), scratch);
+    if (need_dx && one_chunk) {
+      dx_direct = at::mm(dz, weight);
+    } else if (need_dx && dz.size(0) > 0) {
+      accumulate_dx(dx_acc, dz, weight.narrow(0, start, width), scratch);
+    }
   }
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor> finish(const at::Tensor& x) {
-    at::Tensor dx = need_dx ? dx_acc.to(x.scalar_type()) : at::empty({0}, x.options());
-    return {dx, dw, db};
+    if (!need_dx) return {at::empty({0}, x.options()), dw, db};
+    return {one_chunk ? dx_direct : dx_acc.to(x.scalar_type()), dw, db};
   }
 };
 

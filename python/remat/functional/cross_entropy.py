@@ -8,7 +8,8 @@ import torch
 from remat import checks
 from remat.autograd.cross_entropy import REDUCTIONS, LinearCrossEntropyFunction
 from remat.autograd.cross_entropy import chunk_size as _chunk_size_rule
-from remat.backend import resolve_backend
+from remat.backend import BackendUnavailableError, resolve_backend
+from remat.ops.cross_entropy import OPS
 
 __all__ = ["chunk_size", "linear_cross_entropy"]
 
@@ -119,6 +120,8 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
     vocab = _check_weight_and_target(x, weight, bias, target)
     _check_options(ignore_index, reduction, label_smoothing, softcap, z_loss, chunk_size, return_lse)
     name = resolve_backend(backend, x)
+    if name not in OPS:
+        raise BackendUnavailableError(f"remat backend {name!r} has no linear_cross_entropy; use one of {tuple(OPS)}")
     target_rows = target.reshape(-1)
     check_targets(target_rows, vocab, ignore_index)
     (x_rows, weight, bias), autocast_off = checks.autocast_cast(checks.as_rows(x), weight, bias)

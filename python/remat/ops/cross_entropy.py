@@ -18,7 +18,8 @@ softcap > 0) and never stored beyond one vocabulary chunk of ``chunk`` columns.
   1 - tanh^2 under softcap, rounded to x's dtype (where autograd's cast of the fp32 logits
   rounds the gradient). dW rows of the chunk = dz^T x and db = column sums of dz, each one GEMM
   or sum per chunk rounded once, as F.linear's backward; dx = sum over chunks of dz W_chunk,
-  accumulated in fp32 and rounded once at the end, as one GEMM over the whole vocabulary would.
+  accumulated in fp32 and rounded once at the end, as one GEMM over the whole vocabulary would (with
+  one chunk, that GEMM in x's dtype itself).
   dx [T, H] in x's dtype, dw [V, H] contiguous in weight's dtype, db [V]; empty(0) when not
   needed.
 
@@ -92,8 +93,8 @@ def accumulate_dx(dx_acc, dz, w_chunk):
     """dx_acc (fp32 [T, H]) += dz [T, C] @ w_chunk [C, H] with fp32 accumulation and no rounding
     of the product to dz's dtype: fp32 inputs add in place; 16-bit inputs use a GEMM with an fp32
     output on CUDA, and on the CPU (which has no such GEMM in ATen) fp32 copies of the operands,
-    exact (a 16-bit value is an fp32 value) and taken in column blocks of dz so that neither copy
-    is larger than an fp32 [T, C] chunk of logits."""
+    exact (a 16-bit value is an fp32 value) and taken in column blocks of dz (all C columns when
+    T >= H, else T C / H) so that neither copy is larger than an fp32 chunk of logits [T, C]."""
     if dz.dtype == torch.float32:
         dx_acc.addmm_(dz, w_chunk)
     elif dz.device.type == "cuda":
@@ -118,10 +119,13 @@ def torch_linear_cross_entropy_bwd(x, weight, bias, target, lse, grad_loss, grad
         scale = scale + grad_lse
     smooth = g * (label_smoothing / vocab)
     hit = g * (1.0 - label_smoothing)
-    dx_acc = x.new_zeros((tokens, hidden), dtype=torch.float32) if need_dx else None
+    chunks = _chunks(vocab, chunk)
+    # One chunk: dx is F.linear's own backward GEMM in x's dtype; several: an fp32 sum of terms.
+    dx_acc = x.new_zeros((tokens, hidden), dtype=torch.float32) if need_dx and len(chunks) > 1 else None
+    dx = x.new_empty(0)
     dw = torch.empty((vocab, hidden), dtype=weight.dtype, device=x.device) if need_dw else weight.new_empty(0)
     db = torch.empty(vocab, dtype=bias.dtype, device=x.device) if need_db else x.new_empty(0)
-    for start, end in _chunks(vocab, chunk):
+    for start, end in chunks:
         z, t = _chunk_logits(x, weight, bias, start, end, softcap)
         dz = torch.exp(z - lse[:, None]) * scale[:, None]
         if label_smoothing > 0:
@@ -136,9 +140,12 @@ def torch_linear_cross_entropy_bwd(x, weight, bias, target, lse, grad_loss, grad
             torch.mm(dz.t(), x, out=dw[start:end])
         if need_db:
             torch.sum(dz, dim=0, out=db[start:end])
-        if need_dx:
+        if need_dx and dx_acc is None:
+            dx = dz @ weight
+        elif need_dx:
             accumulate_dx(dx_acc, dz, weight[start:end])
-    dx = dx_acc.to(x.dtype) if need_dx else x.new_empty(0)
+    if dx_acc is not None:
+        dx = dx_acc.to(x.dtype)
     return dx, dw, db
 
 
