@@ -25,9 +25,11 @@ build: $(BUILD_STAMP)
 
 # The main suite runs the Triton kernels under the interpreter on the CPU; tests/test_triton_aot.py
 # compiles them for sm_80/sm_90 in a subprocess without the interpreter.
+# Two pytest workers (pytest-xdist), a test file per worker at a time (--dist loadfile), so a
+# module's fixtures, such as the ahead-of-time compile of every Triton kernel, run once.
 test: $(BUILD_STAMP)
 	$(VENV)/bin/ruff check .
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
