@@ -4,15 +4,17 @@ has fused versions of, sharing their parameters (no copies; ``state_dict`` uncha
 
 What is replaced is what the model-family table (remat.models.registry) lists:
 
-- whole decoder layers (Hugging Face Llama, Mistral and Qwen2 decoder layers, GPT-2 blocks), when
-  ``modules`` has all of "norm", "mlp" and "attention": by the family's fused layer
-  (:class:`remat.nn.LlamaLayer`, :class:`remat.nn.GPT2Layer`) with the chosen ``policy``;
+- whole decoder layers (Hugging Face Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3
+  decoder layers, GPT-2 blocks), when ``modules`` has all of "norm", "mlp" and "attention": by the
+  family's fused layer (:class:`remat.nn.LlamaLayer`, :class:`remat.nn.GPT2Layer`, ...) with the
+  chosen ``policy``;
 - otherwise, one by one, the parts a family lists: ``torch.nn.RMSNorm``, ``torch.nn.LayerNorm`` and
   the Llama-family RMSNorms ("norm"), the Llama-family MLPs ("mlp") and attention modules
   ("attention", by an adapter with Hugging Face's calling convention, keeping their sliding window
-  and causality).
+  and causality);
+- with "loss" in ``modules``, a listed causal LM's training loss (remat.models.causal_lm).
 
-Only the listed classes are replaced; look-alikes whose computation differs (Qwen3's q/k norms,
+Only the listed classes are replaced; look-alikes whose computation differs (OLMo 2's norms,
 Cohere's LayerNorm, non-causal vision attention) are left as they are. Replacements keep the
 originals' train/eval mode.
 
@@ -66,7 +68,7 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
     module docstring), keeping their parameters, and returns a :class:`PatchReport`.
 
     Args:
-        model: an ``nn.Module``: a Hugging Face Llama / Mistral / Qwen2 model (built from a config
+        model: an ``nn.Module``: a Hugging Face model of a family remat.models lists (built from a config
             or loaded from a checkpoint), or any PyTorch model with ``torch.nn.RMSNorm`` /
             ``LayerNorm`` layers.
         policy: ``"speed"``, ``"balanced"`` (default) or ``"memory"``: what whole decoder layers
