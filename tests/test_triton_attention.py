@@ -84,3 +84,47 @@ def test_small_head_dim_matches_reference(d, variant, type_name, request):
     for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
         assert value.dtype == dtype, f"{name}: dtype {value.dtype}, expected {dtype}"
         assert_within_2x_of_stock(name, value, stock_value, ref, dtype)
+
+
+# Cases whose lengths cross several tiles of either size, with every feature that indexes tiles.
+TILE_CASES = {
+    "n40-m40-gqa2-causal-rope": (40, 40, 2, 1, True, True, True),
+    "n21-m40-window-fast": (21, 40, 2, 2, False, False, False),
+}
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the tile override is for the interpreter's launches")
+@pytest.mark.parametrize("tile", [(16, 32), (32, 16)], ids=["m16-n32", "m32-n16"])
+@pytest.mark.parametrize("variant", list(TILE_CASES))
+def test_non_square_tiles_match_reference(variant, tile, monkeypatch):
+    """The interpreter launches 16 x 16 tiles by default, where BLOCK_M and BLOCK_N cannot be told
+    apart; with non-square tiles a mix-up of the two in any kernel (forward, dK/dV, dQ, both
+    backward modes) fails this float64-reference check."""
+    from remat.kernels.attention import tuning
+
+    monkeypatch.setattr(tuning, "INTERPRETER_TILE", tile)
+    n, m, hq, hkv, causal, use_rope, deterministic = TILE_CASES[variant]
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, n, hq, 32, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, m, hkv, 32, generator=g) for _ in range(2))
+    rope = None
+    if use_rope:
+        angles = torch.rand(m, 16, generator=g) * 6.0
+        rope = (angles.cos(), angles.sin())
+    window = None if causal else (7, 5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with contextlib.nullcontext() if deterministic else deterministic_mode(False):
+        o = remat.attention(*leaves, causal=causal, rope=rope, window=window, deterministic=deterministic,
+                            backend="triton")
+        o.backward(dout)
+    got = [o.detach()] + [t.grad for t in leaves]
+
+    def eager(dtype):
+        ts = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        tables = tuple(t.to(dtype) for t in rope) if rope is not None else None
+        out = attention_reference(*ts, causal=causal, rope=tables, window=window)
+        out.backward(dout.to(dtype))
+        return [out.detach()] + [t.grad for t in ts]
+
+    for name, value, stock, ref in zip(("o", "dq", "dk", "dv"), got, eager(torch.float32), eager(torch.float64)):
+        assert_within_2x_of_stock(name, value, stock, ref, torch.float32)

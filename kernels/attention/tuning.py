@@ -26,6 +26,10 @@ _ELEMENTWISE_WARPS = 4
 # Under the interpreter programs run one after another in numpy: one small tile keeps the CPU
 # tests fast and still crosses tile edges at lengths 17 and 33.
 _INTERPRETER_BLOCK = 16
+# (BLOCK_M, BLOCK_N) of the interpreter's launches. Square by default; tests set non-square tiles
+# here (tests/test_triton_attention.py), so that a BLOCK_M / BLOCK_N mix-up in a kernel shows on
+# the CPU too.
+INTERPRETER_TILE = (_INTERPRETER_BLOCK, _INTERPRETER_BLOCK)
 
 
 def _config(block_m, block_n, num_warps, num_stages):
@@ -156,7 +160,7 @@ def _launch(kernel, tuned, kernel_name, grid_of, args, constexprs, dtype):
     """Launch with the autotuner when compiled (and enabled), else with one fixed config:
     the interpreter's 16 x 16 tile, or the launch's default config."""
     if _INTERPRETED:
-        block_m = block_n = _INTERPRETER_BLOCK
+        block_m, block_n = INTERPRETER_TILE
         kernel[grid_of(block_m, block_n)](
             *args, **constexprs, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=True)
     elif _AUTOTUNE:
