@@ -143,16 +143,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
 // fp32 copies of the operands, multiplied by ATen's fp32 GEMM: exact products (a 16-bit value is an
 // fp32 value) accumulated in fp32, as a 16-bit GEMM accumulates before it rounds. ATen's CPU GEMMs
 // have no fp32 output for 16-bit inputs (and oneDNN's bf16 GEMM with an fp32 output is not
-// exported). The copies are made in blocks of rows of w_chunk (columns of dz), all of them when
-// T >= H, else T C / H, so that no copy is larger than an fp32 chunk of logits [T, C]. Widened by
+// exported). The copies are made in blocks of kDxBlock rows of w_chunk (columns of dz), fewer
+// when T C / H is smaller, so that no copy is larger than an fp32 chunk of logits [T, C]; at T = 1024,
+// H = 512 and 16384-column chunks the copies then take 12 MiB instead of 96. Widened by
 // common/cpu_convert.h on the calling thread: memory-bound, and an at::parallel_for here, between
 // MKL's GEMMs, was measured 5-30x slower than the serial loop on the 2-core build machine.
 // The cost: ATen's fp32 GEMM (MKL) ran 2-4x slower than its bf16 GEMM (oneDNN, AVX512-BF16) there,
 // which is what several 16-bit chunks cost on the CPU; one chunk takes the 16-bit GEMM itself
 // (LceGradients).
+constexpr int64_t kDxBlock = 2048;
+
 void accumulate_dx_cpu_16bit(at::Tensor& dx_acc, const at::Tensor& dz, const at::Tensor& w_chunk) {
   const int64_t tokens = dz.size(0), columns = dz.size(1), hidden = std::max<int64_t>(w_chunk.size(1), 1);
-  const int64_t block = std::max<int64_t>(1, std::min(columns, tokens * columns / hidden));
+  const int64_t block = std::max<int64_t>(1, std::min({columns, kDxBlock, tokens * columns / hidden}));
   const Storage storage = storage_of(dz.scalar_type());
   const at::Tensor w_c = w_chunk.contiguous();
   at::Tensor dz_f = at::empty({tokens, block}, dx_acc.options());

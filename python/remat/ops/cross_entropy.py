@@ -93,15 +93,15 @@ def accumulate_dx(dx_acc, dz, w_chunk):
     """dx_acc (fp32 [T, H]) += dz [T, C] @ w_chunk [C, H] with fp32 accumulation and no rounding
     of the product to dz's dtype: fp32 inputs add in place; 16-bit inputs use a GEMM with an fp32
     output on CUDA, and on the CPU (which has no such GEMM in ATen) fp32 copies of the operands,
-    exact (a 16-bit value is an fp32 value) and taken in column blocks of dz (all C columns when
-    T >= H, else T C / H) so that neither copy is larger than an fp32 chunk of logits [T, C]."""
+    exact (a 16-bit value is an fp32 value) and taken in column blocks of dz (2048, fewer when
+    T C / H is smaller) so that neither copy is larger than an fp32 chunk of logits [T, C]."""
     if dz.dtype == torch.float32:
         dx_acc.addmm_(dz, w_chunk)
     elif dz.device.type == "cuda":
         dx_acc.add_(torch.mm(dz, w_chunk, out_dtype=torch.float32))
     else:
         tokens, columns = dz.shape
-        block = max(1, min(columns, (tokens * columns) // max(w_chunk.shape[1], 1)))
+        block = max(1, min(columns, 2048, (tokens * columns) // max(w_chunk.shape[1], 1)))
         for k in range(0, columns, block):
             dx_acc.addmm_(dz[:, k:k + block].float(), w_chunk[k:k + block].float())
 
