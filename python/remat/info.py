@@ -4,7 +4,8 @@ import torch
 
 from remat import _extension, backend
 
-OPS = ("rms_norm", "layer_norm", "swiglu_mlp", "geglu_mlp", "gelu_mlp", "norm_mlp", "attention", "dropout")
+OPS = ("rms_norm", "layer_norm", "swiglu_mlp", "geglu_mlp", "gelu_mlp", "norm_mlp", "attention", "dropout",
+       "linear_cross_entropy")
 
 
 def _requested_or_error():
