@@ -38,7 +38,8 @@ def info_dict():
         "gpu_capability": torch.cuda.get_device_capability(0) if gpu else None,
         "cuda_kernels_on_gpu": (backend.cuda_kernels_reason(torch.device("cuda", 0)) or "yes") if gpu else None,
         "requested_backend": _requested_or_error(),
-        "default_backend": {op: {"cpu": default_cpu, "cuda": default_gpu} for op in OPS},
+        "default_backend": {op: {"cpu": f"aten if it takes the call, else {default_cpu}" if op == "attention"
+                                 else default_cpu, "cuda": default_gpu} for op in OPS},
     }
 
 
