@@ -111,7 +111,8 @@ def test_python_m_remat_info():
     ("8.0;9.0", (8, 0), True), ("8.0;9.0", (8, 6), True), ("8.0;9.0", (9, 0), True),
     ("8.0;9.0", (7, 5), False), ("8.0;9.0", (10, 0), False), ("8.0;9.0", (12, 0), False),
     ("8.0;9.0+PTX", (10, 0), True), ("8.0;9.0+PTX", (12, 0), True), ("8.0+PTX", (8, 9), True),
-    ("9.0a", (9, 0), True), ("9.0a", (10, 0), False), ("9.0a+PTX", (10, 0), True), ("8.0 9.0", (9, 0), True),
+    ("9.0a", (9, 0), True), ("9.0a", (10, 0), False), ("9.0a+PTX", (10, 0), False), ("8.0 9.0", (9, 0), True),
+    ("10.0f", (10, 3), True), ("10.0f", (12, 0), False), ("10.0f+PTX", (12, 0), False),
 ])
 def test_arch_list_runs_on(archs, capability, runs):
     assert backend.arch_list_runs_on(archs, capability) is runs
@@ -140,3 +141,15 @@ def test_default_skips_cuda_kernels_built_for_other_archs(fake_gpu):
     fake_gpu((12, 0), archs="8.0;9.0+PTX")
     assert backend.default_backend(device) == "cuda"
     assert backend._resolve("cuda", device) == "cuda"
+
+
+def test_named_archs_are_refused_with_a_reason(fake_gpu):
+    """torch also takes names such as "Ampere" in TORCH_CUDA_ARCH_LIST; remat cannot compare them with
+    a GPU, so its CUDA kernels are not chosen, and asking for them says why."""
+    with pytest.raises(ValueError, match="major.minor"):
+        backend.parse_arch_list("Ampere")
+    fake_gpu((9, 0), archs="Ampere;Hopper")
+    device = torch.device("cuda", 0)
+    assert backend.default_backend(device) != "cuda"
+    with pytest.raises(backend.BackendUnavailableError, match="cannot be compared"):
+        backend._resolve("cuda", device)

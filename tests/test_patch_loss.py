@@ -109,3 +109,14 @@ def test_non_linear_lm_head_is_refused_loudly():
     model.lm_head = adapted  # an adapter added after patching
     with pytest.raises(ValueError, match="not a plain nn.Linear"):
         model(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_hooked_heads_stay_stock():
+    """A hook on lm_head (accelerate's device placement, offload, a sharding unit) would be skipped by
+    the fused loss, which reads lm_head.weight directly: such a head keeps the stock loss."""
+    ids, mask, labels = batch()
+    hooked = causal_lm("llama")
+    hooked.lm_head.register_forward_pre_hook(lambda module, args: None)
+    report = remat.patch(hooked)
+    assert any(kind == "loss" and "forward hooks" in why for _, kind, why in report.left_alone)
+    assert hooked(input_ids=ids, attention_mask=mask, labels=labels).logits is not None

@@ -82,7 +82,9 @@ def requested_backend(explicit=None):
 
 def parse_arch_list(archs):
     """TORCH_CUDA_ARCH_LIST text ("8.0;9.0+PTX", spaces or semicolons) -> a list of (major, minor,
-    ptx, arch_specific) tuples; "9.0a" is arch-specific machine code (runs on sm_90 only)."""
+    ptx, suffix) tuples: suffix "a" is arch-specific code (runs on that arch only), "f" family code
+    (same major, equal or newer minor), "" portable. Names torch also accepts ("Ampere", ...) are not
+    in this form: ValueError."""
     entries = []
     for word in archs.replace(" ", ";").split(";"):
         word = word.strip()
@@ -90,10 +92,11 @@ def parse_arch_list(archs):
             continue
         ptx = word.endswith("+PTX")
         word = word.removesuffix("+PTX")
-        specific = word[-1:].isalpha()
-        word = word.rstrip("abf")
-        major, _, minor = word.partition(".")
-        entries.append((int(major), int(minor or 0), ptx, specific))
+        suffix = word[-1] if word[-1:] in ("a", "f") else ""
+        major, _, minor = word.removesuffix(suffix).partition(".")
+        if not (major.isdigit() and (minor or "0").isdigit()):
+            raise ValueError(f"cannot read the CUDA arch {word!r} (expected major.minor, e.g. 9.0)")
+        entries.append((int(major), int(minor or 0), ptx, suffix))
     return entries
 
 
@@ -102,13 +105,14 @@ def arch_list_runs_on(archs, capability):
     ``capability`` (major, minor): machine code for X.Y runs on X.Z with Z >= Y (arch-specific
     X.Ya only on X.Y); PTX for X.Y is compiled by the driver for any capability >= X.Y."""
     major, minor = capability
-    for arch_major, arch_minor, ptx, specific in parse_arch_list(archs):
-        if specific:
+    for arch_major, arch_minor, ptx, suffix in parse_arch_list(archs):
+        if suffix == "a":
+            # Arch-specific machine code and PTX run on that arch only.
             if (arch_major, arch_minor) == (major, minor):
                 return True
         elif arch_major == major and arch_minor <= minor:
             return True
-        if ptx and (arch_major, arch_minor) <= (major, minor):
+        elif ptx and not suffix and (arch_major, arch_minor) <= (major, minor):
             return True
     return False
 
@@ -124,7 +128,12 @@ def cuda_kernels_reason(device):
         return "remat._C was built without CUDA kernels (no CUDA toolkit, or REMAT_SKIP_CUDA_BUILD=1)"
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, minor = _device_capability(index)
-    if not arch_list_runs_on(_extension.CUDA_ARCHS, (major, minor)):
+    try:
+        runs = arch_list_runs_on(_extension.CUDA_ARCHS, (major, minor))
+    except ValueError as error:
+        return (f"remat._C's recorded CUDA archs {_extension.CUDA_ARCHS!r} cannot be compared with this GPU "
+                f"({error}); rebuild with TORCH_CUDA_ARCH_LIST in major.minor form, e.g. '8.0;9.0+PTX'")
+    if not runs:
         return (f"remat._C holds CUDA kernels for archs {_extension.CUDA_ARCHS!r}, which do not run on this "
                 f"GPU (sm_{major}{minor}); rebuild with TORCH_CUDA_ARCH_LIST='{major}.{minor}' (or an older arch "
                 "with +PTX)")

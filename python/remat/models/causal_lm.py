@@ -51,9 +51,15 @@ def refusal(module):
     if registry.causal_lm_family(module) is None:
         return (f"{type(module).__name__} is not a causal LM of a family remat knows (its forward may change the "
                 "logits before the loss); its loss stays stock")
-    if type(module.lm_head) is not nn.Linear:
-        return (f"lm_head is a {type(module.lm_head).__name__}, not a plain nn.Linear (an adapter or quantized "
+    head = module.lm_head
+    if type(head) is not nn.Linear:
+        return (f"lm_head is a {type(head).__name__}, not a plain nn.Linear (an adapter or quantized "
                 "layer); its loss stays stock, since the fused loss would drop its extra terms")
+    if head._forward_pre_hooks or head._forward_hooks or hasattr(head, "_hf_hook"):
+        return ("lm_head has forward hooks (accelerate's device placement or offload, a sharding wrapper, ...), "
+                "which the fused loss would skip, since it reads lm_head.weight directly; its loss stays stock")
+    if head.weight.device.type == "meta":
+        return "lm_head's weight is on the meta device (offloaded); its loss stays stock"
     if "_loss_function" in module.__dict__:
         return "the model has its own loss_function"
     loss_type = getattr(module, "loss_type", None)
@@ -127,14 +133,15 @@ def _fused_loss_forward(model, output_type, arguments):
                                 reduction=reduction, softcap=softcap)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    fields = {"loss": loss, "logits": None}
-    for name in ("past_key_values", "hidden_states", "attentions", "cross_attentions"):
-        if hasattr(outputs, name):
-            fields[name] = getattr(outputs, name)
     if not isinstance(output_type, type):
         raise TypeError(f"{type(model).__name__}.forward declares no output class to build")
-    accepted = set(inspect.signature(output_type).parameters)
-    output = output_type(**{k: v for k, v in fields.items() if k in accepted})
+    # Every field of the stock output class that the base model returned (cache, hidden states,
+    # attentions, ...), by the class's own field names.
+    fields = {"loss": loss, "logits": None}
+    for name in inspect.signature(output_type).parameters:
+        if name not in fields and isinstance(outputs, dict) and name in outputs:
+            fields[name] = outputs[name]
+    output = output_type(**fields)
     if arguments.get("return_dict") is False:
         return output.to_tuple()
     return output

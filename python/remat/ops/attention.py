@@ -175,8 +175,10 @@ TORCH_OPS = AttentionOps(torch_attention_fwd, torch_attention_bwd)
 # (aten::_scaled_dot_product_flash_attention_for_cpu and its backward) and, on CUDA,
 # FlashAttention-2 (aten::_scaled_dot_product_flash_attention and its backward). Rope stays remat's:
 # q and k are rotated (fp32, rounded to the dtype, as every backend's kernels do) into temporaries
-# before the core, again in backward from the saved unrotated q and k, and the core's dq/dk are
-# rotated back in fp32 before one rounding. The rotated copies are never saved.
+# before the core, again in backward from the saved unrotated q and k, and the core's dq/dk (which it
+# returns in the input dtype) are rotated back in fp32 and rounded again: with rope, dq and dk are two
+# roundings from the exact value where remat's own kernels take one. The rotated copies are never
+# saved.
 
 
 def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options):
@@ -195,6 +197,9 @@ def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options):
     if options.window_right == 0 and n != m:
         return "PyTorch's fused attention aligns the causal mask top-left; remat aligns it bottom-right (N != M)"
     if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return "FlashAttention-2 needs an sm_80 or newer GPU"
         if dtype == torch.float32:
             return "FlashAttention-2 takes float16/bfloat16"
         if head_dim % 8 or head_dim > 256:
@@ -244,10 +249,11 @@ def aten_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, win
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout_h, qh, kh, vh, o_h, lse, 0.0, causal, scale=scale)
     else:
-        cum = torch.empty(0, dtype=torch.int32, device=q.device)
+        # No cumulative sequence lengths (None: an empty tensor would select the packed-sequence path)
+        # and no RNG state (read only with dropout, which this core does not take).
         no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout_h, qh, kh, vh, o_h, lse, cum, cum, n, m, 0.0, causal, no_rng, no_rng, scale=scale)
+            dout_h, qh, kh, vh, o_h, lse, None, None, n, m, 0.0, causal, no_rng, no_rng, scale=scale)
     if cos is not None:
         dq = _unrotate(dq.float(), cos, sin, m - n)
         dk = _unrotate(dk.float(), cos, sin, 0)
