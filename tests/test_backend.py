@@ -69,7 +69,7 @@ def test_use_backend_restores_on_error(monkeypatch):
 def test_default_choice_table(monkeypatch):
     """GPU tensors prefer the CUDA kernels (on a GPU they were built for: an sm_90 one is faked
     here), then Triton, then torch; CPU tensors the C++ kernels."""
-    monkeypatch.setattr(backend, "_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(backend, "device_capability", lambda index: (9, 0))
     cuda = torch.device("cuda", 0)
     expected = "cuda" if _extension.WITH_CUDA else ("triton" if backend.triton_available() else "torch")
     assert backend.default_backend(cuda) == expected
@@ -125,7 +125,7 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(_extension, "LOADED", True)
         monkeypatch.setattr(_extension, "WITH_CUDA", True)
         monkeypatch.setattr(_extension, "CUDA_ARCHS", archs)
-        monkeypatch.setattr(backend, "_device_capability", lambda index: capability)
+        monkeypatch.setattr(backend, "device_capability", lambda index: capability)
         monkeypatch.delenv("REMAT_BACKEND", raising=False)
     return install
 

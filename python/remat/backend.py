@@ -118,7 +118,8 @@ def arch_list_runs_on(archs, capability):
 
 
 @torch.compiler.assume_constant_result
-def _device_capability(index):
+def device_capability(index):
+    """(major, minor) compute capability of CUDA device ``index`` (a constant to torch.compile)."""
     return torch.cuda.get_device_capability(index)
 
 
@@ -127,7 +128,7 @@ def cuda_kernels_reason(device):
     if not _extension.WITH_CUDA:
         return "remat._C was built without CUDA kernels (no CUDA toolkit, or REMAT_SKIP_CUDA_BUILD=1)"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = _device_capability(index)
+    major, minor = device_capability(index)
     try:
         runs = arch_list_runs_on(_extension.CUDA_ARCHS, (major, minor))
     except ValueError as error:

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from remat import _extension
+from remat.backend import device_capability
 from remat.ops.device import on_tensor_device
 from remat.options import AttentionOptions
 from remat.reference import attention_dropout_keep
@@ -197,7 +198,8 @@ def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options):
     if options.window_right == 0 and n != m:
         return "PyTorch's fused attention aligns the causal mask top-left; remat aligns it bottom-right (N != M)"
     if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, _ = device_capability(index)
         if major < 8:
             return "FlashAttention-2 needs an sm_80 or newer GPU"
         if dtype == torch.float32:
