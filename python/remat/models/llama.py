@@ -109,7 +109,13 @@ class LlamaLayer(PreNormDecoderLayer):
             x, checks.vector_like(norm.weight, x), *weights, b_q=biases[0], b_k=biases[1], b_v=biases[2],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="rms", eps=norm.eps_for(x),
             causal=attn.causal, scale=attn.scale, rope=rope, window=attn.window, softcap=attn.softcap,
-            dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv, backend=attn.backend)
+            dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv, backend=attn.backend,
+            **self.extra_attention_arguments(x))
+
+    def extra_attention_arguments(self, x):
+        """Further keyword arguments of functional.norm_attention for input x (none here; Qwen3 adds
+        its per-head q/k norms)."""
+        return {}
 
     def out_proj(self, o):
         o_proj = self.self_attn.o_proj

@@ -176,19 +176,11 @@ class Qwen3Layer(LlamaLayer):
         module.train(stock.training)
         return module
 
-    def attention_output(self, x, position_ids, position_embeddings):
-        attn, norm = self.self_attn, self.input_layernorm
-        rope = attn.rope_for(x.shape[1], x.device, position_ids, position_embeddings)
-        projections = [getattr(attn, f"{p}_proj") for p in "qkv"]
-        weights = [checks.cast_like(p.weight, x) for p in projections]
-        biases = [checks.cast_like(p.bias, x) for p in projections]
-        return functional.norm_attention(
-            x, checks.vector_like(norm.weight, x), *weights, b_q=biases[0], b_k=biases[1], b_v=biases[2],
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="rms", eps=norm.eps_for(x),
-            qk_norm=attn.qk_norm, q_norm_weight=checks.vector_like(attn.q_norm.weight, x),
-            k_norm_weight=checks.vector_like(attn.k_norm.weight, x), qk_eps=attn.qk_eps_for(x), causal=attn.causal,
-            scale=attn.scale, rope=rope, window=attn.window, softcap=attn.softcap,
-            dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv, backend=attn.backend)
+    def extra_attention_arguments(self, x):
+        """The per-head q/k norms, fused into the attention sub-block (recomputed in backward)."""
+        attn = self.self_attn
+        return dict(qk_norm=attn.qk_norm, q_norm_weight=checks.vector_like(attn.q_norm.weight, x),
+                    k_norm_weight=checks.vector_like(attn.k_norm.weight, x), qk_eps=attn.qk_eps_for(x))
 
 
 class HFQwen3Layer(Qwen3Layer):
