@@ -14,6 +14,10 @@ sub-blocks end in a norm before the residual add (Gemma's "sandwich" post-norms)
 ``h = x + dropout(post_norm(out_proj(o)))``.
 """
 
+import functools
+
+import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from remat import checks, functional
@@ -33,9 +37,28 @@ class PreNormDecoderLayer(nn.Module):
     - ``"speed"``: q, k, v and the MLP's pre-activations: no GEMM is recomputed.
     - ``"balanced"``: q, k, v; the MLP's first GEMM(s) are recomputed from its input.
     - ``"memory"``: neither; the q/k/v projections are recomputed too.
+
+    Gradient checkpointing of the whole layer: set ``layer.gradient_checkpointing = True`` (what
+    Hugging Face's ``model.gradient_checkpointing_enable()`` does on a patched model, and what
+    remat's planner does per layer). Then, in training mode with grad enabled, the layer keeps only
+    its input hidden states (plus the position ids or rope tables the caller passes) and re-runs its
+    fused forward in backward, under ``layer._gradient_checkpointing_func`` (default
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which restores the RNG state, so
+    dropout masks and gradients are bitwise those of the run without it). Hugging Face's
+    ``every_n_layers`` is not honoured: its loop counts GradientCheckpointingLayer instances only, so
+    every remat layer gets the flag.
     """
 
     resid_dropout = 0.0
+    # Gradient checkpointing of the whole layer (Hugging Face's attribute names, so that
+    # model.gradient_checkpointing_enable() / _disable() and TrainingArguments(gradient_checkpointing=True)
+    # reach it; remat's planner sets the flag per layer too). When True, in training mode with grad
+    # enabled, the layer runs under _gradient_checkpointing_func: it keeps only its input and re-runs
+    # the fused forward in backward (once: the layer handles the flag itself and is no
+    # GradientCheckpointingLayer, whose forward wrapper would checkpoint a second time).
+    gradient_checkpointing = False
+    _gradient_checkpointing_func = staticmethod(functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                  use_reentrant=False))
 
     @classmethod
     def _empty(cls, policy, backend):
@@ -90,6 +113,12 @@ class PreNormDecoderLayer(nn.Module):
         x = hidden_states
         checks.check_hidden_states(x)
         checks.check_input(x)
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # Positional arguments only: a reentrant checkpoint function sees only those as inputs.
+            return self._gradient_checkpointing_func(self._fused_forward, x, position_ids, position_embeddings)
+        return self._fused_forward(x, position_ids, position_embeddings)
+
+    def _fused_forward(self, x, position_ids, position_embeddings):
         batch, n, _ = x.shape
         o = self.attention_output(x, position_ids, position_embeddings)
         h = x + self._dropout(self.out_proj(o.reshape(batch, n, -1)))
