@@ -287,3 +287,126 @@ def autocast_cast(x, *tensors):
     dtype = torch.get_autocast_dtype(device_type)
     cast = [t if t is None or t.dtype == dtype else t.to(dtype) for t in (x, *tensors)]
     return cast, torch.autocast(device_type, enabled=False)
+
+
+def check_varlen_qkv(q, k, v):
+    """Packed q ``[total_q, Hq, D]``, k and v ``[total_k, Hkv, D]``: 3-D float tensors of one dtype
+    and device, D in 1..MAX_HEAD_DIM, Hq a multiple of Hkv (totals may be 0)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+        if t.dim() != 3:
+            raise ValueError(f"with cu_seqlens, {name} must be 3-D [total, heads, D], got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _, hq, head_dim = q.shape
+    _, hkv, k_dim = k.shape
+    if k_dim != head_dim:
+        raise ValueError(f"k must be [total_k, Hkv, D={head_dim}], got {tuple(k.shape)}")
+    if min(hq, hkv) < 1:
+        raise ValueError(f"attention needs heads >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    if hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k/v's heads ({hkv}) (GQA/MQA)")
+
+
+def _check_max_seqlen(value, name):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
+
+
+def check_varlen_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k, device,
+                         keys_cover_queries=False):
+    """Cumulative sequence lengths of a packed (variable-length) attention call: int32 1-D tensors
+    of S + 1 >= 2 values on ``device``, starting at 0, non-decreasing (zero-length sequences
+    allowed), ending at total_q / total_k, one S for q and k. max_seqlen_q / max_seqlen_k: None
+    (computed here) or ints at least the longest sequence. ``keys_cover_queries`` (rope) also
+    needs N_s <= M_s in every sequence. Returns (max_seqlen_q, max_seqlen_k) as ints.
+
+    The values are read on the host (one device sync). Under torch.compile they are checked by
+    ``torch._assert_async`` in the graph instead (no sync, no graph break; on a GPU a failure is a
+    device-side assert), and max_seqlen_q / max_seqlen_k must be given.
+    """
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 (FlashAttention's varlen convention), got {cu.dtype}")
+        if cu.device != device:
+            raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} must be 1-D with S + 1 >= 2 values, got shape {tuple(cu.shape)}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold one number of sequences, got "
+                         f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    if torch.compiler.is_compiling():
+        if max_seqlen_q is None or max_seqlen_k is None:
+            raise ValueError("under torch.compile, pass max_seqlen_q and max_seqlen_k (computing them reads the "
+                             "offsets on the host)")
+        for name, cu, total, bound in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                       ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+            lengths = cu.diff()
+            torch._assert_async(cu[0] == 0, f"{name} must start at 0")
+            torch._assert_async((lengths >= 0).all(), f"{name} must be non-decreasing")
+            torch._assert_async(cu[-1] == total, f"{name} must end at the packed length {total}")
+            torch._assert_async((lengths <= bound).all(), f"{name} has a sequence longer than its max_seqlen")
+        if keys_cover_queries:
+            torch._assert_async((cu_seqlens_q.diff() <= cu_seqlens_k.diff()).all(),
+                                "rope needs every sequence's query count <= its key count")
+        return max_seqlen_q, max_seqlen_k
+    offsets_q, offsets_k = torch.stack([cu_seqlens_q, cu_seqlens_k]).tolist()
+    lengths = {}
+    for name, offsets, total in (("cu_seqlens_q", offsets_q, total_q), ("cu_seqlens_k", offsets_k, total_k)):
+        if offsets[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+        step = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        if min(step) < 0:
+            raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+        if offsets[-1] != total:
+            raise ValueError(f"{name} must end at the packed length {total} (q/k/v's first dim), got {offsets[-1]}")
+        lengths[name] = step
+    longest_q, longest_k = max(lengths["cu_seqlens_q"]), max(lengths["cu_seqlens_k"])
+    for name, given, longest in (("max_seqlen_q", max_seqlen_q, longest_q), ("max_seqlen_k", max_seqlen_k, longest_k)):
+        if given is not None and given < longest:
+            raise ValueError(f"{name} ({given}) is below the longest sequence ({longest})")
+    if keys_cover_queries and any(n > m for n, m in zip(lengths["cu_seqlens_q"], lengths["cu_seqlens_k"])):
+        raise ValueError("rope needs N <= M in every sequence (query i sits at key position i + M - N)")
+    return (longest_q if max_seqlen_q is None else max_seqlen_q,
+            longest_k if max_seqlen_k is None else max_seqlen_k)
+
+
+def check_varlen_rope(rope, total_k, max_seqlen_k, head_dim, device):
+    """rope of a packed attention call: None or (cos, sin), each ``[S, D/2]`` / ``[S, D]`` with
+    S >= max_seqlen_k (positions restart in each sequence) or ``[1, T, D/2]`` / ``[1, T, D]`` with
+    T >= total_k (a row per packed key token)."""
+    if rope is None:
+        return
+    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+        raise TypeError("rope must be a (cos, sin) pair of tensors or None")
+    if head_dim % 2:
+        raise ValueError(f"rope needs an even head dim, got {head_dim}")
+    for name, t in zip(("cos", "sin"), rope):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"rope {name} must be a floating-point tensor")
+        if t.device != device:
+            raise ValueError(f"rope {name} must be on q's device {device}, got {t.device}")
+        width_ok = t.dim() in (2, 3) and t.shape[-1] in (head_dim // 2, head_dim)
+        if not width_ok or (t.dim() == 2 and t.shape[0] < max_seqlen_k) or (
+                t.dim() == 3 and (t.shape[0] != 1 or t.shape[1] < total_k)):
+            raise ValueError(f"with cu_seqlens, rope {name} must be [S, D/2] or [S, D] with S >= max_seqlen_k="
+                             f"{max_seqlen_k} (positions restart per sequence), or [1, T, D/2] or [1, T, D] with "
+                             f"T >= total_k={total_k} (per token); D={head_dim}, got {tuple(t.shape)}")
+    if rope[0].shape != rope[1].shape:
+        raise ValueError(f"rope cos and sin must have one shape, got {tuple(rope[0].shape)} and {tuple(rope[1].shape)}")

@@ -36,7 +36,8 @@ class NormAttentionOptions(NamedTuple):
     v for backward (True) or recompute them with the projection GEMMs (False). norm_backend: the
     backend of the norm kernels, which differs from the attention's when that is the "aten" core
     (attention only). qk_norm: None, or the per-head norm of q and k over D after the projections
-    and before rope ("rms": Qwen3; "gemma": Gemma 3); qk_eps: its epsilon.
+    and before rope ("rms": Qwen3; "gemma": Gemma 3); qk_eps: its epsilon. max_seqlen: with
+    packed sequences (cu_seqlens), the upper bound of their lengths; None for a dense call.
     """
 
     shape: tuple
@@ -47,3 +48,4 @@ class NormAttentionOptions(NamedTuple):
     norm_backend: str
     qk_norm: str | None = None
     qk_eps: float = 0.0
+    max_seqlen: int | None = None

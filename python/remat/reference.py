@@ -148,3 +148,31 @@ def attention_reference(q, k, v, *, causal=False, scale=None, keep=None, dropout
     if keep is not None:
         probs = probs * keep.to(q.dtype) / (1.0 - dropout_p)
     return torch.matmul(probs, vh).transpose(1, 2)
+
+
+def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, keeps=None,
+                               dropout_p=0.0, rope=None, window=None, softcap=None):
+    """Packed attention as :func:`attention_reference` on each sequence alone, in q's dtype.
+
+    q [total_q, Hq, D], k, v [total_k, Hkv, D]; cu_seqlens_q / cu_seqlens_k: the [S + 1] offsets
+    (any integer tensors or lists). rope: 2-D tables [S_rows, D/2|D] restart positions per
+    sequence; per-token tables [1, T, D/2|D] give sequence s the rows from cu_seqlens_k[s] on.
+    keeps: None or one dropout keep mask [1, Hq, N_s, M_s] per sequence. Zero-length sequences
+    give nothing (a query with no key gives 0). Returns o [total_q, Hq, D]."""
+    offsets_q, offsets_k = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
+    outputs = []
+    for s in range(len(offsets_q) - 1):
+        q0, q1, k0, k1 = offsets_q[s], offsets_q[s + 1], offsets_k[s], offsets_k[s + 1]
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            outputs.append(torch.zeros_like(q[q0:q1]))
+            continue
+        sequence_rope = None
+        if rope is not None:
+            sequence_rope = rope if rope[0].dim() == 2 else tuple(t[0, k0:] for t in rope)
+        o = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal, scale=scale,
+                                keep=None if keeps is None else keeps[s], dropout_p=dropout_p, rope=sequence_rope,
+                                window=window, softcap=softcap)
+        outputs.append(o[0])
+    return torch.cat(outputs) if outputs else torch.zeros_like(q)

@@ -41,3 +41,38 @@ class AttentionFunction(torch.autograd.Function):
         dq, dk, dv = ops_for("attention", ctx.backend).attention_bwd(dout, q, k, v, o, lse, cos32, sin32, rng,
                                                                      *ctx.options)
         return dq, dk, dv, None, None, None, None
+
+
+def varlen_rope_tables(cos, sin, head_dim):
+    """The caller's rotary tables of a packed call in the layout the varlen kernels take: fp32
+    contiguous ``[S, D/2]`` (positions restart per sequence) from ``[S, D/2|D]``, or ``[1, T, D/2]``
+    (per packed key token) from ``[1, T, D/2|D]``; (None, None) without rope. Made per call."""
+    if cos is None:
+        return None, None
+    return tuple(t[..., : head_dim // 2].to(torch.float32).contiguous() for t in (cos, sin))
+
+
+class VarlenAttentionFunction(torch.autograd.Function):
+    """Packed (variable-length) attention: q [total_q, Hq, D], k, v [total_k, Hkv, D] holding the
+    sequences the int32 offsets cu_seqlens_q / cu_seqlens_k delimit, each attending only within
+    itself. Saves what AttentionFunction saves (o, fp32 lse [Hq, total_q]) plus the two offsets."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, options, backend):
+        rng = draw_rng_state(q.device) if options.dropout_p > 0 else None
+        cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
+        o, lse = ops_for("attention", backend).attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                    max_seqlen_k, cos32, sin32, rng, *options[:5])
+        ctx.save_for_backward(q, k, v, o, lse, rng, cos, sin, cu_seqlens_q, cu_seqlens_k)
+        ctx.options, ctx.backend, ctx.max_seqlens = options, backend, (max_seqlen_q, max_seqlen_k)
+        return o
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, o, lse, rng, cos, sin, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
+        dq, dk, dv = ops_for("attention", ctx.backend).attention_varlen_bwd(
+            dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, cos32, sin32, rng, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None, None, None

@@ -16,11 +16,14 @@ Recompute contract (DESIGN.md section 2), checked byte for byte in tests/models/
 Never saved: the normalized input, the per-head normalized q/k or their statistics (recomputed
 from the saved or recomputed q/k by the same norm kernel, so bitwise the forward's), rotated q/k,
 the N x M probabilities, a dropout mask.
+
+Packed sequences (cu_seqlens, B = 1): the same, plus the int32 offsets [S + 1]; lse is [Hq, T].
 """
 
 import torch
 import torch.nn.functional as F
 
+from remat.autograd.attention import varlen_rope_tables
 from remat.autograd.common import draw_rng_state, kernel_rope_tables, linear_grads
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.ops import ops_for
@@ -51,6 +54,31 @@ def _head_norm_backward(grad, t, weight, rstd, options):
     return d_rows.view(t.shape), d_weight
 
 
+def _attention_fwd(q, k, v, cos, sin, cu_seqlens, rng, options, backend):
+    """The attention kernels on q, k, v [B, N, heads, D]: dense, or with cu_seqlens (B = 1) packed
+    self-attention over the sequences it delimits (o [1, T, Hq, D], lse [Hq, T])."""
+    ops = ops_for("attention", backend)
+    if cu_seqlens is None:
+        cos32, sin32 = kernel_rope_tables(cos, sin, q.shape[-1])
+        return ops.attention_fwd(q, k, v, cos32, sin32, rng, *options.attention[:5])
+    cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
+    o, lse = ops.attention_varlen_fwd(q[0], k[0], v[0], cu_seqlens, cu_seqlens, options.max_seqlen, options.max_seqlen,
+                                      cos32, sin32, rng, *options.attention[:5])
+    return o[None], lse
+
+
+def _attention_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, rng, options, backend):
+    """dq, dk, dv [B, N, heads, D] of :func:`_attention_fwd`."""
+    ops = ops_for("attention", backend)
+    if cu_seqlens is None:
+        cos32, sin32 = kernel_rope_tables(cos, sin, q.shape[-1])
+        return ops.attention_bwd(dout, q, k, v, o, lse, cos32, sin32, rng, *options.attention)
+    cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
+    grads = ops.attention_varlen_bwd(dout[0], q[0], k[0], v[0], o[0], lse, cu_seqlens, cu_seqlens, options.max_seqlen,
+                                     options.max_seqlen, cos32, sin32, rng, *options.attention)
+    return tuple(g[None] for g in grads)
+
+
 class NormAttentionFunction(torch.autograd.Function):
     """o = attention(rope(qn(norm(x) Wq^T + bq)), rope(kn(norm(x) Wk^T + bk)), norm(x) Wv^T + bv),
     with qn / kn the optional per-head norms (identity without ``options.qk_norm``); the
@@ -58,7 +86,7 @@ class NormAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, cos, sin,
-                options, backend):
+                cu_seqlens, options, backend):
         shape, attention = options.shape, options.attention
         batch, n, hq, hkv, head_dim = shape
         rows = x.reshape(batch * n, x.shape[-1])
@@ -71,20 +99,19 @@ class NormAttentionFunction(torch.autograd.Function):
             q_in, _ = _head_norm(q, q_norm_weight, options)
             k_in, _ = _head_norm(k, k_norm_weight, options)
         rng = draw_rng_state(x.device) if attention.dropout_p > 0 else None
-        cos32, sin32 = kernel_rope_tables(cos, sin, head_dim)
-        o, lse = ops_for("attention", backend).attention_fwd(q_in, k_in, v, cos32, sin32, rng, *attention[:5])
+        o, lse = _attention_fwd(q_in, k_in, v, cos, sin, cu_seqlens, rng, options, backend)
         del q_in, k_in
         if not options.keep_qkv:
             q = k = v = None
         ctx.save_for_backward(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight,
-                              mean, rstd, q, k, v, o, lse, rng, cos, sin)
+                              mean, rstd, q, k, v, o, lse, rng, cos, sin, cu_seqlens)
         ctx.options, ctx.backend = options, backend
         return o
 
     @staticmethod
     def backward(ctx, dout):
         (x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, mean, rstd, q, k, v, o,
-         lse, rng, cos, sin) = ctx.saved_tensors
+         lse, rng, cos, sin, cu_seqlens) = ctx.saved_tensors
         options, backend = ctx.options, ctx.backend
         shape = options.shape
         batch, n, hq, hkv, head_dim = shape
@@ -102,9 +129,7 @@ class NormAttentionFunction(torch.autograd.Function):
             k_in, k_rstd = _head_norm(k, k_norm_weight, options)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        cos32, sin32 = kernel_rope_tables(cos, sin, head_dim)
-        dq, dk, dv = ops_for("attention", backend).attention_bwd(dout, q_in, k_in, v, o, lse, cos32, sin32, rng,
-                                                                 *options.attention)
+        dq, dk, dv = _attention_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, rng, options, backend)
         del q_in, k_in, v
         d_q_norm = d_k_norm = None
         if options.qk_norm is not None:
@@ -124,4 +149,4 @@ class NormAttentionFunction(torch.autograd.Function):
                                                         options.norm, norm_bias is not None, options.norm_backend)
         return (dx.view(x.shape), d_norm_weight if need[1] else None, d_norm_bias if need[2] else None,
                 grads[0][0], grads[1][0], grads[2][0], grads[0][1], grads[1][1], grads[2][1],
-                d_q_norm if need[9] else None, d_k_norm if need[10] else None, None, None, None, None)
+                d_q_norm if need[9] else None, d_k_norm if need[10] else None, None, None, None, None, None)

@@ -6,15 +6,20 @@ import warnings
 import torch
 
 from remat import checks
-from remat.autograd.attention import AttentionFunction
+from remat.autograd.attention import AttentionFunction, VarlenAttentionFunction
 from remat.autograd.norm_attention import NormAttentionFunction
 from remat.backend import BackendUnavailableError, default_backend, requested_backend, resolve_backend
+from remat.ops import ops_for
 from remat.ops.attention import aten_unsupported_reason
 from remat.options import AttentionOptions, NormAttentionOptions
 
+# The default backend of packed (cu_seqlens) attention on CPU tensors.
+VARLEN_CPU_DEFAULT = "torch"
+
 
 def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, window=None, softcap=None,
-              deterministic=True, layout="bnhd", backend=None):
+              deterministic=True, layout="bnhd", backend=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=None, max_seqlen_k=None):
     """Flash attention: ``softmax(q k^T * scale) v`` without storing the attention matrix.
 
     Args:
@@ -41,13 +46,37 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
             atomics for dq (faster). The CPU backends are always deterministic.
         layout: ``"bnhd"`` or ``"bhnd"``, for q, k, v and the output.
         backend: ``"cuda"``, ``"cpp"``, ``"triton"``, ``"torch"`` or None (see remat.backend).
+        cu_seqlens_q, cu_seqlens_k: packed (variable-length) attention, FlashAttention's
+            ``flash_attn_varlen_func`` convention: None (default, dense), or both given as int32
+            ``[S + 1]`` offsets on q's device, starting at 0, non-decreasing (zero-length sequences
+            allowed) and ending at total_q / total_k. q is then ``[total_q, Hq, D]`` and k, v
+            ``[total_k, Hkv, D]`` (layout "bnhd" only): sequence s is queries cu_seqlens_q[s] ..
+            cu_seqlens_q[s+1] - 1 and keys likewise, and attends only within itself, with
+            everything above applied per sequence (causal bottom-right: query i of a sequence of N_s
+            queries and M_s keys sits at key position i + M_s - N_s). The offsets are read on the
+            host to check them (one sync; under torch.compile an in-graph assert instead).
+            rope with offsets: ``[S, D/2]`` / ``[S, D]`` tables restart positions in every
+            sequence (key j uses row j, query i row i + M_s - N_s; S >= max_seqlen_k), while
+            per-token tables ``[1, total_k, D/2]`` / ``[1, total_k, D]`` give key token t row t and
+            query i of sequence s row cu_seqlens_k[s] + i + M_s - N_s; either needs N_s <= M_s.
+            Dropout draws the Philox stream of the dense call on the zero-padded batch
+            ``[S, max_seqlen_q]`` x ``[S, max_seqlen_k]``, so the mask depends on those bounds.
+        max_seqlen_q, max_seqlen_k: with offsets, upper bounds of the sequence lengths (the
+            kernels' grids); None computes them from the offsets (required under torch.compile).
 
     Returns:
-        o in q's layout, shape and dtype (a new tensor). Rows that see no key give 0.
+        o in q's layout, shape and dtype (a new tensor); ``[total_q, Hq, D]`` with offsets. Rows
+        that see no key give 0.
 
-    Saved for backward: q, k, v, o, fp32 logsumexp [B, Hq, N] (and 16 bytes of RNG state with
-    dropout, the cos/sin tables with rope); the probabilities are recomputed.
+    Saved for backward: q, k, v, o, fp32 logsumexp [B, Hq, N] (``[Hq, total_q]`` with offsets,
+    plus the two offset tensors) (and 16 bytes of RNG state with dropout, the cos/sin tables with
+    rope); the probabilities are recomputed.
     """
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if any(a is not None for a in varlen):
+        return _varlen_attention(q, k, v, *varlen, causal=causal, scale=scale, dropout_p=dropout_p, rope=rope,
+                                 window=window, softcap=softcap, deterministic=deterministic, layout=layout,
+                                 backend=backend)
     checks.check_choice(layout, "layout", checks.ATTENTION_LAYOUTS)
     checks.check_qkv_types(q, k, v, layout)
     if layout == "bhnd":
@@ -65,6 +94,47 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     with autocast_off:
         o = AttentionFunction.apply(q, k, v, cos, sin, options, name)
     return o.transpose(1, 2) if layout == "bhnd" else o
+
+
+def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, dropout_p,
+                      rope, window, softcap, deterministic, layout, backend):
+    """remat.attention with cumulative sequence lengths (packed sequences)."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("packed attention needs both cu_seqlens_q and cu_seqlens_k")
+    if layout != "bnhd":
+        raise ValueError(f"packed attention (cu_seqlens) takes layout 'bnhd' only ([total, heads, D]), got {layout!r}")
+    checks.check_varlen_qkv(q, k, v)
+    max_seqlen_q, max_seqlen_k = checks.check_varlen_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                             q.shape[0], k.shape[0], q.device,
+                                                             keys_cover_queries=rope is not None)
+    checks.check_varlen_rope(rope, k.shape[0], max_seqlen_k, q.shape[-1], q.device)
+    options = _attention_options(q.shape[-1], causal, scale, softcap, window, dropout_p, deterministic)
+    cos, sin = rope if rope is not None else (None, None)
+    (q, k, v), autocast_off = checks.autocast_cast(q, k, v)
+    name = _varlen_attention_backend(backend, q)
+    options = _respect_deterministic_mode(options, name)
+    checks.check_attention_dtype(name, q.dtype)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    with autocast_off:
+        return VarlenAttentionFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos,
+                                             sin, options, name)
+
+
+def _varlen_attention_backend(explicit, t):
+    """The backend of a packed attention call on tensors like ``t``: the one asked for, which must
+    have packed kernels, else the default. On CPU tensors the default is remat's torch backend:
+    PyTorch's CPU flash core (the dense CPU default) has no variable-length entry point."""
+    if requested_backend(explicit) is None and t.device.type == "cpu":
+        return VARLEN_CPU_DEFAULT
+    name = resolve_backend(explicit, t)
+    if name == "aten":
+        raise BackendUnavailableError("remat backend 'aten' has no packed (cu_seqlens) attention: PyTorch's CPU "
+                                      "flash core takes no sequence offsets; use backend='cpp', 'cuda', 'triton' or "
+                                      "'torch'")
+    if ops_for("attention", name).attention_varlen_fwd is None:
+        raise BackendUnavailableError(f"remat backend {name!r} has no packed (cu_seqlens) attention kernels yet; use "
+                                      f"backend='torch'")
+    return name
 
 
 def _attention_backend(explicit, t, sizes, options):
@@ -116,7 +186,7 @@ def _attention_options(head_dim, causal, scale, softcap, window, dropout_p, dete
 def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=None, norm_bias=None, b_q=None,
                    b_k=None, b_v=None, norm="rms", eps=None, qk_norm=None, q_norm_weight=None, k_norm_weight=None,
                    qk_eps=None, causal=True, scale=None, rope=None, window=None, softcap=None, dropout_p=0.0,
-                   deterministic=True, keep_qkv=True, backend=None):
+                   deterministic=True, keep_qkv=True, backend=None, cu_seqlens=None, max_seqlen=None):
     """The pre-norm attention sub-block of a transformer layer in one fused Function: the norm, the
     q/k/v projections, rotary embedding and flash attention, up to the attention output (the
     output projection and residual add are the caller's).
@@ -145,14 +215,25 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         keep_qkv: True keeps q, k, v for backward; False recomputes them there with the three
             projection GEMMs (what a "memory" layer policy does).
         backend: as for :func:`attention`; the projection GEMMs are PyTorch's.
+        cu_seqlens: packed sequences (padding-free batches): None (default), or int32 ``[S + 1]``
+            offsets on x's device as :func:`attention`'s cu_seqlens_q (from 0, non-decreasing,
+            zero-length sequences allowed, ending at T). x is then one packed row ``[1, T, H]``
+            (B must be 1) and each sequence attends only within itself (self-attention over the
+            offsets). rope tables: ``[S, D/2|D]`` restart positions in every sequence; per-token
+            ``[1, T, D/2|D]`` (e.g. Hugging Face's tables from restarting position_ids) give token t
+            row t.
+        max_seqlen: with cu_seqlens, an upper bound of the sequence lengths; None computes it
+            (required under torch.compile).
 
     Returns:
-        o ``[B, N, Hq, D]`` in x's dtype (the autocast dtype under autocast).
+        o ``[B, N, Hq, D]`` in x's dtype (the autocast dtype under autocast); ``[1, T, Hq, D]``
+        with cu_seqlens.
 
     Saved for backward: x, the fp32 norm statistics, o, fp32 lse ``[B, Hq, N]``, with keep_qkv
     also q, k, v (16 bytes of RNG state with dropout; the caller's rope tables). The normalized
     input, the per-head normalized q/k and their statistics, rotated q/k and the probabilities are
-    recomputed (remat.autograd.norm_attention).
+    recomputed (remat.autograd.norm_attention). With cu_seqlens the offsets are saved too and lse
+    is ``[Hq, T]``.
     """
     checks.check_hidden_states(x)
     checks.check_input(x)
@@ -176,7 +257,15 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         checks.check_weight(b, name, (width,), x, optional=True)
     eps = checks.check_norm(norm, norm_weight, norm_bias, eps, x)
     qk_eps = _check_qk_norm(qk_norm, q_norm_weight, k_norm_weight, qk_eps, head_dim, x)
-    checks.check_rope(rope, batch, n, n, head_dim, x.device)
+    if cu_seqlens is None and max_seqlen is not None:
+        raise ValueError("max_seqlen needs cu_seqlens")
+    if cu_seqlens is None:
+        checks.check_rope(rope, batch, n, n, head_dim, x.device)
+    else:
+        if batch != 1:
+            raise ValueError(f"with cu_seqlens, x must be one packed row [1, T, hidden], got shape {tuple(x.shape)}")
+        max_seqlen, _ = checks.check_varlen_offsets(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, n, n, x.device)
+        checks.check_varlen_rope(rope, n, max_seqlen, head_dim, x.device)
     if not isinstance(keep_qkv, bool):
         raise TypeError("keep_qkv must be a bool")
     attention_options = _attention_options(head_dim, causal, scale, softcap, window, dropout_p, deterministic)
@@ -185,15 +274,18 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     cos, sin = rope if rope is not None else (None, None)
     (x, *params), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v,
                                                       q_norm_weight, k_norm_weight)
-    name = _attention_backend(backend, x, (n, n, num_heads, num_kv_heads, head_dim), attention_options)
+    if cu_seqlens is None:
+        name = _attention_backend(backend, x, (n, n, num_heads, num_kv_heads, head_dim), attention_options)
+    else:
+        name = _varlen_attention_backend(backend, x)
     attention_options = _respect_deterministic_mode(attention_options, name)
     checks.check_attention_dtype(name, x.dtype)
     # The aten core is attention only: the norm kernels then take the device's default backend.
     norm_name = default_backend(x.device) if name == "aten" else name
     options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
-                                   attention_options, keep_qkv, norm_name, qk_norm, qk_eps)
+                                   attention_options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen)
     with autocast_off:
-        return NormAttentionFunction.apply(x, *params, cos, sin, options, name)
+        return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, options, name)
 
 
 def _check_qk_norm(qk_norm, q_norm_weight, k_norm_weight, qk_eps, head_dim, x):

@@ -39,7 +39,7 @@ from remat import _extension
 from remat.backend import device_capability
 from remat.ops.device import on_tensor_device
 from remat.options import AttentionOptions
-from remat.reference import attention_dropout_keep
+from remat.reference import attention_dropout_keep, philox_randint, philox_uniform
 
 # Query rows per step of the torch backend: bounds its [B, Hq, rows, M] fp32 temporaries.
 _TORCH_ROWS_PER_STEP = 256
@@ -48,6 +48,8 @@ _TORCH_ROWS_PER_STEP = 256
 class AttentionOps(NamedTuple):
     attention_fwd: object
     attention_bwd: object
+    attention_varlen_fwd: object = None
+    attention_varlen_bwd: object = None
 
 
 def _round(x, dtype):
@@ -167,8 +169,167 @@ def torch_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, wi
     return tuple(g.transpose(1, 2).to(q.dtype).contiguous() for g in (dq, dk, dv))
 
 
-TORCH_OPS = AttentionOps(torch_attention_fwd, torch_attention_bwd)
+# Packed (variable-length) attention: S sequences in one row, FlashAttention's varlen convention.
+#
+# - attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin,
+#   rng, scale, softcap, window_left, window_right, dropout_p) -> (o, lse)
+# - attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+#   max_seqlen_k, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p,
+#   deterministic) -> (dq, dk, dv)
+#
+# q, o, dout [total_q, Hq, D]; k, v [total_k, Hkv, D]; lse fp32 [Hq, total_q]. cu_seqlens_*: int32
+# [S + 1] offsets (checked by remat.checks.check_varlen_offsets: from 0, non-decreasing, ending at
+# the totals; zero-length sequences allowed); max_seqlen_*: upper bounds of the lengths. Sequence s
+# holds queries cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1 (N_s of them) and keys likewise (M_s); its
+# query i sees only its own keys, with the dense masks at position p = i + M_s - N_s.
+# cos, sin: None, fp32 contiguous [S_rows, D/2] (positions restart per sequence: key j uses row j,
+# query i row p) or [1, T, D/2] (a row per packed key token: key j of sequence s uses row
+# cu_seqlens_k[s] + j, query i row cu_seqlens_k[s] + p).
+# Dropout: the Philox stream of the dense call on the zero-padded batch [S, max_seqlen_q] x
+# [S, max_seqlen_k]: (s, h, i, j) keeps when tl.rand(seed, offset + ((s*Hq + h)*max_seqlen_q + i)
+# * max_seqlen_k + j) >= dropout_p (so the mask depends on the max_seqlen_* bounds passed).
 
+
+class _VarlenGeometry(NamedTuple):
+    """Per packed token (int64): each query's sequence, index i in it and key-space position
+    p = i + M_s - N_s; each key's sequence and position j; the rope rows of queries and keys."""
+
+    seq_q: Tensor
+    query_index: Tensor
+    query_position: Tensor
+    seq_k: Tensor
+    key_position: Tensor
+    query_row: Tensor
+    key_row: Tensor
+
+
+def _varlen_geometry(cu_seqlens_q, cu_seqlens_k, total_q, total_k, per_token_rope):
+    device = cu_seqlens_q.device
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    seq_q = torch.searchsorted(cu_q[1:], torch.arange(total_q, device=device), right=True)
+    seq_k = torch.searchsorted(cu_k[1:], torch.arange(total_k, device=device), right=True)
+    query_index = torch.arange(total_q, device=device) - cu_q[seq_q]
+    key_position = torch.arange(total_k, device=device) - cu_k[seq_k]
+    shift = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
+    query_position = query_index + shift[seq_q]
+    if per_token_rope:
+        query_row, key_row = query_position + cu_k[seq_q], key_position + cu_k[seq_k]
+    else:
+        query_row, key_row = query_position, key_position
+    return _VarlenGeometry(seq_q, query_index, query_position, seq_k, key_position, query_row, key_row)
+
+
+def _rotate_rows(x, cos, sin, rows):
+    """x [T, H, D] -> [H, T, D] fp32, token t rotated with table row rows[t] and rounded to x's
+    dtype when cos/sin ([S, D/2] or [1, S, D/2]) are given."""
+    heads_first = x.transpose(0, 1).float()
+    if cos is None:
+        return heads_first
+    half = x.shape[-1] // 2
+    c, s = cos.reshape(-1, half)[rows], sin.reshape(-1, half)[rows]
+    x1, x2 = heads_first[..., :half], heads_first[..., half:]
+    return _round(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1), x.dtype)
+
+
+def _unrotate_rows(grad, cos, sin, rows):
+    """The transpose of _rotate_rows for a gradient [H, T, D] fp32."""
+    if cos is None:
+        return grad
+    half = grad.shape[-1] // 2
+    c, s = cos.reshape(-1, half)[rows], sin.reshape(-1, half)[rows]
+    g1, g2 = grad[..., :half], grad[..., half:]
+    return torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1)
+
+
+def _varlen_masks(geometry, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_left, window_right, dropout_p):
+    """For packed query rows i0 .. i1 - 1 against every packed key: visible (bool [rows, total_k]:
+    same sequence and inside the window) and the dropout factor (fp32 [Hq, rows, total_k]: 1/(1-p)
+    where the padded-batch Philox stream keeps, 0 where it drops; None without dropout)."""
+    position = geometry.query_position[i0:i1, None]
+    key = geometry.key_position[None, :]
+    visible = geometry.seq_q[i0:i1, None] == geometry.seq_k[None, :]
+    if window_left >= 0:
+        visible &= key >= position - window_left
+    if window_right >= 0:
+        visible &= key <= position + window_right
+    if dropout_p == 0:
+        return visible, None
+    heads = torch.arange(hq, device=position.device)[:, None, None]
+    rows = (geometry.seq_q[i0:i1, None] * hq + heads) * max_seqlen_q + geometry.query_index[i0:i1, None]
+    keep = philox_uniform(philox_randint(rng[0], rows * max_seqlen_k + key + rng[1])) >= dropout_p
+    return visible, keep.float() / (1.0 - dropout_p)
+
+
+def _varlen_operands(q, k, v, cos, sin, geometry):
+    """Rotated q [Hq, Tq, D] and k [Hq, Tk, D] (kv heads repeated for GQA), v [Hq, Tk, D], fp32."""
+    group = q.shape[1] // k.shape[1]
+    q_heads = _rotate_rows(q, cos, sin, geometry.query_row)
+    k_heads = _rotate_rows(k, cos, sin, geometry.key_row).repeat_interleave(group, dim=0)
+    v_heads = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
+    return q_heads, k_heads, v_heads
+
+
+def torch_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale,
+                               softcap, window_left, window_right, dropout_p):
+    """Packed attention in plain PyTorch, segment-masked: each block of query rows against every
+    packed key with a same-sequence mask (no host sync, so it traces under torch.compile); the
+    probabilities exist for one block only."""
+    total_q, hq, head_dim = q.shape
+    geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], cos is not None and cos.dim() == 3)
+    q_heads, k_heads, v_heads = _varlen_operands(q, k, v, cos, sin, geometry)
+    o = torch.empty(hq, total_q, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(hq, total_q, dtype=torch.float32, device=q.device)
+    for i0 in range(0, total_q, _TORCH_ROWS_PER_STEP):
+        i1 = min(total_q, i0 + _TORCH_ROWS_PER_STEP)
+        visible, keep = _varlen_masks(geometry, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_left,
+                                      window_right, dropout_p)
+        logits = _logits(q_heads[:, i0:i1], k_heads, scale, softcap).masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)
+        row_lse = torch.where(torch.isneginf(row_lse), torch.full_like(row_lse, float("inf")), row_lse)
+        probs = torch.exp(logits - row_lse[..., None])
+        if keep is not None:
+            probs = probs * keep
+        o[:, i0:i1] = torch.matmul(_round(probs, q.dtype), v_heads)
+        lse[:, i0:i1] = row_lse
+    return o.transpose(0, 1).to(q.dtype).contiguous(), lse
+
+
+def torch_attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin,
+                               rng, scale, softcap, window_left, window_right, dropout_p, deterministic):
+    """Backward of torch_attention_varlen_fwd: each block of probabilities recomputed from q, k, lse."""
+    total_q, hq, head_dim = q.shape
+    total_k, hkv = k.shape[0], k.shape[1]
+    group = hq // hkv
+    geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, total_q, total_k, cos is not None and cos.dim() == 3)
+    q_heads, k_heads, v_heads = _varlen_operands(q, k, v, cos, sin, geometry)
+    dout_heads = dout.transpose(0, 1).float()
+    delta = (dout_heads * o.transpose(0, 1).float()).sum(dim=-1)
+    dq = torch.empty(hq, total_q, head_dim, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(hq, total_k, head_dim, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    for i0 in range(0, total_q, _TORCH_ROWS_PER_STEP):
+        i1 = min(total_q, i0 + _TORCH_ROWS_PER_STEP)
+        visible, keep = _varlen_masks(geometry, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_left,
+                                      window_right, dropout_p)
+        logits = _logits(q_heads[:, i0:i1], k_heads, scale, softcap)
+        probs = torch.exp(logits - lse[:, i0:i1, None]).masked_fill(~visible, 0.0)
+        dprobs = torch.matmul(dout_heads[:, i0:i1], v_heads.transpose(-1, -2))
+        if keep is not None:
+            dprobs = dprobs * keep
+        dv += torch.matmul(_round(probs * keep if keep is not None else probs, q.dtype).transpose(-1, -2),
+                           dout_heads[:, i0:i1])
+        logit_grad = scale * (1 - (logits / softcap) ** 2) if softcap > 0 else scale
+        dlogits = _round(probs * (dprobs - delta[:, i0:i1, None]) * logit_grad, q.dtype)
+        dq[:, i0:i1] = torch.matmul(dlogits, k_heads)
+        dk += torch.matmul(dlogits.transpose(-1, -2), q_heads[:, i0:i1])
+    dq = _unrotate_rows(dq, cos, sin, geometry.query_row)
+    dk = _unrotate_rows(dk.view(hkv, group, total_k, head_dim).sum(dim=1), cos, sin, geometry.key_row)
+    dv = dv.view(hkv, group, total_k, head_dim).sum(dim=1)
+    return tuple(g.transpose(0, 1).to(q.dtype).contiguous() for g in (dq, dk, dv))
+
+
+TORCH_OPS = AttentionOps(torch_attention_fwd, torch_attention_bwd, torch_attention_varlen_fwd,
+                         torch_attention_varlen_bwd)
 
 
 # The "aten" core: PyTorch's own fused attention kernels, which keep exactly remat's contract (q, k,
