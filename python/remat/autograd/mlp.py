@@ -25,6 +25,7 @@ Inputs are already 2-D [tokens, H] (remat.functional reshapes them).
 import torch
 import torch.nn.functional as F
 
+from remat.autograd import lora
 from remat.autograd.common import linear_grads
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.ops import ops_for
@@ -144,14 +145,23 @@ class NormGatedMLPFunction(torch.autograd.Function):
     the fp32 norm statistics; the backward recomputes the normalized input with the same norm
     kernel (into a temporary that is freed at once), the up/gate GEMMs from it, and then every
     gradient, the norm's included. With recompute="activation" it also keeps gate and up (no GEMM
-    is recomputed; the normalized input still is, for the gate/up weight gradients)."""
+    is recomputed; the normalized input still is, for the gate/up weight gradients).
+
+    LoRA adapters of gate/up/down (remat.autograd.lora; layout, then flat tensors, last) join their
+    projections: gate and up with theirs are kept or recomputed as above, down's branch is
+    applied to h, which backward recomputes anyway; no rank-r intermediate or dropout mask is
+    kept (16 bytes of Philox state per adapter with dropout)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                norm, eps, activation, recompute, backend):
+                norm, eps, activation, recompute, backend, lora_layout=(), *lora_tensors):
         ops = ops_for("mlp", backend)
-        # The fused kernel's prologue computes "rms" and "layer" norms only (not "gemma"'s fp32 1 + w).
-        fused = _fused_gate_up(ops, "block", b_gate, b_up) and recompute == "block" and norm in ("rms", "layer")
+        lora_rngs = lora.draw_rngs(lora_layout, x.device)
+        adapters = (lora_layout, lora_tensors, lora_rngs, backend)
+        # The fused kernel's prologue computes "rms" and "layer" norms only (not "gemma"'s fp32 1 + w);
+        # it has no LoRA branches.
+        fused = (_fused_gate_up(ops, "block", b_gate, b_up) and recompute == "block" and norm in ("rms", "layer")
+                 and not lora_layout)
         gate = up = None
         if fused:
             # Statistics only, then the normalized input is computed per tile in the matmul's
@@ -160,48 +170,72 @@ class NormGatedMLPFunction(torch.autograd.Function):
             h, _, _ = ops.glu_matmul(x, w_gate, w_up, activation, False, norm, mean, rstd, norm_weight, norm_bias)
         else:
             normed, mean, rstd = norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
-            gate, up = F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up)
+            gate, up = _gate_up(normed, w_gate, w_up, b_gate, b_up, adapters)
             del normed
             h = ops.glu_fwd(gate, up, activation)
             if recompute == "block":
                 gate = up = None
-        y = F.linear(h, w_down, b_down)
+        y = lora.add_branches(F.linear(h, w_down, b_down), h, 2, *adapters)
         if mean is not None and mean.numel() == 0:
             mean = None
-        ctx.save_for_backward(x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up)
+        ctx.save_for_backward(x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up,
+                              *lora_tensors, *lora_rngs)
         ctx.norm, ctx.eps, ctx.activation, ctx.backend, ctx.fused = norm, eps, activation, backend, fused
+        ctx.lora_layout = lora_layout
         ctx.has_bias = (norm_bias is not None, b_gate is not None, b_up is not None, b_down is not None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up = ctx.saved_tensors
+        x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up, *lora_saved = \
+            ctx.saved_tensors
         need = ctx.needs_input_grad
         ops = ops_for("mlp", ctx.backend)
+        lora_count = lora.TENSORS_PER_ADAPTER * len(ctx.lora_layout)
+        adapters = (ctx.lora_layout, lora_saved[:lora_count], lora_saved[lora_count:], ctx.backend)
+        lora_needs = need[15:]
         # The normalized input, recomputed into a temporary for the gate/up weight gradients and
         # freed below.
         normed, _, _ = norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
         dy = dy.contiguous()
         dh = dy @ w_down
+        # down's LoRA branches: their share of dh needs no h; their weight gradients wait for h.
+        dh_lora, down_intermediates = lora.branch_input_grad(dy, dh.dtype, 2, *adapters[:3], adapters[3])
+        if dh_lora is not None:
+            dh = dh + dh_lora
         if ctx.fused:
             dgate, dup, h = ops.glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[5], ctx.norm, mean, rstd,
                                                   norm_weight, norm_bias)
         else:
             if gate is None:
-                gate, up = F.linear(normed, w_gate, b_gate), F.linear(normed, w_up, b_up)
-            dgate, dup, h = ops.glu_bwd(dh, gate, up, ctx.activation, need[5])
+                gate, up = _gate_up(normed, w_gate, w_up, b_gate, b_up, adapters)
+            dgate, dup, h = ops.glu_bwd(dh, gate, up, ctx.activation, need[5] or bool(down_intermediates))
             del gate, up
         _, d_w_down, d_b_down = linear_grads(dy, h, w_down, False, need[5], need[8] and ctx.has_bias[3])
+        lora_grads = lora.branch_weight_grads(dy, h, down_intermediates, *adapters[:3], lora_needs, adapters[3])
         del h
         d_normed_gate, d_w_gate, d_b_gate = linear_grads(dgate, normed, w_gate, True, need[3],
                                                           need[6] and ctx.has_bias[1])
         d_normed_up, d_w_up, d_b_up = linear_grads(dup, normed, w_up, True, need[4], need[7] and ctx.has_bias[2])
+        for target, grad in ((0, dgate), (1, dup)):
+            d_lora, target_grads = lora.branch_grads(grad, normed, target, *adapters[:3], lora_needs, adapters[3])
+            if d_lora is not None:
+                d_normed_gate = d_normed_gate + d_lora
+            lora_grads.update(target_grads)
         del normed
         d_normed = (d_normed_gate + d_normed_up).contiguous()
         dx, d_norm_weight, d_norm_bias = norm_backward(d_normed, x, norm_weight, mean, rstd, ctx.norm,
                                                          ctx.has_bias[0], ctx.backend)
         return (dx, d_norm_weight if need[1] else None, d_norm_bias if need[2] else None, d_w_gate, d_w_up,
-                d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None, None, None)
+                d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None, None, None, None,
+                *lora.grads_tuple(lora_grads, lora_count))
+
+
+def _gate_up(normed, w_gate, w_up, b_gate, b_up, adapters):
+    """gate and up of the normalized input, each with its LoRA branches (targets 0 and 1)."""
+    gate = lora.add_branches(F.linear(normed, w_gate, b_gate), normed, 0, *adapters)
+    up = lora.add_branches(F.linear(normed, w_up, b_up), normed, 1, *adapters)
+    return gate, up
 
 
 class NormGELUMLPFunction(torch.autograd.Function):

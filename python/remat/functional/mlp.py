@@ -10,6 +10,7 @@ from remat.autograd.mlp import (
     NormGELUMLPFunction,
 )
 from remat.backend import resolve_backend
+from remat.functional.lora import check_lora
 from remat.ops.mlp import ACTIVATIONS
 
 
@@ -84,7 +85,7 @@ def gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, *, approximate="none", recompute="bl
 
 
 def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms", eps=None, activation="silu",
-             b_gate=None, b_up=None, b_down=None, recompute="block", backend=None):
+             b_gate=None, b_up=None, b_down=None, recompute="block", lora=None, backend=None):
     """Pre-norm gated MLP sub-block: ``gated_mlp(norm(x))``, keeping only x and the fp32 norm
     statistics for backward (the normalized input is recomputed in backward and never stored).
     ``recompute="activation"`` also keeps gate and up, so no GEMM is recomputed.
@@ -97,6 +98,11 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
         activation: ``"silu"`` (SwiGLU), ``"gelu"`` or ``"gelu_tanh"`` (GeGLU).
         recompute: ``"block"`` (default; keeps x and the statistics) or ``"activation"`` (also
             keeps gate and up).
+        lora: None, or ``(gate_adapters, up_adapters, down_adapters)``, each None or a sequence
+            of :class:`remat.autograd.lora.LoRAAdapter`: LoRA branches
+            ``scaling * b(a(dropout(input)))`` added to that projection with PEFT's arithmetic
+            (gate and up read the normalized input, down reads h). Nothing of them is kept per
+            token: their rank-r intermediates and dropout masks are recomputed in backward.
         backend: as for :func:`rms_norm`.
 
     Returns:
@@ -107,12 +113,17 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
     checks.check_choice(activation, "activation", ACTIVATIONS)
     eps = checks.check_norm(norm, norm_weight, norm_bias, eps, x)
     hidden = checks.check_gated_weights(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    inter = w_gate.shape[0]
+    lora_layout, lora_tensors = check_lora(lora, (hidden, hidden, inter), (inter, inter, hidden), x,
+                                           ("gate", "up", "down"))
     name = resolve_backend(backend, x)
+    (_, *lora_tensors), _ = checks.autocast_cast(x, *lora_tensors)
     (x_rows, *params), autocast_off = checks.autocast_cast(checks.as_rows(x), norm_weight, norm_bias, w_gate, w_up,
                                                            w_down,
                                                      b_gate, b_up, b_down)
     with autocast_off:
-        y = NormGatedMLPFunction.apply(x_rows, *params, norm, float(eps), activation, recompute, name)
+        y = NormGatedMLPFunction.apply(x_rows, *params, norm, float(eps), activation, recompute, name, lora_layout,
+                                       *lora_tensors)
     return y.view(*x.shape[:-1], hidden)
 
 

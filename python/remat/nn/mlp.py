@@ -5,6 +5,13 @@ from torch import nn
 
 from remat import checks, functional
 from remat.autograd.mlp import RECOMPUTE_MODES
+from remat.nn.adapters import (
+    ACTIVATION_FUNCTIONS,
+    linear_projection,
+    projection_features,
+    read_projection,
+    weights_like,
+)
 from remat.ops.mlp import ACTIVATIONS
 
 
@@ -34,6 +41,12 @@ class SwiGLUMLP(nn.Module):
         activation: ``"silu"`` (SwiGLU, default), ``"gelu"`` or ``"gelu_tanh"`` (GeGLU).
         recompute: ``"block"`` (default), ``"activation"`` or ``"none"``; see remat.swiglu_mlp.
         backend: remat backend name or None.
+
+    The projections are read at each call (remat.nn.adapters). With PEFT LoRA layers or other
+    linear modules among them the MLP runs projection by projection (remat.lora_linear, or the
+    module's own forward under checkpoint), keeping what eager PyTorch keeps between them
+    (``recompute`` then does not apply); inside remat's decoder layers the fused sub-block takes
+    LoRA instead.
     """
 
     def __init__(self, hidden, intermediate, bias=False, *, activation="silu", recompute="block", backend=None,
@@ -49,10 +62,10 @@ class SwiGLUMLP(nn.Module):
     @classmethod
     def from_module(cls, stock, *, recompute="block", backend=None):
         """A SwiGLUMLP sharing the projections (no copy) of a module with ``gate_proj``,
-        ``up_proj``, ``down_proj`` (nn.Linear) and ``act_fn`` (SiLU or GELU), e.g. LlamaMLP."""
+        ``up_proj``, ``down_proj`` (nn.Linear, PEFT LoRA layers or other linear modules: see
+        remat.nn.adapters) and ``act_fn`` (SiLU or GELU), e.g. LlamaMLP."""
         for name in ("gate_proj", "up_proj", "down_proj"):
-            if not isinstance(getattr(stock, name, None), nn.Linear):
-                raise TypeError(f"from_module expects a module with nn.Linear {name}, got {type(stock).__name__}")
+            projection_features(getattr(stock, name, None), name, stock)
         activation = activation_of(stock.act_fn) if hasattr(stock, "act_fn") else "silu"
         module = cls(stock.gate_proj.in_features, stock.gate_proj.out_features, bias=False, activation=activation,
                      recompute=recompute, backend=backend, device="meta")
@@ -60,8 +73,12 @@ class SwiGLUMLP(nn.Module):
         return module
 
     def forward(self, x):
-        w = [checks.cast_like(p, x) for p in (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)]
-        b = [checks.cast_like(p, x) for p in (self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)]
+        projections = [read_projection(p) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        if any(p.generic or p.adapters for p in projections):
+            # Adapters or other linear modules: each projection on its own (remat.nn.adapters).
+            gate, up, down = (lambda t, p=p: linear_projection(p, t, self.backend) for p in projections)
+            return down(ACTIVATION_FUNCTIONS[self.activation](gate(x)) * up(x))
+        w, b = weights_like(projections, x)
         return functional.gated_mlp(x, *w, b_gate=b[0], b_up=b[1], b_down=b[2], activation=self.activation,
                                     recompute=self.recompute, backend=self.backend)
 
@@ -103,6 +120,12 @@ class GELUMLP(nn.Module):
         return module
 
     def forward(self, x):
+        projections = [read_projection(p) for p in (self.c_fc, self.c_proj)]
+        if any(p.generic or p.adapters for p in projections):
+            # Adapters or other linear modules: each projection on its own (remat.nn.adapters).
+            approximate = "none" if self.approximate == "none" else "tanh"
+            hidden = nn.functional.gelu(linear_projection(projections[0], x, self.backend), approximate=approximate)
+            return linear_projection(projections[1], hidden, self.backend)
         return functional.gelu_mlp(x, checks.cast_like(self.c_fc.weight, x), checks.cast_like(self.c_fc.bias, x),
                                    checks.cast_like(self.c_proj.weight, x), checks.cast_like(self.c_proj.bias, x),
                                    approximate=self.approximate, recompute=self.recompute, backend=self.backend)

@@ -1,0 +1,171 @@
+"""LoRA branches inside the fused Functions: ``y = base(x) + sum_a scale_a * B_a(A_a(drop_a(x)))``,
+with PEFT's arithmetic (peft 0.21 ``lora.Linear.forward``): x is cast to each adapter's dtype, each
+branch is computed in that dtype, the branches are added to the base output (type promotion: an
+fp32 adapter on a bf16 model adds in fp32) and the sum is rounded once to the base output's dtype.
+
+Recompute contract (DESIGN.md section 2, "projection with LoRA"): a branch keeps nothing per token.
+Its rank-r intermediate ``A(drop(x))`` is recomputed in backward from x (which the enclosing
+Function keeps or recomputes anyway) and its dropout mask from a 16-byte Philox (seed, offset)
+pair drawn per adapter per call; neither is ever stored.
+
+The adapters of one fused block are passed to its Function as a flat tuple of tensors (A ``[r,
+in]``, B ``[out, r]``, B's bias ``[out]`` or None, per adapter) after a static layout, a tuple of
+:class:`LoRASlot` (which projection each adapter belongs to, its scale and dropout probability),
+so autograd returns their gradients like any other input.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from remat.autograd.common import draw_rng_state
+from remat.ops import ops_for
+
+TENSORS_PER_ADAPTER = 3
+
+
+class LoRAAdapter(NamedTuple):
+    """One LoRA adapter of a projection, as the public fused functions take it: ``a`` ``[r, in]``,
+    ``b`` ``[out, r]`` (nn.Linear layout), ``bias`` ``[out]`` or None (PEFT's ``lora_bias``),
+    ``scaling`` (alpha / r, or alpha / sqrt(r) with rsLoRA) and ``dropout_p`` (0 when not
+    training)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    bias: torch.Tensor | None
+    scaling: float
+    dropout_p: float = 0.0
+
+
+class LoRASlot(NamedTuple):
+    """The static part of one adapter inside a fused Function: ``target`` indexes the block's
+    projections (attention: 0 q, 1 k, 2 v; MLP: 0 gate, 1 up, 2 down)."""
+
+    target: int
+    scaling: float
+    dropout_p: float
+
+
+def flatten(adapters_per_target):
+    """``[[LoRAAdapter, ...] per projection]`` -> (layout: tuple of LoRASlot, flat tensors)."""
+    layout, tensors = [], []
+    for target, adapters in enumerate(adapters_per_target):
+        for adapter in adapters or ():
+            layout.append(LoRASlot(target, float(adapter.scaling), float(adapter.dropout_p)))
+            tensors.extend((adapter.a, adapter.b, adapter.bias))
+    return tuple(layout), tuple(tensors)
+
+
+def draw_rngs(layout, device):
+    """One (seed, offset) pair per adapter with dropout (None for the others)."""
+    return [draw_rng_state(device) if slot.dropout_p > 0 else None for slot in layout]
+
+
+def _adapter(tensors, index):
+    return tensors[TENSORS_PER_ADAPTER * index: TENSORS_PER_ADAPTER * (index + 1)]
+
+
+def _dropped(x, slot, rng, backend):
+    """x cast to the adapter's dtype, dropped out with the adapter's Philox mask."""
+    if rng is None:
+        return x
+    return ops_for("dropout", backend).philox_dropout(x.contiguous(), rng, slot.dropout_p)
+
+
+def add_branches(base, x, target, layout, tensors, rngs, backend):
+    """base ``[rows, out]`` + the branches of the adapters of projection ``target`` on x ``[rows,
+    in]``, rounded once to base's dtype (PEFT's order of operations); base itself without any."""
+    result = base
+    for index, slot in enumerate(layout):
+        if slot.target != target:
+            continue
+        a, b, bias = _adapter(tensors, index)
+        dropped = _dropped(x.to(a.dtype), slot, rngs[index], backend)
+        result = result + F.linear(F.linear(dropped, a), b, bias) * slot.scaling
+    return result if result is base else result.to(base.dtype)
+
+
+def branch_input_grad(grad, x_dtype, target, layout, tensors, rngs, backend):
+    """The part of the branches' backward that needs no input: grad ``[rows, out]`` (of the rounded
+    sum, in base's dtype) -> (d x summed over the adapters of projection ``target``, in
+    ``x_dtype``, or None without adapters; {adapter index: d intermediate} for
+    :func:`branch_weight_grads`)."""
+    d_x, d_intermediates = None, {}
+    for index, slot in enumerate(layout):
+        if slot.target != target:
+            continue
+        a, b, _ = _adapter(tensors, index)
+        d_intermediate = (grad.to(b.dtype) * slot.scaling) @ b
+        d_intermediates[index] = d_intermediate
+        d_dropped = d_intermediate @ a
+        if rngs[index] is not None:
+            d_dropped = ops_for("dropout", backend).philox_dropout(d_dropped.contiguous(), rngs[index],
+                                                                   slot.dropout_p)
+        d_dropped = d_dropped.to(x_dtype)
+        d_x = d_dropped if d_x is None else d_x + d_dropped
+    return d_x, d_intermediates
+
+
+def branch_weight_grads(grad, x, d_intermediates, layout, tensors, rngs, needs, backend):
+    """The adapters' gradients {flat tensor index: gradient} for the adapters in
+    ``d_intermediates`` (from :func:`branch_input_grad`), x ``[rows, in]`` their projection's input
+    (kept or recomputed by the caller). The dropped input and the rank-r intermediate are
+    recomputed here; ``needs`` holds the needs_input_grad flags of the flat tensors."""
+    grads = {}
+    for index, d_intermediate in d_intermediates.items():
+        slot = layout[index]
+        a, b, bias = _adapter(tensors, index)
+        first = TENSORS_PER_ADAPTER * index
+        dropped = _dropped(x.to(a.dtype), slot, rngs[index], backend)
+        if needs[first]:
+            grads[first] = d_intermediate.t() @ dropped
+        d_branch = grad.to(b.dtype) * slot.scaling
+        if needs[first + 1]:
+            grads[first + 1] = d_branch.t() @ F.linear(dropped, a)
+        if bias is not None and needs[first + 2]:
+            grads[first + 2] = d_branch.sum(0)
+    return grads
+
+
+def branch_grads(grad, x, target, layout, tensors, rngs, needs, backend):
+    """Both parts of the backward of projection ``target``'s branches: (d x or None, {flat tensor
+    index: gradient})."""
+    d_x, d_intermediates = branch_input_grad(grad, x.dtype, target, layout, tensors, rngs, backend)
+    return d_x, branch_weight_grads(grad, x, d_intermediates, layout, tensors, rngs, needs, backend)
+
+
+def grads_tuple(grads, count):
+    """The flat tensors' gradients in input order (None where not computed)."""
+    return tuple(grads.get(i) for i in range(count))
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """y = x W^T + b + LoRA branches: a projection with adapters on its own (o_proj). Saves x (the
+    attention output, which the attention sub-block keeps anyway: the same storage counts once)
+    and 16 bytes of RNG state per adapter with dropout; backward recomputes each rank-r
+    intermediate. x rows [R, in]; a frozen W (requires_grad False) gets no weight-gradient GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layout, backend, *tensors):
+        rngs = draw_rngs(layout, x.device)
+        y = add_branches(F.linear(x, weight, bias), x, 0, layout, tensors, rngs, backend)
+        ctx.save_for_backward(x, weight, bias, *tensors, *rngs)
+        ctx.layout, ctx.backend = layout, backend
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors
+        x, weight, bias = saved[:3]
+        count = TENSORS_PER_ADAPTER * len(ctx.layout)
+        tensors, rngs = saved[3:3 + count], saved[3 + count:]
+        need = ctx.needs_input_grad
+        dy = dy.contiguous()
+        d_x_lora, grads = branch_grads(dy, x, 0, ctx.layout, tensors, rngs, need[5:], ctx.backend)
+        dx = dy @ weight if need[0] else None
+        if need[0] and d_x_lora is not None:
+            dx = dx + d_x_lora
+        dw = dy.t() @ x if need[1] else None
+        db = dy.sum(0) if bias is not None and need[2] else None
+        return (dx, dw, db, None, None, *grads_tuple(grads, count))

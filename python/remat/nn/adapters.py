@@ -1,0 +1,176 @@
+"""The projections of remat's fused layers, read at forward time, so that whatever wraps them after
+the layer was built (PEFT's ``get_peft_model`` on a patched model) is seen.
+
+A projection (``q_proj``, ``o_proj``, ``gate_proj``, ...) is one of:
+
+- a plain ``nn.Linear`` (its class's forward is ``nn.Linear.forward``, no forward hooks, no
+  instance-level forward): the fused Functions read its ``weight`` and ``bias``;
+- a PEFT LoRA ``lora.Linear`` around a plain ``nn.Linear`` whose active adapters are vanilla LoRA
+  (no DoRA or other variant, plain ``lora_A`` / ``lora_B``, ``nn.Dropout`` or identity dropout):
+  the base weight and bias plus one :class:`remat.autograd.lora.LoRAAdapter` per active adapter,
+  whose branches the fused Functions add with PEFT's arithmetic. Disabled adapters
+  (``disable_adapter()``) and merged weights give the base layer alone, as PEFT's forward does;
+- anything else (a quantized linear such as bitsandbytes' ``Linear4bit``, an ``nn.Linear``
+  subclass with its own forward, a DoRA or other PEFT variant, a module with hooks): *generic*.
+  The layer never reads its ``weight``: the sub-block holding it runs unfused through the
+  modules' own forwards inside ``torch.utils.checkpoint`` (:func:`checkpointed`), keeping only
+  the sub-block's input and re-running it in backward.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from remat import checks, functional
+from remat.autograd.lora import LoRAAdapter
+
+
+class Projection(NamedTuple):
+    """A projection as the fused layers read it: ``weight`` / ``bias`` of the (base) linear and its
+    active LoRA ``adapters``; ``weight`` None for a generic module, run by its own forward."""
+
+    module: nn.Module
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    adapters: tuple
+
+    @property
+    def generic(self):
+        return self.weight is None
+
+
+def _peft_lora_linear():
+    """peft's ``lora.Linear`` class, or None when peft is not installed."""
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:
+        return None
+    return Linear
+
+
+def _no_own_forward(module, base_class):
+    """The module runs ``base_class.forward`` as is: no override, no instance forward, no hooks."""
+    return (type(module).forward is base_class.forward and "forward" not in module.__dict__
+            and not module._forward_hooks and not module._forward_pre_hooks)
+
+
+def is_plain_linear(module):
+    """An ``nn.Linear`` whose forward is ``x W^T + b`` with a float weight remat's kernels take."""
+    return (isinstance(module, nn.Linear) and _no_own_forward(module, nn.Linear)
+            and isinstance(module.weight, torch.Tensor) and module.weight.dtype in checks.SUPPORTED_DTYPES)
+
+
+def read_projection(module):
+    """The :class:`Projection` of ``module`` now (see the module docstring). A PEFT layer whose
+    adapters are disabled while merged is unmerged first, as PEFT's own forward does."""
+    if is_plain_linear(module):
+        return Projection(module, module.weight, module.bias, ())
+    lora = _lora_projection(module)
+    return lora if lora is not None else Projection(module, None, None, ())
+
+
+def _lora_projection(module):
+    lora_linear = _peft_lora_linear()
+    if lora_linear is None or not isinstance(module, lora_linear) or not _no_own_forward(module, lora_linear):
+        return None
+    base = module.base_layer
+    if not is_plain_linear(base) or module.fan_in_fan_out or not getattr(module, "cast_input_dtype_enabled", True):
+        return None
+    if module.disable_adapters:
+        if module.merged:
+            module.unmerge()
+        return Projection(module, base.weight, base.bias, ())
+    if module.merged:
+        return Projection(module, base.weight, base.bias, ())
+    adapters = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if name in module.lora_variant:
+            return None
+        a, b, dropout = module.lora_A[name], module.lora_B[name], module.lora_dropout[name]
+        if not (is_plain_linear(a) and is_plain_linear(b)) or a.weight.dtype != b.weight.dtype:
+            return None
+        if type(dropout) is nn.Dropout:
+            p = dropout.p if dropout.training else 0.0
+        elif type(dropout) is nn.Identity:
+            p = 0.0
+        else:
+            return None
+        adapters.append(LoRAAdapter(a.weight, b.weight, b.bias, float(module.scaling[name]), float(p)))
+    return Projection(module, base.weight, base.bias, tuple(adapters))
+
+
+def projection_features(module, name, owner):
+    """(in_features, out_features) of a projection ``owner.<name>``: an nn.Linear, a PEFT layer
+    around one, or any module with integer ``in_features`` and ``out_features`` (run generically).
+    Anything else raises TypeError."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{type(owner).__name__}.{name} must be a linear module, got {type(module).__name__}")
+    sizes = (getattr(module, "in_features", None), getattr(module, "out_features", None))
+    if not all(isinstance(size, int) and size > 0 for size in sizes):
+        raise TypeError(f"{type(owner).__name__}.{name} must be a linear module with in_features and out_features "
+                        f"(nn.Linear, a PEFT LoRA layer or a quantized linear), got {type(module).__name__}")
+    return sizes
+
+
+def weights_like(projections, x):
+    """(weights, biases) of plain / LoRA projections in x's dtype (differentiable casts)."""
+    return ([checks.cast_like(p.weight, x) for p in projections], [checks.cast_like(p.bias, x) for p in projections])
+
+
+def lora_argument(projections):
+    """The ``lora`` argument of the fused functions: None when no projection has adapters."""
+    if not any(p.adapters for p in projections):
+        return None
+    return tuple(p.adapters for p in projections)
+
+
+def checkpointed(function, *args):
+    """``function(*args)`` under non-reentrant ``torch.utils.checkpoint``: autograd keeps only the
+    inputs and re-runs ``function`` in backward (with the forward's RNG state, so dropout masks
+    repeat); the generic path of the fused layers. Without grad it just runs."""
+    if not torch.is_grad_enabled():
+        return function(*args)
+    return checkpoint(function, *args, use_reentrant=False)
+
+
+def linear_projection(projection, x, backend):
+    """A lone projection (o_proj) of x ``[..., in]``: plain -> F.linear; LoRA -> one Function
+    keeping x and the adapters' RNG state (remat.autograd.lora.LoRALinearFunction); generic ->
+    its own forward under :func:`checkpointed` (keeps x)."""
+    if projection.generic:
+        return checkpointed(projection.module, x)
+    weight, bias = checks.cast_like(projection.weight, x), checks.cast_like(projection.bias, x)
+    if not projection.adapters:
+        return F.linear(x, weight, bias)
+    return functional.lora_linear(x, weight, bias, projection.adapters, backend=backend)
+
+
+def unfused_attention(norm, attention, x, rope, qk_norms=None):
+    """The attention sub-block through the modules' own forwards: ``norm(x)``, q/k/v_proj, the
+    optional per-head norms ``qk_norms = (q_norm, k_norm)``, then remat.attention. o ``[B, N, Hq,
+    D]``; the generic path (run it under :func:`checkpointed`)."""
+    batch, n, _ = x.shape
+    normed = norm(x)
+    q = attention.q_proj(normed).view(batch, n, attention.num_heads, attention.head_dim)
+    k = attention.k_proj(normed).view(batch, n, attention.num_kv_heads, attention.head_dim)
+    v = attention.v_proj(normed).view(batch, n, attention.num_kv_heads, attention.head_dim)
+    if qk_norms is not None:
+        q, k = qk_norms[0](q), qk_norms[1](k)
+    return functional.attention(q, k, v, causal=attention.causal, scale=attention.scale, rope=rope,
+                                dropout_p=attention.dropout if attention.training else 0.0, window=attention.window,
+                                softcap=attention.softcap, backend=attention.backend)
+
+
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+def unfused_gated_mlp(norm, mlp, h):
+    """``down_proj(act(gate_proj(norm(h))) * up_proj(norm(h)))`` through the modules' own
+    forwards; the generic path (run it under :func:`checkpointed`)."""
+    normed = norm(h)
+    return mlp.down_proj(ACTIVATION_FUNCTIONS[mlp.activation](mlp.gate_proj(normed)) * mlp.up_proj(normed))
