@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from remat.models import causal_lm, registry
+from remat.models import causal_lm, outputs, registry
 from remat.models.hf import check_attention_mask
 from remat.nn.layers import LAYER_POLICIES
 
@@ -92,6 +92,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
         raise ValueError("model is already patched; call remat.unpatch(model) first")
     report = PatchReport()
     whole_layers = set(registry.PART_KINDS) <= set(modules)
+    # Hugging Face's output-recording hooks go on the stock modules first, then each replacement
+    # gets its original's (remat.models.outputs): output_hidden_states returns what stock returns.
+    outputs.install_recorders(model)
     _patch_children(model, "", modules, whole_layers, policy, backend, report)
     layers_replaced = bool(report.replaced)
     if "loss" in modules:
@@ -133,6 +136,7 @@ def _patch_children(parent, prefix, modules, whole_layers, policy, backend, repo
             continue
         replacement.train(child.training)
         object.__setattr__(replacement, _ORIGINAL, child)
+        outputs.carry_recorders(replacement, child)
         setattr(parent, name, replacement)
         report.replaced.append((qualified, type(child).__name__, type(replacement).__name__))
 
@@ -206,6 +210,7 @@ def _unpatch_children(parent):
     for name, child in list(parent.named_children()):
         original = child.__dict__.get(_ORIGINAL)
         if original is not None:
+            outputs.drop_recorders(child)
             setattr(parent, name, original)
         else:
             _unpatch_children(child)

@@ -1,0 +1,196 @@
+"""Hugging Face's recorded outputs (``output_hidden_states``, ``output_attentions``,
+``output_router_logits``) on a patched model.
+
+Facts (transformers 5.24, transformers/utils/output_capturing.py): a model whose forward is
+decorated with ``capture_outputs`` records these outputs with forward hooks that it installs, once
+and lazily, on the modules its ``_can_record_outputs`` table names (decoder-layer classes for hidden
+states, attention classes for attentions, router classes for MoE router logits); the hooks append
+to a per-call collector only while one is active. A replacement layer is none of those classes, so
+without help a patched model silently returns fewer hidden states (0 instead of 4 for a 3-layer
+Llama) and no attentions.
+
+What this module does, whatever the family (it reads Hugging Face's own hooks, never a list of
+classes, so families added later, such as mixture-of-experts layers, are covered):
+
+- :func:`install_recorders` (before the swap) makes Hugging Face install its hooks on the stock
+  modules now, where its first ``output_hidden_states=True`` call would, so they exist on the
+  originals (and stay there after :func:`remat.unpatch`).
+- :func:`carry_recorders` (after the swap) gives each replacement the recording hooks its
+  original carried itself (a decoder layer's hidden-state hook: the replacement returns the same
+  hidden states), and those of the original's submodules to the replacement's submodules at the
+  same path that are instances of the same class (a MoE router built as a subclass of the stock
+  router, returning the logits first as stock does). remat's fused attention is no such module and
+  forms no attention probabilities, so the attention hooks have nothing to record. Each replacement then
+  checks, whenever a collector asks for one of those outputs, that every recorder of its original
+  recorded: a key with no carrier raises ValueError before the forward, one whose carrier
+  recorded nothing (an attention replacement returns ``(output, None)``) raises after it. Nothing
+  is returned short silently.
+- :func:`drop_recorders` (before unpatching) removes what :func:`carry_recorders` added.
+"""
+
+import sys
+
+_RECORDER_SOURCE = "transformers.utils.output_capturing"
+_CARRIED = "_remat_recorded_outputs"
+
+_WHY = {
+    "attentions": "remat's fused attention never forms the attention probabilities",
+    "cross_attentions": "remat's fused attention never forms the attention probabilities",
+}
+
+
+def _output_capturing():
+    """transformers' output_capturing module when transformers is already imported (a model that
+    holds Hugging Face modules has imported it), else None."""
+    if "transformers.modeling_utils" not in sys.modules:
+        return None
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:  # a transformers without output capturing (4.x) records nothing by hooks
+        return None
+    return output_capturing
+
+
+def _defined_in_output_capturing(function):
+    """Whether ``function``'s code is in transformers' output_capturing module (read from the code
+    object: ``functools.wraps`` copies ``__module__`` from the wrapped function)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and code.co_filename == sys.modules[_RECORDER_SOURCE].__file__
+
+
+def _is_recorder(hook):
+    return _defined_in_output_capturing(hook)
+
+
+def _recorder_key(hook):
+    """The collector key (``"hidden_states"``, ``"attentions"``, ...) a Hugging Face recording hook
+    appends to: the ``key`` its closure holds."""
+    names = hook.__code__.co_freevars
+    return hook.__closure__[names.index("key")].cell_contents
+
+
+def install_recorders(model):
+    """Installs Hugging Face's output recording hooks in ``model`` now, where Hugging Face would on
+    the first call that asks for an output: for each ``PreTrainedModel`` whose forward is decorated
+    with ``capture_outputs``, outermost first, ``maybe_install_capturing_hooks`` (a no-op where they
+    are installed already). Call before replacing modules, so the hooks land on the stock modules."""
+    capturing = _output_capturing()
+    if capturing is None:
+        return
+    pretrained = sys.modules["transformers.modeling_utils"].PreTrainedModel
+    for module in model.modules():  # pre-order: an outer model before the models it holds
+        if isinstance(module, pretrained) and _captures_outputs(type(module).forward):
+            capturing.maybe_install_capturing_hooks(module)
+
+
+def _captures_outputs(forward):
+    """Whether ``forward`` (through its ``functools.wraps`` chain) is wrapped by ``capture_outputs``."""
+    while forward is not None:
+        if _defined_in_output_capturing(forward):
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
+
+
+def carry_recorders(replacement, original):
+    """Gives ``replacement`` the Hugging Face recording hooks found in ``original``'s subtree, and a
+    check that every one of them records (see the module docstring). A hook on ``original`` itself
+    goes on ``replacement``; one on a submodule goes on the replacement's submodule at the same
+    path when that is an instance of the submodule's class (a MoE router built as a subclass of the
+    stock router), and is kept as it is when the replacement holds that very submodule. Returns the
+    collector keys concerned (empty where the original recorded nothing)."""
+    if _output_capturing() is None:
+        return ()
+    recorders, carried, added_at = {}, set(), []
+    inside = {id(module) for module in replacement.modules()}
+    for path, module in original.named_modules():
+        hooks = [hook for hook in module._forward_hooks.values() if _is_recorder(hook)]
+        if not hooks:
+            continue
+        keys = [_recorder_key(hook) for hook in hooks]
+        for key in keys:  # each recording module records once per call
+            recorders[key] = recorders.get(key, 0) + 1
+        if path and id(module) in inside:
+            carried.update(keys)  # shared module: its hooks are on it already
+            continue
+        target = replacement if not path else _submodule(replacement, path)
+        if target is None or (path and not isinstance(target, type(module))):
+            continue  # nothing in the replacement produces this output: the check refuses it
+        for hook in hooks:
+            target.register_forward_hook(hook)
+        carried.update(keys)
+        added_at.append(path)
+    if not recorders:
+        return ()
+    check = _RecordingCheck(type(original).__name__, type(replacement).__name__, recorders, carried)
+    replacement.register_forward_pre_hook(check.before)
+    replacement.register_forward_hook(check.after)
+    object.__setattr__(replacement, _CARRIED, tuple(added_at))
+    return tuple(sorted(recorders))
+
+
+def _submodule(module, path):
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def drop_recorders(replacement):
+    """Removes what :func:`carry_recorders` registered on ``replacement`` and its submodules (found
+    by path and by the hooks themselves, so a deep copy of a patched model unpatches its own copy)."""
+    added_at = replacement.__dict__.pop(_CARRIED, None)
+    if added_at is None:
+        return
+    for hooks in (replacement._forward_hooks, replacement._forward_pre_hooks):
+        for hook_id, hook in list(hooks.items()):
+            if isinstance(getattr(hook, "__self__", None), _RecordingCheck):
+                del hooks[hook_id]
+    for path in added_at:
+        target = replacement if not path else _submodule(replacement, path)
+        for hook_id, hook in list(target._forward_hooks.items()):
+            if _is_recorder(hook):
+                del target._forward_hooks[hook_id]
+
+
+class _RecordingCheck:
+    """The replacement's forward pre- and post-hooks: while a Hugging Face collector asks for one
+    of the keys the original recorded, a key with no carrier in the replacement raises before the
+    forward, and a key whose list grew by less than the number of the original's recorders
+    raises after it."""
+
+    def __init__(self, original_name, replacement_name, recorders, carried):
+        self.recorders, self.carried = recorders, carried
+        self.names = (original_name, replacement_name)
+        self.lengths = []  # a stack of the collector's list lengths at each forward's start
+
+    def _asked(self):
+        # Hugging Face's per-call collector: a dict of lists by key while a recorded call runs.
+        collected = sys.modules[_RECORDER_SOURCE]._active_collector.get()
+        if not collected:
+            return None, ()
+        return collected, [key for key in self.recorders if key in collected]
+
+    def _refuse(self, key):
+        original, replacement = self.names
+        why = _WHY.get(key, f"{replacement} does not produce what {original}'s '{key}' recorder reads")
+        raise ValueError(f"output_{key} is not available on a remat-patched model: {why}. Call "
+                         f"remat.unpatch(model) to record it, or leave output_{key} off")
+
+    def before(self, module, args):
+        collected, asked = self._asked()
+        if not asked:
+            return
+        for key in asked:
+            if key not in self.carried:
+                self._refuse(key)
+        self.lengths.append({key: len(collected[key]) for key in asked})
+
+    def after(self, module, args, output):
+        collected, asked = self._asked()
+        if not asked or not self.lengths:
+            return
+        start = self.lengths.pop()
+        for key in asked:
+            if len(collected[key]) - start.get(key, 0) < self.recorders[key]:
+                self._refuse(key)
