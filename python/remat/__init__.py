@@ -2,8 +2,10 @@
 recompute the fused intermediates inside the backward kernels."""
 
 from remat import memory, nn
+from remat.autograd.lora import LoRAAdapter
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
 from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
+from remat.checkpoint.model_plan import ModelPlan, plan_model
 from remat.functional import (
     attention,
     dropout,
@@ -12,6 +14,7 @@ from remat.functional import (
     gelu_mlp,
     layer_norm,
     linear_cross_entropy,
+    lora_linear,
     norm_attention,
     norm_gelu_mlp,
     norm_mlp,
@@ -36,13 +39,17 @@ __all__ = [
     "info",
     "layer_norm",
     "linear_cross_entropy",
+    "LoRAAdapter",
+    "lora_linear",
     "memory",
+    "ModelPlan",
     "norm_attention",
     "norm_gelu_mlp",
     "nn",
     "norm_mlp",
     "patch",
     "plan",
+    "plan_model",
     "rms_norm",
     "swiglu_mlp",
     "unpatch",

@@ -18,22 +18,29 @@ from the saved or recomputed q/k by the same norm kernel, so bitwise the forward
 the N x M probabilities, a dropout mask.
 
 Packed sequences (cu_seqlens, B = 1): the same, plus the int32 offsets [S + 1]; lse is [Hq, T].
+
+LoRA adapters on q/k/v (remat.autograd.lora) add no per-token bytes: their branches are part of the
+kept (or recomputed) q, k, v, their rank-r intermediates are recomputed from the normalized input,
+and each adapter with dropout keeps only its 16-byte Philox (seed, offset).
 """
 
 import torch
 import torch.nn.functional as F
 
+from remat.autograd import lora
 from remat.autograd.attention import varlen_rope_tables
 from remat.autograd.common import draw_rng_state, kernel_rope_tables, linear_grads
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.ops import ops_for
 
 
-def _project(normed, weights, biases, shape):
-    """q, k, v = normed @ W^T + b, viewed [B, N, heads, D]."""
+def _project(normed, weights, biases, shape, adapters):
+    """q, k, v = normed @ W^T + b (+ their LoRA branches), viewed [B, N, heads, D]. adapters:
+    (layout, flat tensors, rngs, backend) of remat.autograd.lora."""
     batch, n, hq, hkv, head_dim = shape
     heads = (hq, hkv, hkv)
-    return [F.linear(normed, w, b).view(batch, n, h, head_dim) for w, b, h in zip(weights, biases, heads)]
+    return [lora.add_branches(F.linear(normed, w, b), normed, target, *adapters).view(batch, n, h, head_dim)
+            for target, (w, b, h) in enumerate(zip(weights, biases, heads))]
 
 
 def _head_norm(t, weight, options):
@@ -82,17 +89,22 @@ def _attention_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, rng, options, ba
 class NormAttentionFunction(torch.autograd.Function):
     """o = attention(rope(qn(norm(x) Wq^T + bq)), rope(kn(norm(x) Wk^T + bk)), norm(x) Wv^T + bv),
     with qn / kn the optional per-head norms (identity without ``options.qk_norm``); the
-    non-tensor arguments are one :class:`remat.options.NormAttentionOptions`."""
+    non-tensor arguments are one :class:`remat.options.NormAttentionOptions`. LoRA adapters of the
+    q/k/v projections (remat.autograd.lora) come last: their layout, then their flat tensors; their
+    branches join the projections, are kept inside q, k, v under keep_qkv and recomputed with them
+    otherwise, and their rank-r intermediates are recomputed in backward."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, cos, sin,
-                cu_seqlens, options, backend):
+                cu_seqlens, options, backend, lora_layout=(), *lora_tensors):
         shape, attention = options.shape, options.attention
         batch, n, hq, hkv, head_dim = shape
         rows = x.reshape(batch * n, x.shape[-1])
         normed, mean, rstd = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps,
                                           options.norm_backend)
-        q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape)
+        lora_rngs = lora.draw_rngs(lora_layout, x.device)
+        adapters = (lora_layout, lora_tensors, lora_rngs, options.norm_backend)
+        q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape, adapters)
         del normed
         q_in, k_in = q, k
         if options.qk_norm is not None:
@@ -104,15 +116,17 @@ class NormAttentionFunction(torch.autograd.Function):
         if not options.keep_qkv:
             q = k = v = None
         ctx.save_for_backward(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight,
-                              mean, rstd, q, k, v, o, lse, rng, cos, sin, cu_seqlens)
-        ctx.options, ctx.backend = options, backend
+                              mean, rstd, q, k, v, o, lse, rng, cos, sin, cu_seqlens, *lora_tensors, *lora_rngs)
+        ctx.options, ctx.backend, ctx.lora_layout = options, backend, lora_layout
         return o
 
     @staticmethod
     def backward(ctx, dout):
         (x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, mean, rstd, q, k, v, o,
-         lse, rng, cos, sin, cu_seqlens) = ctx.saved_tensors
-        options, backend = ctx.options, ctx.backend
+         lse, rng, cos, sin, cu_seqlens, *lora_saved) = ctx.saved_tensors
+        options, backend, lora_layout = ctx.options, ctx.backend, ctx.lora_layout
+        lora_count = lora.TENSORS_PER_ADAPTER * len(lora_layout)
+        adapters = (lora_layout, lora_saved[:lora_count], lora_saved[lora_count:], options.norm_backend)
         shape = options.shape
         batch, n, hq, hkv, head_dim = shape
         need = ctx.needs_input_grad
@@ -121,7 +135,7 @@ class NormAttentionFunction(torch.autograd.Function):
         # under keep_qkv=False), freed before the norm backward.
         normed, _, _ = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, options.norm_backend)
         if q is None:
-            q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape)
+            q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape, adapters)
         q_in, k_in = q, k
         if options.qk_norm is not None:
             # The per-head norms and their statistics, recomputed from the pre-norm q and k.
@@ -137,11 +151,15 @@ class NormAttentionFunction(torch.autograd.Function):
             dk, d_k_norm = _head_norm_backward(dk, k, k_norm_weight, k_rstd, options)
         del q, k
         d_normed = None
-        grads = []
-        for grad, weight, bias, need_w, need_b in ((dq, w_q, b_q, need[3], need[6]), (dk, w_k, b_k, need[4], need[7]),
-                                                    (dv, w_v, b_v, need[5], need[8])):
+        grads, lora_grads = [], {}
+        for target, (grad, weight, bias, need_w, need_b) in enumerate(
+                ((dq, w_q, b_q, need[3], need[6]), (dk, w_k, b_k, need[4], need[7]), (dv, w_v, b_v, need[5], need[8]))):
             grad = grad.reshape(batch * n, -1)
             d_in, d_w, d_b = linear_grads(grad, normed, weight, True, need_w, need_b and bias is not None)
+            d_lora, target_grads = lora.branch_grads(grad, normed, target, *adapters[:3], need[17:], adapters[3])
+            if d_lora is not None:
+                d_in = d_in + d_lora
+            lora_grads.update(target_grads)
             d_normed = d_in if d_normed is None else d_normed + d_in
             grads.append((d_w, d_b))
         del normed
@@ -149,4 +167,5 @@ class NormAttentionFunction(torch.autograd.Function):
                                                         options.norm, norm_bias is not None, options.norm_backend)
         return (dx.view(x.shape), d_norm_weight if need[1] else None, d_norm_bias if need[2] else None,
                 grads[0][0], grads[1][0], grads[2][0], grads[0][1], grads[1][1], grads[2][1],
-                d_q_norm if need[9] else None, d_k_norm if need[10] else None, None, None, None, None, None)
+                d_q_norm if need[9] else None, d_k_norm if need[10] else None, None, None, None, None, None, None,
+                *lora.grads_tuple(lora_grads, lora_count))

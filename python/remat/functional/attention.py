@@ -9,6 +9,7 @@ from remat import checks
 from remat.autograd.attention import AttentionFunction, VarlenAttentionFunction
 from remat.autograd.norm_attention import NormAttentionFunction
 from remat.backend import BackendUnavailableError, default_backend, requested_backend, resolve_backend
+from remat.functional.lora import check_lora
 from remat.ops import ops_for
 from remat.ops.attention import aten_unsupported_reason
 from remat.options import AttentionOptions, NormAttentionOptions
@@ -186,7 +187,7 @@ def _attention_options(head_dim, causal, scale, softcap, window, dropout_p, dete
 def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=None, norm_bias=None, b_q=None,
                    b_k=None, b_v=None, norm="rms", eps=None, qk_norm=None, q_norm_weight=None, k_norm_weight=None,
                    qk_eps=None, causal=True, scale=None, rope=None, window=None, softcap=None, dropout_p=0.0,
-                   deterministic=True, keep_qkv=True, backend=None, cu_seqlens=None, max_seqlen=None):
+                   deterministic=True, keep_qkv=True, lora=None, backend=None, cu_seqlens=None, max_seqlen=None):
     """The pre-norm attention sub-block of a transformer layer in one fused Function: the norm, the
     q/k/v projections, rotary embedding and flash attention, up to the attention output (the
     output projection and residual add are the caller's).
@@ -214,6 +215,12 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
             (self-attention: M = N).
         keep_qkv: True keeps q, k, v for backward; False recomputes them there with the three
             projection GEMMs (what a "memory" layer policy does).
+        lora: None, or ``(q_adapters, k_adapters, v_adapters)``, each None or a sequence of
+            :class:`remat.autograd.lora.LoRAAdapter` (``a`` ``[r, H]``, ``b`` ``[width, r]``,
+            optional ``bias``, ``scaling``, ``dropout_p``): LoRA branches
+            ``scaling * b(a(dropout(norm(x))))`` added to that projection with PEFT's arithmetic
+            (see remat.autograd.lora). They are part of q, k, v (kept or recomputed with them);
+            their rank-r intermediates and dropout masks are recomputed in backward, never saved.
         backend: as for :func:`attention`; the projection GEMMs are PyTorch's.
         cu_seqlens: packed sequences (padding-free batches): None (default), or int32 ``[S + 1]``
             offsets on x's device as :func:`attention`'s cu_seqlens_q (from 0, non-decreasing,
@@ -257,6 +264,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         checks.check_weight(b, name, (width,), x, optional=True)
     eps = checks.check_norm(norm, norm_weight, norm_bias, eps, x)
     qk_eps = _check_qk_norm(qk_norm, q_norm_weight, k_norm_weight, qk_eps, head_dim, x)
+    lora_layout, lora_tensors = check_lora(lora, (hidden,) * 3, (q_width, kv_width, kv_width), x, ("q", "k", "v"))
     if cu_seqlens is None and max_seqlen is not None:
         raise ValueError("max_seqlen needs cu_seqlens")
     if cu_seqlens is None:
@@ -272,6 +280,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = rope if rope is not None else (None, None)
+    (_, *lora_tensors), _ = checks.autocast_cast(x, *lora_tensors)
     (x, *params), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v,
                                                       q_norm_weight, k_norm_weight)
     if cu_seqlens is None:
@@ -285,7 +294,8 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
                                    attention_options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen)
     with autocast_off:
-        return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, options, name)
+        return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, options, name, lora_layout,
+                                           *lora_tensors)
 
 
 def _check_qk_norm(qk_norm, q_norm_weight, k_norm_weight, qk_eps, head_dim, x):

@@ -22,11 +22,12 @@ from remat import checks, functional
 from remat.autograd.common import linear_grads
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.backend import resolve_backend
-from remat.models.hf import refuse_kv_cache, rope_type_of
+from remat.models.hf import rope_type_of
 from remat.models.qwen3 import QKNormAttention, attention_from_hf
 from remat.models.registry import Family, Part
+from remat.nn import adapters
 from remat.nn.attention import Attention
-from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, varlen_arguments
 from remat.nn.mlp import SwiGLUMLP
 from remat.ops import ops_for
 
@@ -287,12 +288,15 @@ class GemmaLayer(PreNormDecoderLayer):
         speed = balanced + 2 * element_size * self.mlp.gate_proj.out_features
         return {"memory": memory, "balanced": balanced, "speed": speed}[self.policy]
 
-    def attention_output(self, x, position_ids, position_embeddings):
+    def attention_output(self, x, position_ids, position_embeddings, sequences=None):
         attn, norm = self.self_attn, self.input_layernorm
         rope = attn.rope_for(x.shape[1], x.device, position_ids, position_embeddings)
-        projections = [getattr(attn, f"{p}_proj") for p in "qkv"]
-        weights = [checks.cast_like(p.weight, x) for p in projections]
-        biases = [checks.cast_like(p.bias, x) for p in projections]
+        projections = [adapters.read_projection(getattr(attn, f"{p}_proj")) for p in "qkv"]
+        if any(p.generic for p in projections):
+            qk_norms = (attn.q_norm, attn.k_norm) if isinstance(attn, QKNormAttention) else None
+            return adapters.checkpointed(
+                lambda t: adapters.unfused_attention(norm, attn, t, rope, qk_norms, sequences), x)
+        weights, biases = adapters.weights_like(projections, x)
         qk = {}
         if isinstance(attn, QKNormAttention):
             qk = dict(qk_norm=attn.qk_norm, q_norm_weight=checks.vector_like(attn.q_norm.weight, x),
@@ -301,14 +305,16 @@ class GemmaLayer(PreNormDecoderLayer):
             x, checks.vector_like(norm.weight, x), *weights, b_q=biases[0], b_k=biases[1], b_v=biases[2],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="gemma", eps=norm.eps, **qk,
             causal=attn.causal, scale=attn.scale, rope=rope, window=attn.window, softcap=attn.softcap,
-            dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv, backend=attn.backend)
+            dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv,
+            lora=adapters.lora_argument(projections), backend=attn.backend, **varlen_arguments(sequences))
 
     def out_proj(self, o):
         """o_proj, then the sandwich post-norm ``post_attention_layernorm`` (before the residual
         add); under the memory policy one Function that recomputes o_proj's output in backward."""
-        o_proj, norm = self.self_attn.o_proj, self.post_attention_layernorm
-        if self.policy != "memory":
-            return norm(nn.functional.linear(o, checks.cast_like(o_proj.weight, o), checks.cast_like(o_proj.bias, o)))
+        o_proj, norm = adapters.read_projection(self.self_attn.o_proj), self.post_attention_layernorm
+        if self.policy != "memory" or o_proj.generic or o_proj.adapters:
+            # With adapters or another linear module, the post-norm keeps its input (one [h] per token).
+            return norm(adapters.linear_projection(o_proj, o, self.backend))
         rows = checks.as_rows(o)
         name = resolve_backend(self.backend, o)
         (rows, *params), autocast_off = checks.autocast_cast(rows, o_proj.weight, o_proj.bias,
@@ -323,9 +329,13 @@ class GemmaLayer(PreNormDecoderLayer):
         sandwich post-norm ``post_feedforward_layernorm``; under the memory policy all of it is one
         Function keeping h and two fp32 rstd."""
         mlp, norm, post = self.mlp, self.pre_feedforward_layernorm, self.post_feedforward_layernorm
-        weights = [checks.cast_like(p.weight, h) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-        biases = [p.bias for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-        if self.policy == "memory" and all(b is None for b in biases):
+        projections = [adapters.read_projection(getattr(mlp, f"{p}_proj")) for p in ("gate", "up", "down")]
+        if any(p.generic for p in projections):
+            return adapters.checkpointed(lambda t: post(adapters.unfused_gated_mlp(norm, mlp, t)), h)
+        weights, _ = adapters.weights_like(projections, h)
+        biases = [p.bias for p in projections]
+        lora = adapters.lora_argument(projections)
+        if self.policy == "memory" and all(b is None for b in biases) and lora is None:
             checks.check_input(h)
             name = resolve_backend(self.backend, h)
             (rows, *params), autocast_off = checks.autocast_cast(
@@ -336,19 +346,15 @@ class GemmaLayer(PreNormDecoderLayer):
         m = functional.norm_mlp(
             h, checks.vector_like(norm.weight, h), *weights, norm="gemma", eps=norm.eps, activation=mlp.activation,
             b_gate=checks.cast_like(biases[0], h), b_up=checks.cast_like(biases[1], h),
-            b_down=checks.cast_like(biases[2], h), recompute=self.mlp_recompute, backend=self.backend)
+            b_down=checks.cast_like(biases[2], h), recompute=self.mlp_recompute, lora=lora, backend=self.backend)
+        # With adapters under the memory policy, the post-norm keeps its input (one [h] per token).
         return post(m)
 
 
 class HFGemmaLayer(GemmaLayer):
-    """remat.nn.GemmaLayer taking a Hugging Face Gemma 2 / Gemma 3 decoder layer's arguments; the 4-D
-    mask the model builds is not read (remat.patch has checked the model's 2-D mask; the layer's
-    causal mask and sliding window are its own)."""
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
-                **kwargs):
-        refuse_kv_cache(dict(kwargs, cache=cache))
-        return super().forward(hidden_states, position_ids=position_ids, position_embeddings=position_embeddings)
+    """remat.nn.GemmaLayer in a Hugging Face model: the same forward, which takes a Gemma 2 / Gemma 3
+    decoder layer's arguments (the 2-D padding mask a patched model builds, packed-row offsets)
+    and, with a KV cache, runs the replaced stock layer (see PreNormDecoderLayer.forward)."""
 
 
 FAMILY = Family(

@@ -1,15 +1,17 @@
 """The GPT-2 family: Hugging Face ``GPT2Block`` as :class:`GPT2Layer` (pre-LayerNorm causal
 attention with biases, GELU-tanh MLP, residual dropout), with its Conv1D ``[in, out]`` weights used
 as they are (transposed views, no copies). GPT-2's attention and MLP are replaced only as part of
-a whole block."""
+a whole block. A projection that is not a plain Conv1D (a PEFT LoRA layer, another module) makes
+its sub-block run through the modules' own forwards under checkpoint (the generic path of
+remat.nn.adapters: the sub-block keeps only its input and re-runs in backward)."""
 
 import torch
 from torch import nn
 
 from remat import checks, functional
-from remat.models.hf import refuse_kv_cache
 from remat.models.registry import Family
-from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
+from remat.nn import adapters
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, varlen_arguments
 from remat.nn.norm import LayerNorm
 
 
@@ -106,7 +108,9 @@ class GPT2Layer(PreNormDecoderLayer):
         speed = balanced + element_size * intermediate
         return {"memory": memory, "balanced": balanced, "speed": speed}[self.policy]
 
-    def attention_output(self, x, position_ids, position_embeddings):
+    def attention_output(self, x, position_ids, position_embeddings, sequences=None):
+        if not _is_plain_conv1d(self.attn.c_attn):
+            return adapters.checkpointed(lambda t: self._unfused_attention_output(t, sequences), x)
         hidden = x.shape[-1]
         c_attn = self.attn.c_attn
         if hidden != c_attn.weight.shape[0]:
@@ -120,14 +124,31 @@ class GPT2Layer(PreNormDecoderLayer):
             x, checks.vector_like(self.ln_1.weight, x), *weights, norm_bias=checks.vector_like(self.ln_1.bias, x),
             b_q=biases[0], b_k=biases[1], b_v=biases[2], num_heads=self.num_heads, norm="layer",
             eps=float(self.ln_1.eps), causal=True, dropout_p=self.attention_dropout if self.training else 0.0,
-            keep_qkv=self.keeps_qkv, backend=self.backend)
+            keep_qkv=self.keeps_qkv, backend=self.backend, **varlen_arguments(sequences))
+
+    def _unfused_attention_output(self, x, sequences):
+        """The attention sub-block through the modules' own forwards (a c_attn with LoRA or another
+        module: the generic path of remat.nn.adapters, run under checkpoint)."""
+        batch, n, hidden = x.shape
+        head_dim = hidden // self.num_heads
+        q, k, v = (t.reshape(batch, n, self.num_heads, head_dim) for t in self.attn.c_attn(self.ln_1(x)).split(
+            hidden, dim=-1))
+        return adapters.attend(q, k, v, sequences, causal=True,
+                               dropout_p=self.attention_dropout if self.training else 0.0, backend=self.backend)
 
     def out_proj(self, o):
         c_proj = self.attn.c_proj
+        if not _is_plain_conv1d(c_proj):
+            return adapters.checkpointed(c_proj, o)
         return nn.functional.linear(o, checks.cast_like(c_proj.weight, o).t(), checks.cast_like(c_proj.bias, o))
 
     def mlp_block(self, h):
         c_fc, c_proj = self.mlp.c_fc, self.mlp.c_proj
+        if not (_is_plain_conv1d(c_fc) and _is_plain_conv1d(c_proj)):
+            # Adapters or other modules: the generic path of remat.nn.adapters.
+            approximate = "none" if self.approximate == "none" else "tanh"
+            return adapters.checkpointed(
+                lambda t: c_proj(nn.functional.gelu(c_fc(self.ln_2(t)), approximate=approximate)), h)
         return functional.norm_gelu_mlp(
             h, checks.vector_like(self.ln_2.weight, h), checks.vector_like(self.ln_2.bias, h),
             checks.cast_like(c_fc.weight, h).t(), checks.cast_like(c_fc.bias, h),
@@ -135,15 +156,22 @@ class GPT2Layer(PreNormDecoderLayer):
             approximate=self.approximate, recompute=self.mlp_recompute, backend=self.backend)
 
 
+def _is_plain_conv1d(module):
+    """A GPT-2 Conv1D (``x @ weight + bias``, Hugging Face's or remat's) run as is: no PEFT wrapper,
+    no instance forward, no hooks."""
+    return (type(module).__name__ == "Conv1D" and "forward" not in module.__dict__ and not module._forward_hooks
+            and not module._forward_pre_hooks and isinstance(getattr(module, "weight", None), torch.Tensor))
+
+
 class HFGPT2Layer(GPT2Layer):
-    """remat.nn.GPT2Layer taking a Hugging Face GPT2Block's arguments (the 4-D mask is not read;
-    remat.patch has checked the model's 2-D mask)."""
+    """remat.nn.GPT2Layer taking a Hugging Face GPT2Block's arguments: the 2-D padding mask a patched
+    model builds, ``position_ids`` (packed rows), packed-row offsets; with a KV cache it runs the
+    replaced stock block (see PreNormDecoderLayer.forward)."""
 
     def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None, **kwargs):
-        refuse_kv_cache(dict(kwargs, cache=cache))
         if encoder_hidden_states is not None:
             raise ValueError("remat's GPT2Layer has no cross-attention (encoder_hidden_states)")
-        return super().forward(hidden_states)
+        return super().forward(hidden_states, attention_mask=attention_mask, cache=cache, **kwargs)
 
 
 FAMILY = Family(

@@ -6,13 +6,20 @@ Only these classes are taken: look-alikes whose computation differs (Qwen3's q/k
 mean-centred norm, non-causal vision attention) are other families.
 """
 
-from torch import nn
-
 from remat import checks, functional
-from remat.models.hf import is_hf_rms_norm, refuse_kv_cache
+from remat.models.hf import is_hf_rms_norm, refuse_static_cache, run_stock_layer
 from remat.models.registry import Family, Part
+from remat.nn import adapters
 from remat.nn.attention import Attention
-from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
+from remat.nn.layers import (
+    LAYER_POLICIES,
+    OFFSET_ARGUMENTS,
+    PreNormDecoderLayer,
+    pack_sequences,
+    sequence_layout,
+    unpack_sequences,
+    varlen_arguments,
+)
 from remat.nn.mlp import SwiGLUMLP
 from remat.nn.norm import RMSNorm
 
@@ -99,18 +106,31 @@ class LlamaLayer(PreNormDecoderLayer):
         speed = balanced + 2 * element_size * self.mlp.gate_proj.out_features
         return {"memory": memory, "balanced": balanced, "speed": speed}[self.policy]
 
-    def attention_output(self, x, position_ids, position_embeddings):
+    def saved_bytes_per_call(self):
+        """The per-call extras of one training forward, now: 16 bytes of Philox state with attention
+        dropout and per active LoRA adapter with dropout (remat.nn.adapters); the rope tables not
+        included."""
+        attention_dropout = 16 if self.training and self.self_attn.dropout > 0 else 0
+        projections = [getattr(self.self_attn, f"{p}_proj") for p in "qkvo"]
+        projections += [getattr(self.mlp, f"{p}_proj") for p in ("gate", "up", "down")]
+        return attention_dropout + adapters.lora_bytes_per_call(projections)
+
+    def attention_output(self, x, position_ids, position_embeddings, sequences=None):
         attn, norm = self.self_attn, self.input_layernorm
         rope = attn.rope_for(x.shape[1], x.device, position_ids, position_embeddings)
-        projections = [getattr(attn, f"{p}_proj") for p in "qkv"]
-        weights = [checks.cast_like(p.weight, x) for p in projections]
-        biases = [checks.cast_like(p.bias, x) for p in projections]
+        projections = [adapters.read_projection(getattr(attn, f"{p}_proj")) for p in "qkv"]
+        if any(p.generic for p in projections):
+            qk_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
+            return adapters.checkpointed(
+                lambda t: adapters.unfused_attention(norm, attn, t, rope, qk_norms, sequences), x)
+        weights, biases = adapters.weights_like(projections, x)
         return functional.norm_attention(
             x, checks.vector_like(norm.weight, x), *weights, b_q=biases[0], b_k=biases[1], b_v=biases[2],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="rms", eps=norm.eps_for(x),
             causal=attn.causal, scale=attn.scale, rope=rope, window=attn.window, softcap=attn.softcap,
-            dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv, backend=attn.backend,
-            **self.extra_attention_arguments(x))
+            dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv,
+            lora=adapters.lora_argument(projections), backend=attn.backend, **self.extra_attention_arguments(x),
+            **varlen_arguments(sequences))
 
     def extra_attention_arguments(self, x):
         """Further keyword arguments of functional.norm_attention for input x (none here; Qwen3 adds
@@ -118,36 +138,48 @@ class LlamaLayer(PreNormDecoderLayer):
         return {}
 
     def out_proj(self, o):
-        o_proj = self.self_attn.o_proj
-        return nn.functional.linear(o, checks.cast_like(o_proj.weight, o), checks.cast_like(o_proj.bias, o))
+        return adapters.linear_projection(adapters.read_projection(self.self_attn.o_proj), o, self.backend)
 
     def mlp_block(self, h):
         mlp, norm = self.mlp, self.post_attention_layernorm
+        projections = [adapters.read_projection(getattr(mlp, f"{p}_proj")) for p in ("gate", "up", "down")]
+        if any(p.generic for p in projections):
+            return adapters.checkpointed(lambda t: adapters.unfused_gated_mlp(norm, mlp, t), h)
+        (w_gate, w_up, w_down), (b_gate, b_up, b_down) = adapters.weights_like(projections, h)
         return functional.norm_mlp(
-            h, checks.vector_like(norm.weight, h), checks.cast_like(mlp.gate_proj.weight, h),
-            checks.cast_like(mlp.up_proj.weight, h), checks.cast_like(mlp.down_proj.weight, h), norm="rms",
-            eps=norm.eps_for(h), activation=mlp.activation, b_gate=checks.cast_like(mlp.gate_proj.bias, h),
-            b_up=checks.cast_like(mlp.up_proj.bias, h), b_down=checks.cast_like(mlp.down_proj.bias, h),
-            recompute=self.mlp_recompute, backend=self.backend)
+            h, checks.vector_like(norm.weight, h), w_gate, w_up, w_down, norm="rms", eps=norm.eps_for(h),
+            activation=mlp.activation, b_gate=b_gate, b_up=b_up, b_down=b_down, recompute=self.mlp_recompute,
+            lora=adapters.lora_argument(projections), backend=self.backend)
 
 
 class HFLlamaLayer(LlamaLayer):
-    """remat.nn.LlamaLayer taking a Hugging Face decoder layer's arguments; the 4-D mask the model
-    builds is not read (remat.patch has checked the model's 2-D mask)."""
-
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
-        refuse_kv_cache(kwargs)
-        return super().forward(hidden_states, position_ids=position_ids, position_embeddings=position_embeddings)
+    """remat.nn.LlamaLayer in a Hugging Face model: the same forward, which takes the decoder layer's
+    arguments (the 2-D padding mask a patched model builds, position embeddings, packed-row
+    offsets) and, with a KV cache, runs the replaced stock layer (see PreNormDecoderLayer.forward)."""
 
 
 class HFAttention(Attention):
     """remat.nn.Attention with Hugging Face's attention calling convention:
     ``forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs) ->
-    (output, None)``. The mask is checked at the model (see remat.patch)."""
+    (output, None)``. ``attention_mask``: None or the 2-D padding mask a patched model builds
+    (rows' real tokens then run packed, as do rows whose ``position_ids`` restart, or Hugging
+    Face's ``cu_seq_lens_q/k``; pad positions give 0). With a KV cache (``cache``) the replaced
+    stock attention runs instead, attending through remat's attention (generation)."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        refuse_kv_cache(kwargs)
-        return super().forward(hidden_states, position_embeddings=position_embeddings), None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None:
+            refuse_static_cache(cache)
+            return run_stock_layer(self, hidden_states, position_embeddings=position_embeddings,
+                                   attention_mask=attention_mask, **kwargs)
+        position_ids = kwargs.get("position_ids")
+        batch, n = hidden_states.shape[:2]
+        layout = sequence_layout(batch, n, attention_mask, position_ids, **{k: kwargs.get(k) for k in OFFSET_ARGUMENTS})
+        if layout is None:
+            return super().forward(hidden_states, position_embeddings=position_embeddings), None
+        x, position_ids, position_embeddings = pack_sequences(hidden_states, position_ids, position_embeddings, layout)
+        y = super().forward(x, position_ids, position_embeddings, sequences=(layout.cu_seqlens, layout.max_seqlen))
+        return unpack_sequences(y, layout, hidden_states.new_zeros(batch, n, y.shape[-1])), None
 
 
 def _rms_norm(stock, *, backend):

@@ -4,6 +4,11 @@ gate/up projections are one ``gate_up_proj`` (rows ``[gate: I | up: I]``), used 
 fused sub-blocks take row slices of those weights (views, no copies; ``state_dict`` unchanged).
 Residual dropout (``resid_pdrop``) after each sub-block, as Phi-3 has, with Philox masks.
 
+A ``qkv_proj`` or ``gate_up_proj`` that is not a plain nn.Linear (a PEFT LoRA layer, a quantized
+linear) makes its sub-block run through the modules' own forwards under checkpoint (the generic
+path of remat.nn.adapters: the sub-block keeps only its input and re-runs in backward, whatever
+the policy); ``o_proj`` with LoRA runs remat.lora_linear.
+
 Partial rotary embedding (``partial_rotary_factor < 1``: only the first ``r`` features of a head
 rotate, in pairs ``(i, i + r/2)``) is refused: remat's rope kernels rotate the whole head (pairs
 ``(i, i + D/2)``). Phi-3's attention and MLP are replaced only as part of a whole layer.
@@ -12,11 +17,12 @@ rotate, in pairs ``(i, i + r/2)``) is refused: remat's rope kernels rotate the w
 from torch import nn
 
 from remat import checks, functional
-from remat.models.hf import is_hf_rms_norm, refuse_kv_cache, rope_type_of, sliding_window_of
+from remat.models.hf import is_hf_rms_norm, rope_type_of, sliding_window_of
 from remat.models.llama import _rms_norm
 from remat.models.registry import Family, Part
+from remat.nn import adapters
 from remat.nn.attention import Attention
-from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, varlen_arguments
 from remat.nn.mlp import activation_of
 from remat.nn.norm import RMSNorm
 from remat.ops.mlp import ACTIVATIONS
@@ -152,8 +158,7 @@ class Phi3Layer(PreNormDecoderLayer):
                 raise TypeError(f"from_module expects a decoder layer with {name}, got {type(stock).__name__}")
         attn, mlp = stock.self_attn, stock.mlp
         for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
-            if not isinstance(getattr(owner, name, None), nn.Linear):
-                raise TypeError(f"from_module expects a Phi-3 layer with nn.Linear {name}, got {type(stock).__name__}")
+            adapters.projection_features(getattr(owner, name, None), name, owner)
         config = attn.config
         rope = getattr(config, "rope_parameters", None) or {}
         partial = float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
@@ -201,22 +206,25 @@ class Phi3Layer(PreNormDecoderLayer):
         speed = balanced + 2 * element_size * self.mlp.intermediate
         return {"memory": memory, "balanced": balanced, "speed": speed}[self.policy]
 
-    def attention_output(self, x, position_ids, position_embeddings):
+    def attention_output(self, x, position_ids, position_embeddings, sequences=None):
         attn, norm = self.self_attn, self.input_layernorm
         rope = attn.rope_for(x.shape[1], x.device, position_ids, position_embeddings)
+        if not adapters.is_plain_linear(attn.qkv_proj):
+            return adapters.checkpointed(lambda t: _unfused_attention(norm, attn, t, rope, sequences), x)
         weights, biases = attn.qkv_weights(x)
         return functional.norm_attention(
             x, checks.vector_like(norm.weight, x), *weights, b_q=biases[0], b_k=biases[1], b_v=biases[2],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="rms", eps=norm.eps_for(x), causal=True,
             scale=attn.scale, rope=rope, window=attn.window, dropout_p=attn.dropout if attn.training else 0.0,
-            keep_qkv=self.keeps_qkv, backend=attn.backend)
+            keep_qkv=self.keeps_qkv, backend=attn.backend, **varlen_arguments(sequences))
 
     def out_proj(self, o):
-        o_proj = self.self_attn.o_proj
-        return nn.functional.linear(o, checks.cast_like(o_proj.weight, o), checks.cast_like(o_proj.bias, o))
+        return adapters.linear_projection(adapters.read_projection(self.self_attn.o_proj), o, self.backend)
 
     def mlp_block(self, h):
         mlp, norm = self.mlp, self.post_attention_layernorm
+        if not (adapters.is_plain_linear(mlp.gate_up_proj) and adapters.is_plain_linear(mlp.down_proj)):
+            return adapters.checkpointed(lambda t: _unfused_mlp(norm, mlp, t), h)
         w_gate, w_up, b_gate, b_up = mlp.gate_up_weights(h)
         return functional.norm_mlp(
             h, checks.vector_like(norm.weight, h), w_gate, w_up, checks.cast_like(mlp.down_proj.weight, h), norm="rms",
@@ -224,15 +232,28 @@ class Phi3Layer(PreNormDecoderLayer):
             b_down=checks.cast_like(mlp.down_proj.bias, h), recompute=self.mlp_recompute, backend=self.backend)
 
 
-class HFPhi3Layer(Phi3Layer):
-    """remat.nn.Phi3Layer taking a Hugging Face ``Phi3DecoderLayer``'s arguments; the 4-D mask the
-    model builds is not read (remat.patch has checked the model's 2-D mask; the layer's causal
-    mask and sliding window are its own)."""
+def _unfused_attention(norm, attn, x, rope, sequences):
+    """The attention sub-block through the modules' own forwards (a qkv_proj with LoRA or another
+    linear module; the generic path of remat.nn.adapters, run under checkpoint)."""
+    batch, n, _ = x.shape
+    q_width, kv_width = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    q, k, v = attn.qkv_proj(norm(x)).split((q_width, kv_width, kv_width), dim=-1)
+    q = q.reshape(batch, n, attn.num_heads, attn.head_dim)
+    k, v = (t.reshape(batch, n, attn.num_kv_heads, attn.head_dim) for t in (k, v))
+    return adapters.attend(q, k, v, sequences, causal=True, scale=attn.scale, rope=rope,
+                           dropout_p=attn.dropout if attn.training else 0.0, window=attn.window, backend=attn.backend)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                position_embeddings=None, **kwargs):
-        refuse_kv_cache(dict(kwargs, cache=cache, use_cache=use_cache))
-        return super().forward(hidden_states, position_ids=position_ids, position_embeddings=position_embeddings)
+
+def _unfused_mlp(norm, mlp, h):
+    """The MLP sub-block through the modules' own forwards (the generic path)."""
+    gate, up = mlp.gate_up_proj(norm(h)).chunk(2, dim=-1)
+    return mlp.down_proj(adapters.ACTIVATION_FUNCTIONS[mlp.activation](gate) * up)
+
+
+class HFPhi3Layer(Phi3Layer):
+    """remat.nn.Phi3Layer in a Hugging Face model: the same forward, which takes a
+    ``Phi3DecoderLayer``'s arguments (the 2-D padding mask a patched model builds, packed-row
+    offsets) and, with a KV cache, runs the replaced stock layer (see PreNormDecoderLayer.forward)."""
 
 
 FAMILY = Family(

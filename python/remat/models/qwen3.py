@@ -12,9 +12,10 @@ Face attention module, sharing its parameters.
 from torch import nn
 
 from remat import checks, functional
-from remat.models.hf import is_hf_rms_norm, refuse_kv_cache, rope_type_of, sliding_window_of
+from remat.models.hf import is_hf_rms_norm, rope_type_of, sliding_window_of
 from remat.models.llama import LlamaLayer, _rms_norm
 from remat.models.registry import Family, Part
+from remat.nn import adapters
 from remat.nn.attention import Attention
 from remat.nn.mlp import SwiGLUMLP
 from remat.nn.norm import RMSNorm
@@ -46,7 +47,7 @@ class QKNormAttention(Attention):
     def forward(self, x, position_ids=None, position_embeddings=None):
         checks.check_hidden_states(x)
         batch, n, _ = x.shape
-        q, k, v = (nn.functional.linear(x, checks.cast_like(p.weight, x), checks.cast_like(p.bias, x))
+        q, k, v = (adapters.linear_projection(adapters.read_projection(p), x, self.backend)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
         q = self.q_norm(q.view(batch, n, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(batch, n, self.num_kv_heads, self.head_dim))
@@ -56,7 +57,7 @@ class QKNormAttention(Attention):
             dropout_p=self.dropout if self.training else 0.0, rope=rope, window=self.window, softcap=self.softcap,
             backend=self.backend)
         o = o.reshape(batch, n, self.num_heads * self.head_dim)
-        return nn.functional.linear(o, checks.cast_like(self.o_proj.weight, o), checks.cast_like(self.o_proj.bias, o))
+        return adapters.linear_projection(adapters.read_projection(self.o_proj), o, self.backend)
 
 
 def _gemma_norm_class():
@@ -67,15 +68,15 @@ def _gemma_norm_class():
 
 def attention_from_hf(stock, *, qk_norm=None, rope_theta=None, rope_type=None, softcap=None, backend=None):
     """A remat attention module sharing the projections (and q/k norms) of a Hugging Face attention
-    module with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (nn.Linear) and a ``config``:
+    module with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (nn.Linear, PEFT LoRA layers or other
+    linear modules: see remat.nn.adapters) and a ``config``:
     :class:`QKNormAttention` with ``qk_norm`` ("rms" or "gemma"; the module's ``q_norm`` and
     ``k_norm`` then share their weights), else remat.nn.Attention. Heads, head dim, the scale
     (``stock.scaling``), dropout, causality and the sliding window of this layer (from
     ``config.layer_types``) are read from the module; rope_theta / rope_type default to the
     config's (``rope_parameters``)."""
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if not isinstance(getattr(stock, name, None), nn.Linear):
-            raise TypeError(f"expected an attention module with nn.Linear {name}, got {type(stock).__name__}")
+        adapters.projection_features(getattr(stock, name, None), name, stock)
     config = getattr(stock, "config", None)
     if config is None:
         raise TypeError(f"expected a Hugging Face attention module with a config, got {type(stock).__name__}")
@@ -184,14 +185,9 @@ class Qwen3Layer(LlamaLayer):
 
 
 class HFQwen3Layer(Qwen3Layer):
-    """remat.nn.Qwen3Layer taking a Hugging Face ``Qwen3DecoderLayer``'s arguments; the 4-D mask the
-    model builds is not read (remat.patch has checked the model's 2-D mask; the layer's causal
-    mask and sliding window are its own)."""
-
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                position_embeddings=None, **kwargs):
-        refuse_kv_cache(dict(kwargs, cache=cache, use_cache=use_cache))
-        return super().forward(hidden_states, position_ids=position_ids, position_embeddings=position_embeddings)
+    """remat.nn.Qwen3Layer in a Hugging Face model: the same forward, which takes a
+    ``Qwen3DecoderLayer``'s arguments (the 2-D padding mask a patched model builds, packed-row
+    offsets) and, with a KV cache, runs the replaced stock layer (see PreNormDecoderLayer.forward)."""
 
 
 FAMILY = Family(

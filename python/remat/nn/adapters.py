@@ -150,10 +150,12 @@ def linear_projection(projection, x, backend):
     return functional.lora_linear(x, weight, bias, projection.adapters, backend=backend)
 
 
-def unfused_attention(norm, attention, x, rope, qk_norms=None):
+def unfused_attention(norm, attention, x, rope, qk_norms=None, sequences=None):
     """The attention sub-block through the modules' own forwards: ``norm(x)``, q/k/v_proj, the
     optional per-head norms ``qk_norms = (q_norm, k_norm)``, then remat.attention. o ``[B, N, Hq,
-    D]``; the generic path (run it under :func:`checkpointed`)."""
+    D]``; the generic path (run it under :func:`checkpointed`). ``sequences``: None or
+    ``(cu_seqlens, max_seqlen)`` of a packed row x ``[1, T, hidden]`` (see
+    remat.nn.layers.PreNormDecoderLayer.attention_output)."""
     batch, n, _ = x.shape
     normed = norm(x)
     q = attention.q_proj(normed).view(batch, n, attention.num_heads, attention.head_dim)
@@ -161,9 +163,19 @@ def unfused_attention(norm, attention, x, rope, qk_norms=None):
     v = attention.v_proj(normed).view(batch, n, attention.num_kv_heads, attention.head_dim)
     if qk_norms is not None:
         q, k = qk_norms[0](q), qk_norms[1](k)
-    return functional.attention(q, k, v, causal=attention.causal, scale=attention.scale, rope=rope,
-                                dropout_p=attention.dropout if attention.training else 0.0, window=attention.window,
-                                softcap=attention.softcap, backend=attention.backend)
+    return attend(q, k, v, sequences, causal=attention.causal, scale=attention.scale, rope=rope,
+                  dropout_p=attention.dropout if attention.training else 0.0, window=attention.window,
+                  softcap=attention.softcap, backend=attention.backend)
+
+
+def attend(q, k, v, sequences, **options):
+    """remat.attention of q ``[B, N, Hq, D]``, k, v; with ``sequences = (cu_seqlens, max_seqlen)``
+    (B = 1, a packed row) as variable-length attention over those sequences."""
+    if sequences is None:
+        return functional.attention(q, k, v, **options)
+    cu_seqlens, max_seqlen = sequences
+    return functional.attention(q[0], k[0], v[0], cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, **options)[None]
 
 
 ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
@@ -174,3 +186,9 @@ def unfused_gated_mlp(norm, mlp, h):
     forwards; the generic path (run it under :func:`checkpointed`)."""
     normed = norm(h)
     return mlp.down_proj(ACTIVATION_FUNCTIONS[mlp.activation](mlp.gate_proj(normed)) * mlp.up_proj(normed))
+
+
+def lora_bytes_per_call(modules):
+    """Bytes the LoRA branches of ``modules`` (projections) keep per call: 16 (a Philox seed and
+    offset) per active adapter with dropout; nothing per token."""
+    return 16 * sum(adapter.dropout_p > 0 for module in modules for adapter in read_projection(module).adapters)

@@ -6,13 +6,16 @@ from torch import nn
 
 from remat import checks, functional
 from remat.models.hf import rope_type_of, sliding_window_of
+from remat.nn.adapters import linear_projection, projection_features, read_projection
 
 
 class Attention(nn.Module):
     """Self-attention with the parameter names of Hugging Face's ``LlamaAttention``: ``q_proj``
     (``[Hq * D, hidden]``), ``k_proj``, ``v_proj`` (``[Hkv * D, hidden]``) and ``o_proj``
     (``[hidden, Hq * D]``), running :func:`remat.attention` (flash attention; the probabilities are
-    recomputed in backward, never stored).
+    recomputed in backward, never stored). The projections are read at each call (remat.nn.adapters):
+    PEFT LoRA layers add their branches (remat.lora_linear), other linear modules run their own
+    forward under checkpoint.
 
     Args:
         hidden: model width.
@@ -29,10 +32,12 @@ class Attention(nn.Module):
         softcap: logit softcap, default None. scale: default ``1 / sqrt(D)``.
         backend: remat backend name or None.
 
-    ``forward(x, position_ids=None, position_embeddings=None)``: x ``[B, N, hidden]``;
+    ``forward(x, position_ids=None, position_embeddings=None, sequences=None)``: x ``[B, N, hidden]``;
     ``position_ids`` ``[B, N]`` or ``[N]`` (default ``0 .. N - 1``) for the built-in rotary
     tables; ``position_embeddings=(cos, sin)`` (e.g. from a Hugging Face rotary module) overrides
-    them. Returns ``[B, N, hidden]``.
+    them. ``sequences``: None, or ``(cu_seqlens, max_seqlen)`` (int32 offsets, an int) when x is
+    one packed row ``[1, T, hidden]`` of sequences that attend only within themselves (rope tables
+    then per token, ``[1, T, ...]``). Returns ``[B, N, hidden]``.
     """
 
     def __init__(self, hidden, num_heads, num_kv_heads=None, head_dim=None, bias=False, rope_theta=None, dropout=0.0,
@@ -64,12 +69,12 @@ class Attention(nn.Module):
     @classmethod
     def from_module(cls, stock, *, num_heads=None, num_kv_heads=None, rope_theta=None, causal=True, dropout=None,
                     backend=None):
-        """An Attention sharing the four projections (no copy) of a module with nn.Linear
-        ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, e.g. Hugging Face's LlamaAttention, whose
-        ``config`` supplies the head counts, dropout and rope theta when not given here."""
+        """An Attention sharing the four projections (no copy) of a module with ``q_proj``,
+        ``k_proj``, ``v_proj``, ``o_proj`` (nn.Linear, PEFT LoRA layers or other linear modules:
+        see remat.nn.adapters), e.g. Hugging Face's LlamaAttention, whose ``config`` supplies the
+        head counts, dropout and rope theta when not given here."""
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if not isinstance(getattr(stock, name, None), nn.Linear):
-                raise TypeError(f"from_module expects a module with nn.Linear {name}, got {type(stock).__name__}")
+            projection_features(getattr(stock, name, None), name, stock)
         extra = [name for name in ("q_norm", "k_norm") if getattr(stock, name, None) is not None]
         if extra:
             raise ValueError(f"{type(stock).__name__} normalizes q/k ({', '.join(extra)}), which remat's Attention "
@@ -120,17 +125,21 @@ class Attention(nn.Module):
         angles = positions[..., None] * inv_freq
         return angles.cos(), angles.sin()
 
-    def forward(self, x, position_ids=None, position_embeddings=None):
+    def forward(self, x, position_ids=None, position_embeddings=None, sequences=None):
         checks.check_hidden_states(x)
         batch, n, _ = x.shape
-        q = nn.functional.linear(x, checks.cast_like(self.q_proj.weight, x), checks.cast_like(self.q_proj.bias, x))
-        k = nn.functional.linear(x, checks.cast_like(self.k_proj.weight, x), checks.cast_like(self.k_proj.bias, x))
-        v = nn.functional.linear(x, checks.cast_like(self.v_proj.weight, x), checks.cast_like(self.v_proj.bias, x))
+        q, k, v = (linear_projection(read_projection(p), x, self.backend) for p in (self.q_proj, self.k_proj,
+                                                                                     self.v_proj))
         rope = self.rope_for(n, x.device, position_ids, position_embeddings)
+        # sequences: None, or (cu_seqlens, max_seqlen) when x is one packed row [1, T, hidden]
+        # (remat.nn.layers.sequence_layout): variable-length attention over [T, heads, D].
+        lead = (batch, n) if sequences is None else (batch * n,)
+        packed = {} if sequences is None else dict(cu_seqlens_q=sequences[0], cu_seqlens_k=sequences[0],
+                                                   max_seqlen_q=sequences[1], max_seqlen_k=sequences[1])
         o = functional.attention(
-            q.view(batch, n, self.num_heads, self.head_dim), k.view(batch, n, self.num_kv_heads, self.head_dim),
-            v.view(batch, n, self.num_kv_heads, self.head_dim), causal=self.causal, scale=self.scale,
+            q.view(*lead, self.num_heads, self.head_dim), k.view(*lead, self.num_kv_heads, self.head_dim),
+            v.view(*lead, self.num_kv_heads, self.head_dim), causal=self.causal, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0, rope=rope, window=self.window, softcap=self.softcap,
-            backend=self.backend)
+            backend=self.backend, **packed)
         o = o.reshape(batch, n, self.num_heads * self.head_dim)
-        return nn.functional.linear(o, checks.cast_like(self.o_proj.weight, o), checks.cast_like(self.o_proj.bias, o))
+        return linear_projection(read_projection(self.o_proj), o, self.backend)

@@ -1,0 +1,345 @@
+"""LoRA and other non-plain projections inside remat's fused decoder layers (remat.nn.adapters,
+remat.autograd.lora): tiny Llama and Qwen2 models with PEFT LoRA adapters (``init_lora_weights=False``,
+so B is not zero), patched before or after ``get_peft_model``, against the same PEFT model unpatched
+(loss and every trainable gradient under the 2x rule against a float64 copy); Philox LoRA dropout
+against stock PEFT given the same masks; saved bytes with adapters; frozen base weights get no
+weight-gradient GEMM; adapter switching, disabling and merging; a Linear subclass with its own
+forward takes the generic path."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat.autograd.common import draw_rng_state
+from remat.memory import saved_bytes
+from remat.ops import ops_for
+
+from _checks import assert_within_2x_of_stock
+from helpers import BATCH, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, LENGTH, batch, causal_lm
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RANK = 4
+
+
+def lora_config(targets=ALL_TARGETS, dropout=0.0, **overrides):
+    options = dict(r=RANK, lora_alpha=8, target_modules=list(targets), lora_dropout=dropout, init_lora_weights=False)
+    return peft.LoraConfig(**(options | overrides))
+
+
+def copy_parameters(model, source):
+    """Copies source's parameter values (by name, in each parameter's own dtype) into model; the
+    names must agree (a patched model keeps the stock parameter names)."""
+    values = dict(source.named_parameters())
+    names = dict(model.named_parameters())
+    assert set(names) == set(values)
+    with torch.no_grad():
+        for name, p in names.items():
+            p.copy_(values[name])
+    return model
+
+
+def lora_model(kind, dtype, order="stock", policy="balanced", config=None, source=None, seed=0):
+    """A tiny causal LM with LoRA adapters: ``order`` "stock" (PEFT only), "patch_first"
+    (remat.patch, then get_peft_model) or "peft_first"; parameter values copied from ``source``."""
+    model = causal_lm(kind, dtype, seed=seed)
+    if order == "patch_first":
+        remat.patch(model, policy=policy)
+    torch.manual_seed(seed + 1)
+    model = peft.get_peft_model(model, config or lora_config())
+    if order == "peft_first":
+        report = remat.patch(model, policy=policy)
+        layers = [entry for entry in report.replaced if entry[1].endswith("DecoderLayer")]
+        assert len(layers) == 2 and not report.left_alone, str(report)
+    return copy_parameters(model, source) if source is not None else model
+
+
+def loss_and_grads(model, seed=0):
+    """Loss and the gradients of every trainable parameter of one training step."""
+    ids, mask, labels = batch()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads
+
+
+def assert_matches_stock(got, stock, reference, dtype):
+    assert set(got[1]) == set(stock[1]) == set(reference[1])
+    assert_within_2x_of_stock("loss", got[0].reshape(1), stock[0].reshape(1), reference[0].reshape(1), dtype)
+    for name in reference[1]:
+        assert_within_2x_of_stock(name, got[1][name], stock[1][name], reference[1][name], dtype)
+
+
+def test_peft_adapters_are_trainable_and_nonzero():
+    """The setting the comparisons rely on: only LoRA weights train, and B is not zero."""
+    model = lora_model("llama", torch.float32)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in name for name in trainable)
+    assert len(trainable) == 2 * len(ALL_TARGETS) * 2  # A and B, seven projections, two layers
+    b_weights = [p for name, p in model.named_parameters() if "lora_B" in name]
+    assert all(p.abs().max() > 0 for p in b_weights)
+
+
+@pytest.mark.parametrize("order", ["patch_first", "peft_first"])
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_lora_matches_stock_peft(kind, dtype, policy, order):
+    stock = lora_model(kind, dtype)
+    if dtype == torch.bfloat16:
+        # PEFT keeps bf16 models' adapters in fp32 (autocast_adapter_dtype): branches add in fp32.
+        assert stock.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype == torch.float32
+    reference = lora_model(kind, torch.float64, source=stock)
+    patched = lora_model(kind, dtype, order, policy, source=stock)
+    assert type(patched.base_model.model.model.layers[0]).__module__.startswith("remat.")
+    assert_matches_stock(loss_and_grads(patched), loss_and_grads(stock), loss_and_grads(reference), dtype)
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("o_proj", "down_proj"), ("k_proj", "gate_proj", "up_proj")],
+                         ids="-".join)
+def test_lora_on_subsets_of_projections(targets):
+    config = lora_config(targets, lora_bias=True)
+    stock = lora_model("qwen2", torch.float32, config=config)
+    reference = lora_model("qwen2", torch.float64, config=config, source=stock)
+    patched = lora_model("qwen2", torch.float32, "patch_first", "memory", config=config, source=stock)
+    got = loss_and_grads(patched)
+    assert any(name.endswith("lora_B.default.bias") for name in got[1])
+    assert_matches_stock(got, loss_and_grads(stock), loss_and_grads(reference), torch.float32)
+
+
+class PhiloxDropout(nn.Module):
+    """nn.Dropout with remat's Philox mask (one (seed, offset) draw per call, the mask of element i
+    of the contiguous input from counter offset + i), in any dtype: what the fused layers apply,
+    so that stock PEFT given these modules sees the same masks."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        rng = draw_rng_state(x.device)
+        keep_scaled = ops_for("dropout", "torch").philox_dropout(torch.ones_like(x).contiguous(), rng, self.p)
+        return x * keep_scaled
+
+
+def with_philox_dropout(model, p):
+    for module in model.modules():
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            for name in module.lora_dropout:
+                module.lora_dropout[name] = PhiloxDropout(p)
+    return model
+
+
+@pytest.mark.parametrize("order", ["patch_first", "peft_first"])
+@pytest.mark.parametrize("policy", ["balanced", "memory"])
+def test_lora_dropout_matches_stock_with_the_same_masks(policy, order):
+    config = lora_config(dropout=0.25)
+    stock = with_philox_dropout(lora_model("llama", torch.float32, config=config), 0.25)
+    reference = with_philox_dropout(lora_model("llama", torch.float64, config=config, source=stock), 0.25)
+    patched = lora_model("llama", torch.float32, order, policy, config=config, source=stock)
+    got = loss_and_grads(patched, seed=3)
+    assert_matches_stock(got, loss_and_grads(stock, seed=3), loss_and_grads(reference, seed=3), torch.float32)
+    # The masks matter: without dropout the loss differs.
+    no_dropout = lora_model("llama", torch.float32, config=lora_config(), source=stock)
+    assert abs(loss_and_grads(no_dropout)[0] - got[0]) > 1e-4
+
+
+def test_lora_dropout_is_reproducible_and_off_in_eval():
+    model = lora_model("llama", torch.float32, "patch_first", config=lora_config(dropout=0.3))
+    first, second, other = loss_and_grads(model, seed=5), loss_and_grads(model, seed=5), loss_and_grads(model, seed=6)
+    assert torch.equal(first[0], second[0]) and all(torch.equal(first[1][n], second[1][n]) for n in first[1])
+    assert not torch.equal(first[0], other[0])
+    model.eval()
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        one = model(input_ids=ids, attention_mask=mask).logits
+        torch.manual_seed(2)
+        two = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(one, two)
+
+
+def llama_layer_with_lora(policy, dtype, dropout=0.0):
+    model = causal_lm("llama", dtype)
+    layer = remat.nn.LlamaLayer.from_module(model.model.layers[0], policy=policy)
+    torch.manual_seed(0)
+    peft.inject_adapter_in_model(lora_config(dropout=dropout), layer)
+    for name, p in layer.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    return layer
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+def test_lora_adds_no_bytes_per_token(policy, dtype, dropout):
+    """A LoRA layer keeps what the policy keeps without adapters (saved_bytes_per_token), plus 16
+    bytes of Philox state per adapter with dropout: no rank-r intermediate, no mask."""
+    layer = llama_layer_with_lora(policy, dtype, dropout)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
+    rope_tables = 2 * LENGTH * (HEAD_DIM // 2) * 4
+    plain = remat.nn.LlamaLayer(HIDDEN, INTER, HEADS, KV_HEADS, policy=policy, dtype=dtype)
+    assert layer.saved_bytes_per_token(x.element_size()) == plain.saved_bytes_per_token(x.element_size())
+    per_call = 16 * len(ALL_TARGETS) if dropout else 0
+    assert layer.saved_bytes_per_call() == per_call
+    expected = BATCH * LENGTH * layer.saved_bytes_per_token(x.element_size()) + rope_tables + per_call
+    assert saved_bytes(layer, x) == expected
+
+
+class WeightGradCounter(TorchDispatchMode):
+    """Counts matrix products whose result has the shape of one of ``shapes`` (a frozen weight's)."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.count = set(shapes), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+            self.count += tuple(out.shape[-2:]) in self.shapes
+        return out
+
+
+@pytest.mark.parametrize("policy", ["speed", "memory"])
+def test_frozen_base_gets_no_weight_gradient(policy):
+    model = lora_model("llama", torch.float32, "patch_first", policy)
+    layers = model.base_model.model.model.layers
+    frozen = [p for name, p in layers.named_parameters() if not p.requires_grad and p.dim() == 2]
+    assert len(frozen) == 2 * len(ALL_TARGETS)
+    shapes = {tuple(p.shape) for p in frozen}
+    ids, mask, labels = batch()
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    with WeightGradCounter(shapes) as counter:
+        loss.backward()
+    assert counter.count == 0
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    # The counter sees weight-gradient GEMMs when the base trains.
+    for p in frozen:
+        p.requires_grad_(True)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    with WeightGradCounter(shapes) as counter:
+        loss.backward()
+    assert counter.count >= len(frozen)
+
+
+def test_disable_merge_and_unload_give_stock_results():
+    stock = lora_model("llama", torch.float32)
+    patched = lora_model("llama", torch.float32, "patch_first", source=stock)
+    ids, mask, _ = batch()
+    real = mask.bool()
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask).logits[real]
+
+    with_adapters = logits(patched)
+    base = causal_lm("llama")  # the same base weights, no adapters
+    with stock.disable_adapter(), patched.disable_adapter():
+        torch.testing.assert_close(logits(patched), logits(stock), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits(patched), logits(base), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(patched), with_adapters, rtol=0, atol=0)
+    assert (with_adapters - logits(base)).abs().max() > 1e-3
+    patched.merge_adapter()
+    torch.testing.assert_close(logits(patched), with_adapters, rtol=1e-5, atol=1e-5)
+    with patched.disable_adapter():  # PEFT unmerges disabled merged layers in forward; so does remat
+        torch.testing.assert_close(logits(patched), logits(base), rtol=1e-5, atol=1e-5)
+    merged = patched.merge_and_unload()
+    stock_merged = stock.merge_and_unload()
+    assert type(merged.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert type(merged.model.layers[0]).__module__.startswith("remat.")
+    torch.testing.assert_close(logits(merged), logits(stock_merged), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(merged), with_adapters, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("order", ["patch_first", "peft_first"])
+def test_several_adapters(order):
+    second = lora_config(("q_proj", "up_proj", "down_proj"), lora_alpha=16)
+    stock = lora_model("llama", torch.float32)
+    stock.add_adapter("second", second)
+    patched = lora_model("llama", torch.float32, order)
+    patched.add_adapter("second", second)
+    copy_parameters(patched, stock)
+    reference = lora_model("llama", torch.float64)
+    reference.add_adapter("second", second)
+    copy_parameters(reference, stock)
+    for active in ("second", ["default", "second"], "default"):
+        for model in (stock, patched, reference):
+            model.base_model.set_adapter(active)
+        got, base, want = loss_and_grads(patched), loss_and_grads(stock), loss_and_grads(reference)
+        assert any(".second." in name for name in got[1]) == (active != "default")
+        assert_matches_stock(got, base, want, torch.float32)
+
+
+class GainLinear(nn.Linear):
+    """A Linear subclass whose forward is not ``x W^T + b`` (a per-output gain): reading its weight
+    instead of calling it would give wrong results."""
+
+    def __init__(self, linear):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         dtype=linear.weight.dtype)
+        self.weight, self.bias = linear.weight, linear.bias
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, linear.out_features, dtype=linear.weight.dtype))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+def with_gain_linears(model, names):
+    for layer in model.model.layers:
+        for owner in (layer.self_attn, layer.mlp):
+            for name in names:
+                if hasattr(owner, name):
+                    setattr(owner, name, GainLinear(getattr(owner, name)))
+    return model
+
+
+@pytest.mark.parametrize("names", [("k_proj",), ("o_proj", "down_proj")], ids="-".join)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_subclass_takes_the_generic_path(names, dtype):
+    stock = with_gain_linears(causal_lm("qwen2", dtype), names)
+    reference = copy_parameters(with_gain_linears(causal_lm("qwen2", torch.float64), names), stock)
+    patched = copy_parameters(with_gain_linears(causal_lm("qwen2", dtype), names), stock)
+    report = remat.patch(patched, policy="balanced")
+    assert not report.left_alone
+    assert type(patched.model.layers[0]).__module__.startswith("remat.")
+    got, base, want = loss_and_grads(patched), loss_and_grads(stock), loss_and_grads(reference)
+    assert any(name.endswith(".gain") for name in got[1])
+    assert_matches_stock(got, base, want, dtype)
+
+
+def test_lora_on_a_linear_subclass_takes_the_generic_path():
+    """PEFT wraps a Linear subclass (as it wraps quantized linears): the LoRA layer is generic too."""
+    config = lora_config(("k_proj", "gate_proj"))
+    stock = lora_model("llama", torch.float32, config=config)
+    stock.base_model.model.model.layers[0].self_attn.k_proj.base_layer = GainLinear(
+        stock.base_model.model.model.layers[0].self_attn.k_proj.base_layer)
+    patched = lora_model("llama", torch.float32, "patch_first", config=config)
+    patched.base_model.model.model.layers[0].self_attn.k_proj.base_layer = GainLinear(
+        patched.base_model.model.model.layers[0].self_attn.k_proj.base_layer)
+    copy_parameters(patched, stock)
+    reference = lora_model("llama", torch.float64, config=config)
+    reference.base_model.model.model.layers[0].self_attn.k_proj.base_layer = GainLinear(
+        reference.base_model.model.model.layers[0].self_attn.k_proj.base_layer)
+    copy_parameters(reference, stock)
+    assert_matches_stock(loss_and_grads(patched), loss_and_grads(stock), loss_and_grads(reference), torch.float32)
+
+
+def test_lora_linear_checks_its_arguments():
+    x = torch.randn(3, 8)
+    weight = torch.randn(5, 8)
+    good = remat.LoRAAdapter(torch.randn(2, 8), torch.randn(5, 2), None, 2.0)
+    assert remat.lora_linear(x, weight, None, [good]).shape == (3, 5)
+    with pytest.raises(ValueError, match="a must be"):
+        remat.lora_linear(x, weight, None, [good._replace(a=torch.randn(2, 7))])
+    with pytest.raises(TypeError, match="LoRAAdapter"):
+        remat.lora_linear(x, weight, None, [(good.a, good.b, None, 2.0)])
+    with pytest.raises(ValueError, match="dropout_p"):
+        remat.lora_linear(x, weight, None, [good._replace(dropout_p=1.5)])
