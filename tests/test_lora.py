@@ -343,3 +343,67 @@ def test_lora_linear_checks_its_arguments():
         remat.lora_linear(x, weight, None, [(good.a, good.b, None, 2.0)])
     with pytest.raises(ValueError, match="dropout_p"):
         remat.lora_linear(x, weight, None, [good._replace(dropout_p=1.5)])
+
+
+def family_model(kind, dtype, seed=0):
+    """A tiny Qwen3 / Gemma 3 / Phi-3 / GPT-2 causal LM from a config (no sliding windows)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=96, n_positions=32,
+                                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False,
+                                         attn_implementation="eager")
+        return transformers.GPT2LMHeadModel(config).to(dtype)
+    options = dict(vocab_size=96, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+                   use_cache=False, attn_implementation="eager")
+    if kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=HEAD_DIM, **options))
+    elif kind == "gemma3":
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            head_dim=HEAD_DIM, layer_types=["full_attention"] * 2, **options))
+    else:
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            original_max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, **options))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if kind == "gemma3" else 1.0, 0.3)
+    return model.to(dtype)
+
+
+FAMILY_TARGETS = {"qwen3": ALL_TARGETS, "gemma3": ALL_TARGETS, "phi3": ("qkv_proj", "o_proj", "down_proj"),
+                  "gpt2": ("c_attn", "c_proj", "c_fc")}
+
+
+def family_lora_model(kind, dtype, order="stock", policy="balanced", source=None, **config):
+    model = family_model(kind, dtype)
+    if order == "patch_first":
+        report = remat.patch(model, policy=policy)
+        assert not report.left_alone, str(report)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, lora_config(FAMILY_TARGETS[kind], **config))
+    return copy_parameters(model, source) if source is not None else model
+
+
+@pytest.mark.parametrize("policy", ["balanced", "memory"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "phi3", "gpt2"])
+def test_lora_in_other_families(kind, policy):
+    """Qwen3 and Gemma 3 take LoRA inside their fused sub-blocks (Gemma's memory policy too, with
+    its sandwich norms); Phi-3's fused qkv_proj / gate_up_proj and GPT-2's Conv1D layers with LoRA
+    take the generic path (their sub-blocks unfused under checkpoint)."""
+    stock = family_lora_model(kind, torch.float32)
+    reference = family_lora_model(kind, torch.float64, source=stock)
+    patched = family_lora_model(kind, torch.float32, "patch_first", policy, source=stock)
+    assert_matches_stock(loss_and_grads(patched), loss_and_grads(stock), loss_and_grads(reference), torch.float32)
+
+
+def test_dora_takes_the_generic_path():
+    """DoRA (a LoRA variant whose forward is not base + B A x) runs through PEFT's own forward."""
+    config = lora_config(("q_proj", "down_proj"), use_dora=True)
+    stock = lora_model("llama", torch.float32, config=config)
+    reference = lora_model("llama", torch.float64, config=config, source=stock)
+    patched = lora_model("llama", torch.float32, "patch_first", config=config, source=stock)
+    got = loss_and_grads(patched)
+    assert any("lora_magnitude_vector" in name for name in got[1])
+    assert_matches_stock(got, loss_and_grads(stock), loss_and_grads(reference), torch.float32)
