@@ -407,3 +407,19 @@ def test_dora_takes_the_generic_path():
     got = loss_and_grads(patched)
     assert any("lora_magnitude_vector" in name for name in got[1])
     assert_matches_stock(got, loss_and_grads(stock), loss_and_grads(reference), torch.float32)
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("o_proj",), ("o_proj", "gate_proj")], ids="-".join)
+@pytest.mark.parametrize("policy", ["balanced", "memory"])
+def test_gemma_layer_bytes_with_lora(policy, targets):
+    """Gemma's memory policy: LoRA on o_proj / the MLP makes that post-norm keep its input."""
+    stock = family_model("gemma3", torch.bfloat16).model.layers[0]
+    layer = remat.nn.GemmaLayer.from_module(stock, policy=policy)
+    torch.manual_seed(0)
+    peft.inject_adapter_in_model(lora_config(targets), layer)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    plain = remat.nn.GemmaLayer.from_module(stock, policy=policy).saved_bytes_per_token(2)
+    extra = 2 * HIDDEN * (("o_proj" in targets) + ("gate_proj" in targets)) if policy == "memory" else 0
+    assert layer.saved_bytes_per_token(2) == plain + extra
+    rope_tables = 2 * LENGTH * (HEAD_DIM // 2) * 4 if layer.self_attn.rope_theta is not None else 0
+    assert saved_bytes(layer, x) == BATCH * LENGTH * layer.saved_bytes_per_token(2) + rope_tables

@@ -205,7 +205,13 @@ class GemmaLayer(PreNormDecoderLayer):
       4 Hq + 16``, LlamaLayer's memory bytes plus two fp32 rstd.
 
     In bf16 with Hq D = h these are ``2(6h + 2 Hkv D + 2I)``, ``2(6h + 2 Hkv D)`` and ``2(3h)``,
-    plus ``4 Hq + 16``. Norms, rope, the attention probabilities and the MLP activation are always
+    plus ``4 Hq + 16``.
+
+    PEFT LoRA adapters (remat.nn.adapters) join the fused sub-blocks and add no bytes per token,
+    except under "memory": LoRA on o_proj, or on any MLP projection, makes that sub-block's
+    post-norm keep its input, ``s h`` more each. Each adapter with dropout keeps 16 bytes per
+    call. A projection of another linear type runs its sub-block unfused under checkpoint
+    (keeping the sub-block's input). Norms, rope, the attention probabilities and the MLP activation are always
     recomputed.
 
     Args:
@@ -286,6 +292,11 @@ class GemmaLayer(PreNormDecoderLayer):
         memory = element_size * (2 * hidden + q_width) + stats
         balanced = memory + element_size * (2 * hidden + q_width + 2 * kv_width)  # + q, k, v, post-norm inputs
         speed = balanced + 2 * element_size * self.mlp.gate_proj.out_features
+        if self.policy == "memory":
+            # LoRA on o_proj, or on the MLP: that post-norm keeps its input (remat.nn.adapters).
+            mlp = [getattr(self.mlp, f"{p}_proj") for p in ("gate", "up", "down")]
+            memory += element_size * hidden * sum(any(adapters.read_projection(m).adapters for m in modules)
+                                                  for modules in ([attn.o_proj], mlp))
         return {"memory": memory, "balanced": balanced, "speed": speed}[self.policy]
 
     def attention_output(self, x, position_ids, position_embeddings, sequences=None):

@@ -47,6 +47,17 @@ class LlamaLayer(PreNormDecoderLayer):
     plus ``4 Hq + 8``. Norms, rope, the attention probabilities and the MLP activation are always
     recomputed.
 
+    Adapters: the projections are read at every forward (remat.nn.adapters), so PEFT LoRA works
+    whether ``get_peft_model`` runs before or after remat.patch. LoRA branches
+    ``scaling * B(A(dropout(x)))`` join their projections inside the fused sub-blocks (o_proj's in
+    remat.lora_linear) and follow the policy: q/k/v and gate/up with their branches are kept or
+    recomputed as above; the rank-r intermediates and the dropout masks are never kept (the masks
+    are Philox streams, 16 bytes per adapter per call: :meth:`saved_bytes_per_call`), so the
+    formulas above hold unchanged. Frozen base weights get no weight-gradient GEMM. A projection
+    of another linear type (an nn.Linear subclass with its own forward, a quantized linear, DoRA)
+    makes its sub-block run through the modules' own forwards under torch.utils.checkpoint: it
+    keeps only the sub-block's input and re-runs it in backward, whatever the policy.
+
     Args:
         hidden, intermediate, num_heads, num_kv_heads, head_dim: sizes (num_kv_heads default
             num_heads; head_dim default hidden // num_heads).
