@@ -2,13 +2,14 @@
 full, remat.nn.LlamaLayer with each policy against the stock Hugging Face layer (SDPA attention,
 what `transformers` runs by default), the stock layer under per-layer torch.utils.checkpoint, and
 torch.compile of the stock layer. Reports saved-for-backward bytes per token per layer (everywhere),
-peak memory (GPU) and time ratios to the stock layer; FLOPs are not counted here."""
+peak memory (GPU) and time ratios to the stock layer; FLOPs are not counted here. Plus LoRA rows
+(lora_rows): PEFT LoRA layers, stock, checkpointed and fused, full-step ratios from interleaved rounds."""
 
 import torch
 import torch.utils.checkpoint
 
 import remat
-from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
+from benchmarks.common import Progress, environment_tags, interleaved_ratios, measure, peak_memory_bytes
 from remat.memory import saved_bytes
 
 
@@ -105,6 +106,74 @@ def run(device, quick=False):
             r["time_vs_eager"] = r["median_ms"] / stock[r["mode"]]["median_ms"]
             r["saved_vs_eager"] = r["saved_bytes"] / stock[r["mode"]]["saved_bytes"]
             rows.append({**r, **tags})
+    rows.extend(lora_rows(device, quick, tags))
+    return rows
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_rows(device, quick, tags):
+    """LoRA fine-tuning of Llama decoder layers (PEFT LoRA, rank 16, alpha 32, dropout 0.05, on
+    every projection; base weights frozen, as PEFT leaves them): stock layers with PEFT ("peft",
+    the baseline), the same under per-layer torch.utils.checkpoint (what Hugging Face's
+    gradient_checkpointing=True runs, "peft+checkpoint"), remat.nn.LlamaLayer built from the
+    adapted layers with each policy ("remat-<policy>", the adapters inside the fused blocks), and
+    the balanced layer with its own gradient checkpointing ("remat-balanced+checkpoint"). One full
+    step (forward, backward to the input and the adapters) per provider, timed in interleaved
+    rounds (benchmarks.common.interleaved_ratios: median ratio to "peft" and its 20-80% band);
+    saved-for-backward bytes per token per layer."""
+    import transformers
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if device.type == "cuda":
+        shape = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, tokens=4096)
+        depths, dtype = ([1] if quick else [1, 4]), torch.bfloat16
+    else:
+        shape = dict(hidden=512, inter=1376, heads=8, kv_heads=4, tokens=128 if quick else 256)
+        depths, dtype = ([1] if quick else [1, 4]), torch.float32
+    rank = 16
+    config = _config(shape["hidden"], shape["inter"], shape["heads"], shape["kv_heads"])
+    lora_config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.05, target_modules=LORA_TARGETS)
+    rows = []
+    progress = Progress(len(depths), "layers+lora")
+    for depth in depths:
+        torch.manual_seed(0)
+        stock_layers = torch.nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(depth)).to(device, dtype)
+        inject_adapter_in_model(lora_config, stock_layers)
+        for name, p in stock_layers.named_parameters():
+            p.requires_grad_("lora_" in name)
+        stock_layers.train()
+        rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config).to(device)
+        tokens = shape["tokens"]
+        x = torch.randn(1, tokens, shape["hidden"], device=device, dtype=dtype, requires_grad=True)
+        dy = torch.randn_like(x)
+        rope = rotary(x, torch.arange(tokens, device=device)[None])
+        adapters = [p for p in stock_layers.parameters() if p.requires_grad]
+        models = {"peft": Stack(stock_layers), "peft+checkpoint": Stack(stock_layers, _checkpointed)}
+        for policy in ("speed", "balanced", "memory"):
+            models[f"remat-{policy}"] = Stack([remat.nn.LlamaLayer.from_module(s, policy=policy) for s in stock_layers])
+        checkpointed = [remat.nn.LlamaLayer.from_module(s, policy="balanced") for s in stock_layers]
+        for layer in checkpointed:
+            layer.gradient_checkpointing = True
+        models["remat-balanced+checkpoint"] = Stack(checkpointed)
+
+        def full_step(model):
+            return lambda: torch.autograd.grad(model(x, rope), [x, *adapters], dy)
+
+        ratios = interleaved_ratios({name: full_step(model) for name, model in models.items()}, "peft", device,
+                                    rounds=5 if quick else 11)
+        baseline = saved_bytes(models["peft"], x, rope)
+        for name, model in models.items():
+            saved = saved_bytes(model, x, rope)
+            median, q20, q80 = ratios[name]
+            rows.append({"block": "llama_layer_lora", "depth": depth, **shape, "rank": rank,
+                         "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": "full",
+                         "time_vs_eager": median, "ratio_q20": q20, "ratio_q80": q80, "saved_bytes": saved,
+                         "saved_bytes_per_token_per_layer": saved / (tokens * depth),
+                         "saved_vs_eager": saved / baseline, **tags})
+        progress.step(f"layers+lora depth {depth}")
     return rows
 
 

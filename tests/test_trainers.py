@@ -139,3 +139,66 @@ def test_sft_default_bf16_autocast_within_twice_stock_rounding(tokenizer, tmp_pa
     got = torch.tensor(sft_losses(build(True, False)[0], tokenizer, tmp_path / "patched", False, bf16=True))
     bound = 2 * (stock - fp32).abs() + fp32.abs() * 2.0 ** -8
     assert ((got - fp32).abs() <= bound).all(), (got, stock, fp32)
+
+
+def readme_lora_recipe():
+    """The Python block of the README's "LoRA fine-tuning with remat" section, as written there."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### LoRA fine-tuning with remat"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+
+
+def test_readme_lora_recipe_trains_as_stock_peft(tokenizer, tmp_path, monkeypatch):
+    """Runs the README's recipe block as it stands, on a tiny Llama and this module's dataset,
+    with the Trainer's arguments shortened (3 steps, CPU, no reports or saves), once as written and
+    once with remat.patch left out: the same logged losses; the layers fused, the fused forward
+    re-run under the recipe's gradient checkpointing, the base frozen, the adapters trained."""
+    import functools
+    import types
+
+    monkeypatch.chdir(tmp_path)  # the recipe's output_dir
+    dataset = datasets.Dataset.from_dict({"text": TEXTS}).map(lambda rows: tokenizer(rows["text"]), batched=True,
+                                                             remove_columns=["text"])
+    shortened = {key: value for key, value in common_arguments(tmp_path, True).items()
+                 if key not in ("output_dir", "gradient_checkpointing")}
+    recipe = readme_lora_recipe()
+
+    def run(with_remat):
+        calls, trainers = [], []
+
+        def patch(model):
+            report = remat.patch(model)
+            for name, _, new in report.replaced:
+                if new.endswith("Layer"):
+                    layer = model.get_submodule(name)
+                    layer._fused_forward = _counting(layer._fused_forward, calls)
+            return report
+
+        def trainer(**kwargs):
+            trainers.append(transformers.Trainer(**kwargs))
+            return trainers[-1]
+
+        namespace = {"model": causal_lm("llama"), "dataset": dataset, "Trainer": trainer,
+                     "collator": transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False),
+                     "TrainingArguments": functools.partial(transformers.TrainingArguments, **shortened),
+                     "remat": types.SimpleNamespace(patch=patch if with_remat else lambda model: None)}
+        frozen = {n: p.detach().clone() for n, p in namespace["model"].named_parameters()}
+        exec(recipe, namespace)
+        losses = [entry["loss"] for entry in trainers[0].state.log_history if "loss" in entry]
+        assert len(losses) == STEPS
+        return losses, namespace, frozen, calls
+
+    want, _, _, _ = run(False)
+    got, namespace, frozen, calls = run(True)
+    assert_fp32_losses_equal(got, want)
+    assert len(calls) == 2 * STEPS * 2  # two fused layers, each re-run once per step under checkpointing
+    assert sum(new.endswith("Layer") for _, _, new in namespace["report"].replaced) == 2
+    model = namespace["model"]
+    originals = {name.replace(".base_layer", ""): p for name, p in model.get_base_model().named_parameters()
+                 if "lora_" not in name}
+    assert set(originals) == set(frozen)
+    for name, p in originals.items():  # every original parameter: frozen and unchanged
+        assert not p.requires_grad and torch.equal(p, frozen[name]), name
+    assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # zero-initialised, trained
