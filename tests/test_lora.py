@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.autograd.common import draw_rng_state
-from remat.memory import saved_bytes
+from remat.memory import retained_bytes, saved_bytes
 from remat.ops import ops_for
 
 from _checks import assert_within_2x_of_stock
@@ -174,6 +174,8 @@ def llama_layer_with_lora(policy, dtype, dropout=0.0):
     peft.inject_adapter_in_model(lora_config(dropout=dropout), layer)
     for name, p in layer.named_parameters():
         p.requires_grad_(".lora_" in name)
+        if ".lora_" in name:
+            p.data = p.data.float()  # as get_peft_model keeps a bf16 model's adapters (autocast_adapter_dtype)
     return layer
 
 
@@ -192,6 +194,8 @@ def test_lora_adds_no_bytes_per_token(policy, dtype, dropout):
     assert layer.saved_bytes_per_call() == per_call
     expected = BATCH * LENGTH * layer.saved_bytes_per_token(x.element_size()) + rope_tables + per_call
     assert saved_bytes(layer, x) == expected
+    # Nothing else outlives the forward (an fp32 copy of the input for fp32 adapters, a mask).
+    assert retained_bytes(layer, x) == expected - x.numel() * x.element_size()
 
 
 class WeightGradCounter(TorchDispatchMode):
