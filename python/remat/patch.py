@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from remat.checkpoint import model_plan
 from remat.models import causal_lm, outputs, registry
 from remat.models.hf import check_attention_mask
 from remat.nn.layers import LAYER_POLICIES
@@ -55,6 +56,8 @@ class PatchReport:
 
     replaced: list = field(default_factory=list)
     left_alone: list = field(default_factory=list)
+    # policy="auto": the remat.checkpoint.model_plan.ModelPlan the layers run (plan.explain()).
+    plan: object = None
 
     def __str__(self):
         lines = [f"remat.patch: replaced {len(self.replaced)} modules, left {len(self.left_alone)} alone"]
@@ -63,7 +66,8 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
+def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budget_bytes=None,
+          budget_bytes_per_token=None, example_inputs=None, cost="flops"):
     """Replaces, in place, the submodules of ``model`` that remat has fused versions of (see the
     module docstring), keeping their parameters, and returns a :class:`PatchReport`.
 
@@ -72,13 +76,22 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
             or loaded from a checkpoint), or any PyTorch model with ``torch.nn.RMSNorm`` /
             ``LayerNorm`` layers.
         policy: ``"speed"``, ``"balanced"`` (default) or ``"memory"``: what whole decoder layers
-            keep for backward (see remat.nn.LlamaLayer).
+            keep for backward (see remat.nn.LlamaLayer); a dict {qualified decoder-layer name:
+            policy or ``"stock"``} chooses per layer (layers it does not name stay stock);
+            ``"auto"``: planned under a budget (below).
         modules: which kinds to replace, a subset of ``("norm", "mlp", "attention", "loss")``
             (default: all). Whole decoder layers need norm, mlp and attention. "loss": a causal
             LM of a known family computes its training loss (training mode, labels given) with
             remat.linear_cross_entropy, never materialising the logits; its output's ``logits``
             is then None (see remat.models.causal_lm).
         backend: remat backend for the new modules, or None for the default choice.
+        budget_bytes, budget_bytes_per_token, example_inputs, cost: with ``policy="auto"`` only:
+            remat.plan_model measures every decoder layer on ``example_inputs`` (a dict of forward
+            keyword arguments of one training batch) and chooses, per layer, the stock layer, a
+            fused policy, or re-running a span of fused layers from its input, so that the step's
+            peak of saved bytes stays within the budget (in bytes, or per token of the example) at
+            the least recompute (``cost="flops"`` or ``"time"``); ``report.plan.explain()`` shows
+            the plan. Batches larger than the example in either dimension raise ValueError.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -86,10 +99,25 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
     unknown = [m for m in modules if m not in MODULE_KINDS]
     if unknown or not modules:
         raise ValueError(f"modules must be a non-empty subset of {MODULE_KINDS}, got {modules!r}")
-    if policy not in LAYER_POLICIES:
-        raise ValueError(f"policy must be one of {LAYER_POLICIES}, got {policy!r}")
+    if policy != "auto" and not (budget_bytes is None and budget_bytes_per_token is None and example_inputs is None):
+        raise ValueError("budget_bytes, budget_bytes_per_token and example_inputs are for policy='auto'")
+    if isinstance(policy, dict):
+        if not all(isinstance(k, str) and v in (*LAYER_POLICIES, model_plan.STOCK) for k, v in policy.items()):
+            raise ValueError(f"a policy dict maps layer names to one of {(*LAYER_POLICIES, model_plan.STOCK)}, "
+                             f"got {policy!r}")
+    elif policy not in (*LAYER_POLICIES, "auto"):
+        raise ValueError(f"policy must be one of {(*LAYER_POLICIES, 'auto')} or a dict, got {policy!r}")
     if getattr(model, _HOOK, False):
         raise ValueError("model is already patched; call remat.unpatch(model) first")
+    plan = None
+    if policy == "auto":
+        if not set(registry.PART_KINDS) <= set(modules):
+            raise ValueError(f"policy='auto' plans whole decoder layers: modules must include {registry.PART_KINDS}")
+        plan = model_plan.plan_model(model, example_inputs, budget_bytes=budget_bytes,
+                                     budget_bytes_per_token=budget_bytes_per_token, cost=cost, backend=backend,
+                                     modules=modules)
+        # Per qualified layer name: "stock" (left as it is) or the fused policy.
+        policy = {plan.costs.layers[i].name: choice for i, choice in plan.layer_policies().items()}
     report = PatchReport()
     whole_layers = set(registry.PART_KINDS) <= set(modules)
     # Hugging Face's output-recording hooks go on the stock modules first, then each replacement
@@ -99,6 +127,10 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None):
     layers_replaced = bool(report.replaced)
     if "loss" in modules:
         _patch_loss(model, report)
+    if plan is not None:
+        report.plan = plan
+        named = dict(model.named_modules())
+        model_plan.install(model, plan, [named[layer.name] for layer in plan.costs.layers])
     if not report.replaced:
         return report
     setattr(model, _HOOK, True)
@@ -128,7 +160,11 @@ def _patch_children(parent, prefix, modules, whole_layers, policy, backend, repo
             continue
         try:
             if found.kind == "layer":
-                replacement = found.build(child, policy=policy, backend=backend)
+                layer_policy = policy.get(qualified, model_plan.STOCK) if isinstance(policy, dict) else policy
+                if layer_policy == model_plan.STOCK:
+                    report.left_alone.append((qualified, type(child).__name__, "kept stock by policy='auto'"))
+                    continue
+                replacement = found.build(child, policy=layer_policy, backend=backend)
             else:
                 replacement = found.build(child, backend=backend)
         except (TypeError, ValueError) as error:

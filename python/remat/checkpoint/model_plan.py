@@ -1,0 +1,684 @@
+"""One memory budget for a whole model: per decoder layer, a choice among keeping the stock Hugging
+Face layer, remat's fused layer under one of its policies, or checkpointing a span of consecutive
+fused layers (one input kept per span, the span re-run in backward); the plan is the cheapest
+combination whose predicted peak of saved bytes fits the budget.
+
+The memory model (bytes saved for backward, as saved-tensor hooks count them; parameters excluded):
+
+- measured on the example batch with one forward per uniform configuration (stock, speed,
+  balanced, memory), each saved storage attributed to the region that saved it: before the decoder
+  layers (``pre``: embeddings), one decoder layer, after them (``post``: final norm, loss), or
+  ``shared`` when several layers save it (Hugging Face's rope tables). ``kept[i][c]``: layer i's
+  bytes under choice c.
+- taped layer i with choice c keeps ``kept[i][c]`` from its forward to its backward.
+- a checkpointed span [a, b) keeps only its input (``input_bytes[a]``) through the forward; in
+  backward it re-runs its layers, which then keep the sum of their ``kept`` while the span's
+  gradient is computed, on top of what the layers before it still keep.
+- peak = max(pre + shared + post + sum of what the layers keep after the forward,
+  max over spans (pre + shared + what the layers before the span keep + the span's re-run bytes)).
+  ``post`` is released before the layers' backward (autograd frees a node's saved tensors once it
+  has run). ``shared`` is counted in every peak, so the prediction is an upper bound when no taped
+  layer saves the shared storage.
+
+Recompute cost (``cost="flops"``, from the layer shapes, per the whole example batch of T = B N
+tokens, hidden h, q width Hq D, kv width Hkv D, MLP width I with g up GEMMs (2 gated, 1 GELU),
+attention over the causal half):
+
+- stock: 0 (the Hugging Face layer keeps every intermediate, the attention probabilities too).
+- speed: one Q K^T product, ``B Hq D N (N + 1)``: flash attention's backward recomputes the
+  probabilities.
+- balanced: speed + the MLP's up GEMM(s), ``2 T h I g``.
+- memory: balanced + the q/k/v projections, ``2 T h (Hq D + 2 Hkv D)``.
+- a layer in a checkpointed span: its policy's cost + its whole forward
+  (q/k/v, attention, o_proj, MLP).
+
+With ``cost="time"`` each choice's cost is the measured median seconds of the layer's forward
+plus backward on its inputs of the example batch (a span's layers: plus one forward), so the plan
+minimises predicted step time instead.
+"""
+
+import bisect
+import itertools
+import statistics
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from remat.checkpoint.executor import run_chain
+from remat.checkpoint.schedule import Segment
+from remat.memory import _span, _storage_key, _union_bytes
+from remat.models import registry
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
+
+COSTS = ("flops", "time")
+STOCK = "stock"
+TAPED_CHOICES = (STOCK, *LAYER_POLICIES)
+_PLANNED = "_remat_model_plan"
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Measured costs of one decoder layer on the example batch.
+
+    Attributes:
+        name: the layer's qualified name in the model.
+        kept: {choice: bytes it saves for backward}, for the choices it can take (``"stock"``, and
+            the fused policies when remat's family table takes the layer). "stock" is the stock
+            layer inside a patched model (where some layer is fused), which may differ from an
+            unpatched one: remat.patch can route the model's attention through remat's.
+        cost: {choice: recompute cost when taped with that choice}.
+        span_cost: {policy: cost when re-run inside a checkpointed span under that policy}.
+        input_bytes: bytes of the layer's input hidden states (what a span starting here keeps).
+    """
+
+    name: str
+    kept: dict
+    cost: dict
+    span_cost: dict
+    input_bytes: int
+
+    @property
+    def fusable(self):
+        return bool(self.span_cost)
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Costs of a whole model on the example batch: per-layer :class:`LayerCosts` and the bytes
+    outside the decoder layers (see the module docstring), the example's ``shape`` (batch, length)
+    and the cost unit ``"flops"`` or ``"time"``. ``all_stock`` describes the plan that keeps every
+    layer stock, measured as its own configuration: (per-layer bytes, per-layer costs,
+    (pre, shared, post) bytes), or None when it is the plain sum of the layers' "stock" entries."""
+
+    layers: tuple
+    pre_bytes: int
+    shared_bytes: int
+    post_bytes: int
+    shape: tuple
+    unit: str
+    all_stock: tuple = None
+
+    @property
+    def tokens(self):
+        return self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True)
+class Taped:
+    """Layer ``index`` runs with ``choice`` ("stock" or a fused policy), keeping what it saves."""
+
+    index: int
+    choice: str
+
+
+@dataclass(frozen=True)
+class Span:
+    """Layers [start, end) are checkpointed together: the forward keeps the input of ``start``;
+    backward re-runs them, layer ``start + i`` as a fused layer with ``policies[i]``."""
+
+    start: int
+    end: int
+    policies: tuple
+
+
+def peak_and_cost(costs, decisions):
+    """(predicted peak saved bytes, predicted recompute cost) of ``decisions`` (a sequence of
+    :class:`Taped` and :class:`Span` covering the layers in order) under ``costs``."""
+    if costs.all_stock is not None and all(isinstance(d, Taped) and d.choice == STOCK for d in decisions):
+        kept, cost, (pre, shared, post) = costs.all_stock
+        return pre + shared + post + sum(kept), float(sum(cost))
+    base = costs.pre_bytes + costs.shared_bytes
+    held, peak, total = 0, 0, 0.0
+    for item in decisions:
+        if isinstance(item, Taped):
+            layer = costs.layers[item.index]
+            held += layer.kept[item.choice]
+            total += layer.cost[item.choice]
+        else:
+            layers = costs.layers[item.start:item.end]
+            rerun = sum(layer.kept[p] for layer, p in zip(layers, item.policies, strict=True))
+            peak = max(peak, base + held + rerun)
+            held += layers[0].input_bytes
+            total += sum(layer.span_cost[p] for layer, p in zip(layers, item.policies, strict=True))
+    return max(peak, base + costs.post_bytes + held), total
+
+
+@dataclass
+class ModelPlan:
+    """A plan for a whole model: what each decoder layer does, with its predictions.
+
+    Attributes:
+        costs: the measured :class:`ModelCosts`.
+        decisions: tuple of :class:`Taped` / :class:`Span` covering the layers in order.
+        budget_bytes: the budget it was planned for.
+        predicted_peak_bytes: the memory model's peak of saved bytes over forward and backward.
+        predicted_cost: total recompute cost (FLOPs, or seconds with cost="time").
+    """
+
+    costs: ModelCosts
+    decisions: tuple
+    budget_bytes: int
+    predicted_peak_bytes: int = field(init=False)
+    predicted_cost: float = field(init=False)
+
+    def __post_init__(self):
+        self.predicted_peak_bytes, self.predicted_cost = peak_and_cost(self.costs, self.decisions)
+
+    def layer_policies(self):
+        """{layer index: "stock" or the fused policy it runs with}."""
+        out = {}
+        for item in self.decisions:
+            if isinstance(item, Taped):
+                out[item.index] = item.choice
+            else:
+                out.update(zip(range(item.start, item.end), item.policies, strict=True))
+        return out
+
+    def spans(self):
+        """The checkpointed spans, as (start, end) pairs."""
+        return [(s.start, s.end) for s in self.decisions if isinstance(s, Span)]
+
+    def explain(self):
+        """A table: per layer its choice, the bytes it keeps through the forward and its
+        recompute cost; then the predicted peak against the budget and the total cost."""
+        unit = "FLOPs" if self.costs.unit == "flops" else "seconds"
+        lines = [f"{'layer':<28} {'choice':<34} {'saved bytes':>12} {'recompute ' + unit:>18}"]
+        c = self.costs
+        all_stock = c.all_stock is not None and self.decisions == tuple(_all_stock(c))
+        for item in self.decisions:
+            if isinstance(item, Taped):
+                layer = c.layers[item.index]
+                kept, cost = layer.kept[item.choice], layer.cost[item.choice]
+                if all_stock:  # nothing fused: the stock layers as measured in the unpatched model
+                    kept, cost = c.all_stock[0][item.index], c.all_stock[1][item.index]
+                lines.append(f"{layer.name:<28} {item.choice:<34} {kept:>12} {cost:>18.4g}")
+                continue
+            for i, policy in zip(range(item.start, item.end), item.policies, strict=True):
+                layer = self.costs.layers[i]
+                where = f"layers {item.start}-{item.end - 1}" if item.end - item.start > 1 else "its input"
+                choice = f"{policy}, re-run from {where}"
+                kept = layer.input_bytes if i == item.start else 0
+                lines.append(f"{layer.name:<28} {choice:<34} {kept:>12} {layer.span_cost[policy]:>18.4g}")
+        lines.append(f"outside the layers: {c.pre_bytes} bytes before, {c.post_bytes} after, {c.shared_bytes} shared "
+                     f"by layers; example shape {c.shape}")
+        lines.append(f"predicted peak saved bytes {self.predicted_peak_bytes} <= budget {self.budget_bytes}; "
+                     f"predicted recompute {self.predicted_cost:.4g} {unit}")
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.explain()
+
+
+def _pareto(points):
+    """Points (held, cost, payload) not dominated by one with held <= and cost <=, sorted by held
+    (their costs then strictly decrease)."""
+    points.sort(key=lambda p: (p[0], p[1]))
+    out, best = [], float("inf")
+    for p in points:
+        if p[1] < best:
+            out.append(p)
+            best = p[1]
+    return out
+
+
+def _span_options(costs):
+    """For every span [a, b) of fusable layers: the Pareto set of (re-run bytes, cost, policies)
+    over the inner policies, sorted by bytes."""
+    n = len(costs.layers)
+    options = {}
+    for a in range(n):
+        current = [(0, 0.0, ())]
+        for b in range(a + 1, n + 1):
+            layer = costs.layers[b - 1]
+            if not layer.fusable:
+                break
+            current = _pareto([(s + layer.kept[p], r + layer.span_cost[p], chosen + (p,))
+                               for s, r, chosen in current for p in layer.span_cost])
+            options[a, b] = current
+    return options
+
+
+def _all_stock(costs):
+    return [Taped(i, STOCK) for i in range(len(costs.layers))]
+
+
+def smallest_feasible_budget(costs):
+    """The smallest budget any plan over these choices fits (the floor), in bytes."""
+    n, base = len(costs.layers), costs.pre_bytes + costs.shared_bytes
+    # Least held bytes after the forward and least span peak, per prefix and per "some layer is
+    # fused yet" (plans with none are the all-stock plan, priced on its own): a span [a, b) is
+    # cheapest in bytes with every layer at its smallest choice. A Pareto DP minimises both.
+    states = [{False: [], True: []} for _ in range(n + 1)]
+    states[0][False] = [(0, 0, None)]
+    least = {(a, b): sum(min(layer.kept[p] for p in layer.span_cost) for layer in costs.layers[a:b])
+             for a in range(n) for b in range(a + 1, n + 1) if all(x.fusable for x in costs.layers[a:b])}
+    for i in range(n):
+        layer = costs.layers[i]
+        for fused, points in states[i].items():
+            for held, peak, _ in _pareto(points):
+                for choice, kept in layer.kept.items():
+                    states[i + 1][fused or choice != STOCK].append((held + kept, peak, None))
+                for b in range(i + 1, n + 1):
+                    if (i, b) not in least:
+                        break
+                    states[b][True].append((held + layer.input_bytes, max(peak, base + held + least[i, b]), None))
+    peaks = [max(peak, base + costs.post_bytes + held) for held, peak, _ in states[n][True]]
+    return min([*peaks, peak_and_cost(costs, _all_stock(costs))[0]])
+
+
+def plan_for_costs(costs, budget_bytes, *, max_span=None):
+    """The least-cost :class:`ModelPlan` for measured ``costs`` whose predicted peak is at most
+    ``budget_bytes``: exact (a dynamic program over the layers keeping the Pareto set of (bytes
+    kept so far, cost) at each layer boundary, which is exact because every later constraint
+    only tightens with more bytes kept). Spans hold at most ``max_span`` layers (default: any).
+    Raises ValueError naming the smallest feasible budget when none fits."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+        raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be non-negative, got {budget_bytes}")
+    n, base = len(costs.layers), costs.pre_bytes + costs.shared_bytes
+    span_options = _span_options(costs)
+    max_span = n if max_span is None else max_span
+    # Per layer boundary and per "some layer is fused yet": the Pareto set of (bytes held, cost).
+    # Plans with no fused layer are the all-stock plan, priced on its own below.
+    states = [{False: [], True: []} for _ in range(n + 1)]
+    states[0][False] = [(0, 0.0, ())]
+    for i in range(n):
+        layer = costs.layers[i]
+        for fused, points in states[i].items():
+            for held, cost, chosen in _pareto(points):
+                for choice, kept in layer.kept.items():
+                    states[i + 1][fused or choice != STOCK].append(
+                        (held + kept, cost + layer.cost[choice], chosen + (Taped(i, choice),)))
+                for b in range(i + 1, min(n, i + max_span) + 1):
+                    options = span_options.get((i, b))
+                    if options is None:
+                        break
+                    # The cheapest inner policies whose re-run fits on top of what is held now.
+                    fit = bisect.bisect_right([s for s, _, _ in options], budget_bytes - base - held) - 1
+                    if fit < 0:
+                        continue
+                    _, span_cost, policies = options[fit]
+                    states[b][True].append(
+                        (held + layer.input_bytes, cost + span_cost, chosen + (Span(i, b, policies),)))
+    final = [(cost, held, chosen) for held, cost, chosen in states[n][True]
+             if base + costs.post_bytes + held <= budget_bytes]
+    stock_peak, stock_cost = peak_and_cost(costs, _all_stock(costs))
+    if stock_peak <= budget_bytes:
+        final.append((stock_cost, stock_peak, tuple(_all_stock(costs))))
+    if not final:
+        floor = smallest_feasible_budget(costs)
+        raise ValueError(f"budget_bytes={budget_bytes} is infeasible for this model at shape {costs.shape}: "
+                         f"the smallest feasible budget is {floor} bytes")
+    best = min(final, key=lambda s: (s[0], s[1]))
+    return ModelPlan(costs, best[2], budget_bytes)
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def decoder_layers(model):
+    """(qualified name, module) of the modules remat's family table lists as whole decoder
+    layers, in module order."""
+    return [(name, m) for name, m in model.named_modules()
+            if (found := registry.match(m)) is not None and found.kind == "layer"]
+
+
+class _RegionLog:
+    """Attributes every storage saved for backward to the region (``"pre"``, a layer index,
+    ``"post"``) that saved it; storages saved in several regions are ``"shared"``."""
+
+    def __init__(self, layers):
+        self.region = "pre"
+        self.spans, self.regions = {}, {}
+        self.calls, self.inputs = [], {}
+        self.handles = []
+        for index, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(self._enter(index), with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(self._leave))
+
+    def _enter(self, index):
+        def hook(module, args, kwargs):
+            self.region = index
+            self.calls.append(index)
+            self.inputs[index] = (args, kwargs)
+
+        return hook
+
+    def _leave(self, module, args, output):
+        self.region = "post"
+
+    def _pack(self, t):
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t
+        span = _span(t)
+        if span is not None:
+            key = _storage_key(t)
+            self.spans.setdefault(key, []).append(span)
+            self.regions.setdefault(key, set()).add(self.region)
+        return t
+
+    def run(self, model, example_inputs):
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                model(**example_inputs)
+        finally:
+            for handle in self.handles:
+                handle.remove()
+        totals = {}
+        for key, spans in self.spans.items():
+            regions = self.regions[key]
+            region = next(iter(regions)) if len(regions) == 1 else "shared"
+            totals[region] = totals.get(region, 0) + _union_bytes(spans)
+        return totals
+
+
+def _measure_saved(model, layers, example_inputs):
+    log = _RegionLog(layers)
+    devices = [d for d in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        totals = log.run(model, example_inputs)
+    if log.calls != list(range(len(layers))):
+        raise ValueError("policy='auto' needs each decoder layer called once per forward, in module order; "
+                         f"the example's forward called them as {log.calls}")
+    return totals, log.inputs
+
+
+def _shapes(layer):
+    """(hidden, q width, kv width, heads, head dim, MLP width, MLP up GEMMs) of a fused layer."""
+    if hasattr(layer, "ln_1"):  # GPT2Layer: Conv1D [in, out] weights
+        hidden, intermediate = layer.attn.c_attn.weight.shape[0], layer.mlp.c_fc.weight.shape[1]
+        return hidden, hidden, hidden, layer.num_heads, hidden // layer.num_heads, intermediate, 1
+    attn, mlp = layer.self_attn, layer.mlp
+    hidden = layer.input_layernorm.weight.shape[0]
+    if hasattr(mlp, "gate_proj"):
+        intermediate = mlp.gate_proj.out_features
+    elif hasattr(mlp, "intermediate"):
+        intermediate = mlp.intermediate
+    else:
+        raise ValueError(f"no FLOP formula for {type(layer).__name__}; use cost='time'")
+    q_width, kv_width = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    return hidden, q_width, kv_width, attn.num_heads, attn.head_dim, intermediate, 2
+
+
+def layer_flops(layer, batch, length):
+    """(forward FLOPs, {policy: recompute FLOPs}) of fused ``layer`` on [batch, length] (the
+    formulas of the module docstring)."""
+    hidden, q_width, kv_width, heads, head_dim, intermediate, up_gemms = _shapes(layer)
+    tokens = batch * length
+    scores = batch * heads * head_dim * length * (length + 1)  # one causal Q K^T
+    qkv = 2 * tokens * hidden * (q_width + 2 * kv_width)
+    mlp_up = 2 * tokens * hidden * intermediate * up_gemms
+    forward = qkv + 2 * scores + 2 * tokens * q_width * hidden + mlp_up + 2 * tokens * intermediate * hidden
+    recompute = {"speed": scores, "balanced": scores + mlp_up, "memory": scores + mlp_up + qkv}
+    return forward, recompute
+
+
+def _median_seconds(fn, repeats=3):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _step_seconds(layer, args, kwargs, *, backward=True):
+    """Median seconds of ``layer``'s forward (and backward, through torch.autograd.grad so that no
+    parameter's .grad changes) on a copy of its recorded input."""
+    x = args[0].detach().requires_grad_(True)
+    rest = args[1:]
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def step():
+        if backward:
+            torch.autograd.grad(layer(x, *rest, **kwargs).sum(), [x, *params])
+        else:
+            with torch.no_grad():
+                layer(x, *rest, **kwargs)
+
+    step()  # warm-up
+    return _median_seconds(step)
+
+
+class _Configuration:
+    """One measured configuration of the model: remat.patch applied with ``policy`` (a fused
+    policy, or a dict of per-layer choices), one forward on the example with saved bytes
+    attributed per region, the layers' recorded inputs, and (``time_layers``) the median step
+    seconds of those layers, all while patched; then unpatched."""
+
+    def __init__(self, model, names, policy, example_inputs, modules, backend, time_layers=()):
+        from remat.patch import patch, unpatch  # remat.patch imports this module
+
+        report = patch(model, policy=policy, modules=modules, backend=backend)
+        try:
+            replaced = {name for name, _, _ in report.replaced}
+            self.fused = [name in replaced for name in names]
+            named = dict(model.named_modules())
+            self.layers = [named[name] for name in names]
+            self.attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            self.totals, self.inputs = _measure_saved(model, self.layers, example_inputs)
+            self.seconds = {i: (_step_seconds(self.layers[i], *self.inputs[i]),
+                                _step_seconds(self.layers[i], *self.inputs[i], backward=False)) for i in time_layers}
+        finally:
+            if getattr(model, "_remat_patched", False):
+                unpatch(model)
+
+    def outside(self):
+        return self.totals.get("pre", 0), self.totals.get("shared", 0), self.totals.get("post", 0)
+
+
+def measure_model_costs(model, example_inputs, *, cost="flops", backend=None, modules=None):
+    """The :class:`ModelCosts` of ``model`` (unpatched) on ``example_inputs`` (a dict of keyword
+    arguments of its forward), measured in the configurations a plan can produce, each through
+    remat.patch with ``modules`` and ``backend`` and one forward: every layer stock; every layer
+    fused under each policy; and (two forwards) one layer fused, the others stock, which gives the
+    stock layers' bytes inside a patched model. The RNG state is left untouched and no parameter's
+    ``.grad`` changes."""
+    from remat.patch import MODULE_KINDS  # remat.patch imports this module
+
+    names = [name for name, _ in decoder_layers(model)]
+    if not names:
+        raise ValueError("policy='auto' found no decoder layer that remat's model families take in this model")
+    modules = MODULE_KINDS if modules is None else tuple(modules)
+    timed = range(len(names)) if cost == "time" else ()
+
+    def measure(policy, time_layers=timed):
+        return _Configuration(model, names, policy, example_inputs, modules, backend, time_layers)
+
+    alone = measure(dict.fromkeys(names, STOCK))
+    fused = {p: measure(p) for p in LAYER_POLICIES}
+    fusable = fused["memory"].fused
+    # The stock layers inside a patched model: one fused layer (the first or second fusable one)
+    # makes it a patched model; each stock layer is measured where another one is fused.
+    mixed = {}
+    for host in [i for i, f in enumerate(fusable) if f][:2]:
+        others = [i for i in range(len(names)) if i != host and i not in mixed]
+        config = measure({**dict.fromkeys(names, STOCK), names[host]: "memory"},
+                         others if cost == "time" else ())
+        mixed.update(dict.fromkeys(others, config))
+    # Stock layers left in a patched model still run Hugging Face's code, but their attention may
+    # go through remat's (remat.patch switches the model's attention implementation); flash
+    # attention then recomputes the probabilities in backward.
+    shape = tuple(alone.inputs[0][0][0].shape[:2])
+    per_layer = []
+    for index, name in enumerate(names):
+        x = alone.inputs[index][0][0]
+        in_patched = mixed.get(index, alone)
+        kept, taped_cost, span_cost = {STOCK: in_patched.totals.get(index, 0)}, {STOCK: 0.0}, {}
+        if fusable[index]:
+            kept.update({p: fused[p].totals.get(index, 0) for p in LAYER_POLICIES})
+            if cost == "flops":
+                forward, recompute = layer_flops(fused["memory"].layers[index], *shape)
+                taped_cost.update(recompute)
+                span_cost = {p: forward + recompute[p] for p in LAYER_POLICIES}
+                if in_patched.attention != alone.attention:
+                    taped_cost[STOCK] = recompute["speed"]
+            else:
+                taped_cost.update({p: fused[p].seconds[index][0] for p in LAYER_POLICIES})
+                span_cost = {p: sum(fused[p].seconds[index]) for p in LAYER_POLICIES}
+        if cost == "time":
+            taped_cost[STOCK] = in_patched.seconds[index][0]
+        per_layer.append(LayerCosts(name, kept, taped_cost, span_cost, x.numel() * x.element_size()))
+    all_stock = None
+    if any(fusable):
+        all_stock = (tuple(alone.totals.get(i, 0) for i in range(len(names))),
+                     tuple(alone.seconds[i][0] if cost == "time" else 0.0 for i in range(len(names))),
+                     alone.outside())
+    outside = fused["memory"].outside() if any(fusable) else alone.outside()
+    shared = max([outside[1], *(c.outside()[1] for c in mixed.values())])
+    return ModelCosts(tuple(per_layer), outside[0], shared, outside[2], shape, cost, all_stock)
+
+
+def _check_example(example_inputs):
+    if not isinstance(example_inputs, dict) or not example_inputs:
+        raise TypeError("example_inputs must be a non-empty dict of the model's forward keyword arguments "
+                        f"(input_ids, attention_mask, labels, ...), got {type(example_inputs).__name__}")
+
+
+def resolve_budget(budget_bytes, budget_bytes_per_token, tokens):
+    """The budget in bytes: ``budget_bytes``, or ``budget_bytes_per_token`` times the example's
+    tokens; exactly one must be given."""
+    if (budget_bytes is None) == (budget_bytes_per_token is None):
+        raise ValueError("give exactly one of budget_bytes and budget_bytes_per_token")
+    if budget_bytes is not None:
+        return budget_bytes
+    if isinstance(budget_bytes_per_token, bool) or not isinstance(budget_bytes_per_token, int | float):
+        raise TypeError(f"budget_bytes_per_token must be a number, got {type(budget_bytes_per_token).__name__}")
+    if budget_bytes_per_token < 0:
+        raise ValueError(f"budget_bytes_per_token must be non-negative, got {budget_bytes_per_token}")
+    return int(budget_bytes_per_token * tokens)
+
+
+def plan_model(model, example_inputs, *, budget_bytes=None, budget_bytes_per_token=None, cost="flops",
+               backend=None, modules=None, max_span=None):
+    """Plans, without patching, what each decoder layer of ``model`` keeps so that one training
+    step on batches shaped like ``example_inputs`` keeps at most the budget in saved bytes, at the
+    least recompute (see the module docstring for the choices, the memory model and the costs).
+
+    Args:
+        model: an unpatched ``nn.Module`` with decoder layers remat's families take (Hugging Face
+            Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, GPT-2), in training mode as it will train.
+        example_inputs: dict of forward keyword arguments of one training batch (``input_ids``,
+            ``attention_mask``, ``labels``...), its shape the one the plan holds for.
+        budget_bytes: cap on the peak of saved bytes over forward and backward (parameters excluded).
+        budget_bytes_per_token: or the cap per token of the example (``input_ids``' B x N).
+        cost: ``"flops"`` (default: recompute FLOPs from the layer shapes) or ``"time"`` (measured
+            seconds of each layer's step under each choice).
+        backend: remat backend of the fused layers. modules: as for remat.patch (whole layers
+            need "norm", "mlp" and "attention").
+        max_span: the most layers one checkpointed span may hold (default: any).
+
+    Returns:
+        a :class:`ModelPlan`. Raises ValueError naming the smallest feasible budget when the
+        budget cannot be met.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, "_remat_patched", False):
+        raise ValueError("model is already patched; plan the unpatched model (remat.unpatch(model) first)")
+    _check_example(example_inputs)
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
+    if max_span is not None and (isinstance(max_span, bool) or not isinstance(max_span, int) or max_span < 1):
+        raise ValueError(f"max_span must be a positive int or None, got {max_span!r}")
+    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)):
+        raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+    resolve_budget(budget_bytes, budget_bytes_per_token, 1)  # argument checks before measuring
+    costs = measure_model_costs(model, example_inputs, cost=cost, backend=backend, modules=modules)
+    budget = resolve_budget(budget_bytes, budget_bytes_per_token, costs.tokens)
+    return plan_for_costs(costs, budget, max_span=max_span)
+
+
+# --- running a plan --------------------------------------------------------------------------
+
+
+class _BoundLayer(nn.Module):
+    """One layer of a span with the decoder loop's call arguments, as a one-tensor block for
+    remat's chain executor (an nn.Module, so the executor differentiates its parameters)."""
+
+    def __init__(self, layer, args, kwargs):
+        super().__init__()
+        self.layer, self.args, self.kwargs = layer, args, kwargs
+
+    def forward(self, x):
+        return type(self.layer).forward(self.layer, x, *self.args, **self.kwargs)
+
+
+def _hidden_states_requested():
+    """Whether Hugging Face is recording per-layer hidden states in this forward (its output
+    capture hooks would record a passed-through layer's input as its output)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    collected = _active_collector.get()
+    return collected is not None and "hidden_states" in collected
+
+
+def _check_shape(layer, hidden_states):
+    if getattr(layer, "gradient_checkpointing", False):
+        raise ValueError("this model runs a remat plan (policy='auto'), which decides what is re-run; Hugging Face "
+                         "gradient checkpointing on top would re-run layers again: call "
+                         "model.gradient_checkpointing_disable() or patch with a fixed policy")
+    planned = layer.__dict__[_PLANNED]["shape"]
+    batch, length = hidden_states.shape[:2]
+    if batch > planned[0] or length > planned[1]:
+        raise ValueError(f"this model's remat plan was made for batches of shape {planned}; a [{batch}, {length}] "
+                         "batch may not fit its budget: re-plan (remat.unpatch(model), then remat.patch(model, "
+                         "policy='auto', example_inputs=<a batch of this shape>, ...))")
+
+
+def _taped_forward(self, hidden_states, *args, **kwargs):
+    _check_shape(self, hidden_states)
+    return type(self).forward(self, hidden_states, *args, **kwargs)
+
+
+def _span_forward(self, hidden_states, *args, **kwargs):
+    _check_shape(self, hidden_states)
+    state = self.__dict__[_PLANNED]
+    for value in itertools.chain(args, kwargs.values()):
+        for t in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError("a checkpointed span passes the decoder loop's arguments to every layer and "
+                                 "differentiates only the hidden states and parameters; an argument requires grad")
+    if len(state["members"]) > 1 and _hidden_states_requested():
+        raise ValueError("a remat plan with multi-layer checkpointed spans cannot return per-layer hidden states "
+                         "(output_hidden_states=True); plan with max_span=1")
+    blocks = [_BoundLayer(layer, args, kwargs) for layer in state["members"]]
+    out = run_chain(blocks, hidden_states, Segment(0, len(blocks), recompute=True))
+    state["pending"] = len(blocks) - 1
+    return out
+
+
+def _pass_through_forward(self, hidden_states, *args, **kwargs):
+    owner = self.__dict__[_PLANNED]["owner"].__dict__[_PLANNED]
+    if owner["pending"] <= 0:
+        raise ValueError(f"{type(self).__name__} runs inside a checkpointed span started by an earlier layer and "
+                         "cannot run on its own; call the whole model (or remat.unpatch it)")
+    owner["pending"] -= 1
+    return hidden_states
+
+
+def install(model, plan, layer_modules):
+    """Makes the patched ``layer_modules`` (one per planned layer, in order) run ``plan``: a
+    span's first layer runs the whole span under remat's chain executor (its input kept, the span
+    re-run in backward), the span's other layers pass the hidden states through; every fused
+    layer checks the batch shape against the plan's."""
+    for item in plan.decisions:
+        if isinstance(item, Taped):
+            layer = layer_modules[item.index]
+            if isinstance(layer, PreNormDecoderLayer):
+                object.__setattr__(layer, _PLANNED, {"shape": plan.costs.shape})
+                layer.forward = types.MethodType(_taped_forward, layer)
+            continue
+        members = layer_modules[item.start:item.end]
+        first = members[0]
+        object.__setattr__(first, _PLANNED, {"shape": plan.costs.shape, "members": members, "pending": 0})
+        first.forward = types.MethodType(_span_forward, first)
+        for layer in members[1:]:
+            object.__setattr__(layer, _PLANNED, {"owner": first})
+            layer.forward = types.MethodType(_pass_through_forward, layer)
