@@ -1,7 +1,8 @@
 """remat.patch / unpatch on real Hugging Face models, whatever the family: shared parameters and
-unpatch, subsets of module kinds, plain PyTorch norms, the padding-mask check (positional, in
-kwargs, behind wrapped forwards), KV-cache refusal, eval mode, deepcopy, look-alike classes left
-alone, models loaded from a local checkpoint."""
+unpatch, subsets of module kinds, plain PyTorch norms, the mask check (4-D masks refused:
+positional, in kwargs, behind wrapped forwards), the attention implementation switched and
+restored, eval mode, deepcopy, look-alike classes left alone, models loaded from a local
+checkpoint."""
 
 import copy
 import inspect
@@ -57,15 +58,27 @@ def test_plain_pytorch_norms_are_patched():
     torch.testing.assert_close(model(x), want)
 
 
-def test_left_padding_and_kv_cache_raise():
+def four_d_mask(mask):
+    """A 4-D additive mask [B, 1, N, N] (what a user builds for custom attention patterns)."""
+    n = mask.shape[1]
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def test_non_padding_masks_raise_and_padding_masks_and_caches_run():
+    """4-D (custom) masks are refused, naming what is supported; left padding and a KV cache run
+    (their results: tests/models/test_sequences.py, tests/test_generation.py)."""
     model = causal_lm("llama")
     remat.patch(model)
     ids, mask, _ = batch()
-    left = mask.flip(1)
-    with pytest.raises(ValueError, match="right padding"):
-        model(input_ids=ids, attention_mask=left)
-    with pytest.raises(ValueError, match="KV cache|use_cache"):
-        model(input_ids=ids, attention_mask=mask, use_cache=True)
+    with pytest.raises(ValueError, match="2-D"):
+        model(input_ids=ids, attention_mask=four_d_mask(mask))
+    model(input_ids=ids, attention_mask=mask.flip(1))
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    assert out.past_key_values.get_seq_length() == ids.shape[1]
+    assert model.config._attn_implementation == "remat" and model.config.use_cache is False
+    remat.unpatch(model)
+    assert model.config._attn_implementation == "eager" and model.config.use_cache is False  # as built
 
 
 def test_patch_keeps_eval_mode():
@@ -94,8 +107,8 @@ def test_patched_model_deepcopies_and_checks_positional_masks():
     model = causal_lm("llama")
     remat.patch(model)
     ids, mask, _ = batch()
-    with pytest.raises(ValueError, match="right padding"):
-        model(ids, mask.flip(1))
+    with pytest.raises(ValueError, match="2-D"):
+        model(ids, four_d_mask(mask))
     clone = copy.deepcopy(model)
     with torch.no_grad():
         for p in clone.parameters():
@@ -146,8 +159,8 @@ def test_mask_check_sees_masks_behind_kwargs_and_wrapped_forwards():
     model = Wrapper(causal_lm("llama"))
     remat.patch(model)
     ids, mask, _ = batch()
-    with pytest.raises(ValueError, match="right padding"):
-        model(input_ids=ids, attention_mask=mask.flip(1))
+    with pytest.raises(ValueError, match="2-D"):
+        model(input_ids=ids, attention_mask=four_d_mask(mask))
 
     inner = causal_lm("llama")
     calls = []
@@ -159,8 +172,8 @@ def test_mask_check_sees_masks_behind_kwargs_and_wrapped_forwards():
 
     inner.forward = hook_forward
     remat.patch(inner)
-    with pytest.raises(ValueError, match="right padding"):
-        inner(input_ids=ids, attention_mask=mask.flip(1))
+    with pytest.raises(ValueError, match="2-D"):
+        inner(input_ids=ids, attention_mask=four_d_mask(mask))
     inner(input_ids=ids, attention_mask=mask)
     assert calls == [1]
     remat.unpatch(inner)

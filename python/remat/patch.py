@@ -18,13 +18,18 @@ Only the listed classes are replaced; look-alikes whose computation differs (OLM
 Cohere's LayerNorm, non-causal vision attention) are left as they are. Replacements keep the
 originals' train/eval mode.
 
-Hugging Face masks: remat's kernels do causal (and sliding-window) attention, not arbitrary masks.
-A patched model checks the ``attention_mask`` it is called with: rows that are all ones, or ones
-followed by zeros (right padding), are accepted, because under a causal mask a real token never
-sees a later pad token; padded positions then attend causally to the pad tokens before them, so
-their outputs (which a loss with label -100 at pads ignores) differ from the stock model's.
-Left padding or other masks raise ValueError. A patched model is for training: it sets
-``config.use_cache = False`` (restored by unpatch), and a KV cache raises ValueError.
+Hugging Face masks, packing and generation (when attention is replaced: whole layers or attention
+modules): the model's ``config._attn_implementation`` becomes ``"remat"`` (restored by unpatch),
+registered with transformers (remat.models.hf.register_attention), so the model gives its layers
+the 2-D padding mask, or None without padding. A 2-D ``attention_mask`` may pad anywhere (right,
+left, holes): each row's real tokens run as one packed variable-length sequence; rows whose
+``position_ids`` restart (packed documents) or Hugging Face's ``cu_seq_lens_q/k`` arguments run
+each document as its own sequence (remat.nn.layers.sequence_layout). The model checks the mask it
+is called with: other masks (4-D, custom) raise ValueError. With a KV cache (``generate``), each
+fused layer runs the Hugging Face layer it replaced, which appends to the cache and attends through
+remat's attention (remat.models.hf.hf_attention), in no_grad saving nothing. ``config.use_cache``
+is set False (restored by unpatch) so training forwards build no cache; ``generate`` still uses
+one (its generation config's ``use_cache``).
 """
 
 import functools
@@ -36,14 +41,14 @@ from torch import nn
 
 from remat.checkpoint import model_plan
 from remat.models import causal_lm, outputs, registry
-from remat.models.hf import check_attention_mask
+from remat.models.hf import ATTENTION_IMPLEMENTATION, check_attention_mask, register_attention
 from remat.nn.layers import LAYER_POLICIES
 
 # "loss": a causal LM's training loss through remat.linear_cross_entropy (remat.models.causal_lm).
 MODULE_KINDS = (*registry.PART_KINDS, "loss")
 _ORIGINAL = "_remat_original"
 _HOOK = "_remat_patched"
-_USE_CACHE = "_remat_saved_use_cache"
+_CONFIGS = "_remat_saved_configs"
 _PREVIOUS_FORWARD = "_remat_previous_forward"
 _MASK_CHECK = "_remat_mask_check"
 
@@ -134,14 +139,40 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     if not report.replaced:
         return report
     setattr(model, _HOOK, True)
-    if layers_replaced:
-        # remat's attention reads no mask and keeps no cache: check masks, turn the cache off.
-        config = getattr(model, "config", None)
-        if config is not None and getattr(config, "use_cache", None):
-            setattr(model, _USE_CACHE, config.use_cache)
+    if layers_replaced and _attention_replaced(model):
+        # Training forwards build no cache (generate still does); the model builds 2-D padding
+        # masks for remat's layers and runs stock attention modules (with a cache) through remat's.
+        configs = _hf_configs(model)
+        setattr(model, _CONFIGS, [(config, config.use_cache, config._attn_implementation) for config in configs])
+        if configs:
+            register_attention()
+        for config in configs:
             config.use_cache = False
+            config._attn_implementation = ATTENTION_IMPLEMENTATION
         _install_mask_check(model)
     return report
+
+
+def _hf_configs(model):
+    """The distinct Hugging Face configs (with ``_attn_implementation``) of model's modules: the
+    model's own, or those of the models it wraps."""
+    configs = {}
+    for module in model.modules():
+        config = module.__dict__.get("config")
+        if config is not None and hasattr(config, "_attn_implementation") and hasattr(config, "use_cache"):
+            configs.setdefault(id(config), config)
+    return list(configs.values())
+
+
+def _attention_replaced(model):
+    """Whether patch replaced a module that runs attention (a whole decoder layer or an attention
+    module)."""
+    for module in model.modules():
+        original = module.__dict__.get(_ORIGINAL)
+        found = registry.match(original) if original is not None else None
+        if found is not None and found.kind in ("layer", "attention"):
+            return True
+    return False
 
 
 def _patch_children(parent, prefix, modules, whole_layers, policy, backend, report):
@@ -221,7 +252,8 @@ def _install_mask_check(model):
 
 def unpatch(model):
     """Restores the modules :func:`patch` replaced (the originals, with their shared parameters),
-    the model's ``config.use_cache`` and its forward (removing the mask check).
+    the model's ``config.use_cache`` and ``config._attn_implementation``, and its forward (removing
+    the mask check).
 
     Args:
         model: a model :func:`patch` returned a report for; anything else raises ValueError.
@@ -234,9 +266,9 @@ def unpatch(model):
     if hasattr(model, _PREVIOUS_FORWARD):
         model.forward = getattr(model, _PREVIOUS_FORWARD)
         delattr(model, _PREVIOUS_FORWARD)
-    if hasattr(model, _USE_CACHE):
-        model.config.use_cache = getattr(model, _USE_CACHE)
-        delattr(model, _USE_CACHE)
+    for config, use_cache, attn_implementation in model.__dict__.pop(_CONFIGS, ()):
+        config.use_cache = use_cache
+        config._attn_implementation = attn_implementation
     for module in model.modules():
         causal_lm.uninstall(module)
     _unpatch_children(model)

@@ -356,7 +356,10 @@ def test_compile_fullgraph_on_patched_gemma(policy):
     eager = model(input_ids=ids, attention_mask=mask, labels=labels)
     eager.loss.backward()
     assert counter.frames == 1
-    torch.testing.assert_close(out.logits, eager.logits)
+    # At real positions: a pad position's output is unspecified (eager runs right padding dense, the
+    # compiled graph runs every pad as a one-token sequence of its own).
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real], eager.logits[real])
     for name, p in model.named_parameters():
         torch.testing.assert_close(compiled_grads[name], p.grad, msg=name)
 

@@ -1,9 +1,13 @@
 """Hugging Face glue shared by the model families: recognising HF modules, reading their configs
-(rope type, sliding window), refusing KV caches, and the padding-mask check a patched model runs.
+(rope type, sliding window), the mask check a patched model runs, and remat's attention registered
+with transformers as the attention implementation ``"remat"`` (:func:`register_attention`).
 
-Facts these rely on (transformers 5.24, see shared/notes/hf_integration.md): decoder layers get
-the model's 4-D mask and ``position_embeddings=(cos, sin)`` from the model's rotary module; a
-layer's ``self_attn.layer_idx`` indexes ``config.layer_types``.
+Facts these rely on (transformers 5.24, see shared/notes/hf_integration.md): a model builds one
+mask for its layers with the mask function registered under ``config._attn_implementation``
+(``AttentionMaskInterface``) and its attention modules call the attention function registered
+under the same name (``AttentionInterface``), with q ``[B, Hq, S, D]`` and k/v ``[B, Hkv, K, D]``
+after rope and the KV cache; decoder layers get ``position_embeddings=(cos, sin)`` from the
+model's rotary module; a layer's ``self_attn.layer_idx`` indexes ``config.layer_types``.
 """
 
 import torch
@@ -16,11 +20,124 @@ def is_hf_rms_norm(module):
     return isinstance(weight, nn.Parameter) and weight.dim() == 1 and hasattr(module, "variance_epsilon")
 
 
-def refuse_kv_cache(kwargs):
-    """remat's layers are for training: a KV cache among Hugging Face's call arguments raises."""
-    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
-        raise ValueError("remat's layers are for training: a KV cache (use_cache, past_key_values) is not "
-                         "supported; call remat.unpatch(model) before generating")
+ATTENTION_IMPLEMENTATION = "remat"
+
+
+def register_attention():
+    """Registers :func:`hf_attention` and :func:`padding_mask` with transformers under the name
+    ``"remat"`` (idempotent). remat.patch calls it and sets a patched model's
+    ``config._attn_implementation`` to that name, so that the model builds the 2-D padding mask
+    its layers take, and so that a stock attention module (one running with a KV cache, see
+    :func:`run_stock_layer`) attends through remat's kernels."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, hf_attention)
+    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, padding_mask)
+
+
+def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                 **kwargs):
+    """The mask a patched model gives its layers (transformers' mask-function signature): None when
+    no key is padding, else the 2-D bool padding mask ``[B, kv_length]`` (True: a real token), its
+    last ``kv_length`` columns (a sliding-window cache keeps the last keys only). The causal and
+    sliding-window structure is the layers' own; packed rows are found from ``position_ids`` by the
+    layers (remat.nn.layers.sequence_layout). Under torch.compile the mask is returned whenever
+    one is given (testing it for padding would read it on the host)."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if torch.compiler.is_compiling() or attention_mask.shape[1] != kv_length or not bool(attention_mask.all()):
+        return attention_mask
+    return None
+
+
+def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                 softcap=None, **kwargs):
+    """remat.attention with transformers' attention-function signature, for stock attention modules
+    of a patched model (those that run with a KV cache).
+
+    Args:
+        module: the calling attention module (its ``is_causal``, default True, is read).
+        query: ``[B, Hq, S, D]``; key, value: ``[B, Hkv, K, D]`` after rope and the cache, not
+            repeated for GQA; the S queries are the last S of the K key positions.
+        attention_mask: None or the 2-D ``[B, K]`` padding mask of :func:`padding_mask`. With
+            padding, the real tokens of each row are packed and attend as one variable-length
+            sequence per row (pad keys are never seen; pad queries give 0). Without a mask and a
+            cache (S = K), rows whose ``position_ids`` restart, or Hugging Face's
+            ``cu_seq_lens_q/k`` arguments, split into documents that attend only within
+            themselves (remat.nn.layers.sequence_layout).
+        dropout: probability; scaling: logit scale (default 1/sqrt(D)); sliding_window: the
+            layer's window W (keys within the last W positions, self included) or None; softcap:
+            Gemma 2's logit cap or None. Other keyword arguments are ignored.
+
+    Returns:
+        ``(out [B, S, Hq, D], None)``: causal attention aligned bottom-right (the last query with
+        the last key); no probabilities.
+    """
+    from remat.functional import attention
+
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        raise ValueError("remat's attention takes a 2-D [B, K] padding mask or None; got "
+                         f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+    options = dict(causal=bool(getattr(module, "is_causal", True)), scale=scaling, dropout_p=float(dropout or 0.0),
+                   window=None if not sliding_window else (int(sliding_window) - 1, None), softcap=softcap or None)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, length, heads, D]
+    if attention_mask is None:
+        if q.shape[1] == k.shape[1]:  # no cache: packed rows are found as the fused layers find them
+            from remat.nn.layers import OFFSET_ARGUMENTS, sequence_layout
+
+            batch, n = q.shape[:2]
+            layout = sequence_layout(batch, n, None, kwargs.get("position_ids"),
+                                     **{name: kwargs.get(name) for name in OFFSET_ARGUMENTS})
+            if layout is not None:
+                packed = {"cu_seqlens_q": layout.cu_seqlens, "cu_seqlens_k": layout.cu_seqlens,
+                          "max_seqlen_q": layout.max_seqlen, "max_seqlen_k": layout.max_seqlen}
+                out = attention(*(t.reshape(batch * n, *t.shape[2:]) for t in (q, k, v)), **packed, **options)
+                return out.view(q.shape), None
+        return attention(q, k, v, **options), None
+    real_keys = attention_mask.to(device=q.device, dtype=torch.bool)
+    real_queries = real_keys[:, -q.shape[1]:]
+    cu_seqlens_q, cu_seqlens_k = (nn.functional.pad(real.sum(1).cumsum(0), (1, 0)).to(torch.int32)
+                                  for real in (real_queries, real_keys))
+    packed = attention(q[real_queries], k[real_keys], v[real_keys], cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, **options)
+    return q.new_zeros(q.shape).index_put((real_queries,), packed), None
+
+
+def run_stock_layer(layer, *args, **kwargs):
+    """Runs the Hugging Face module that remat.patch replaced by ``layer`` (kept as
+    ``layer._remat_original``, sharing its parameters) on the same arguments: what a patched layer
+    does with a KV cache (generation), where the model's own code updates the cache and attends
+    through :func:`hf_attention`. The stock module is put in ``layer``'s train/eval mode first,
+    and its forward runs without its module hooks (``layer``'s own hooks run around the call).
+    Raises ValueError when ``layer`` has no original (built outside remat.patch) or holds
+    parameters its original lacks (an adapter added after patching, which the stock module would
+    silently skip)."""
+    stock = layer.__dict__.get("_remat_original")
+    if stock is None:
+        raise ValueError(f"{type(layer).__name__} runs with a KV cache only inside a model patched by remat.patch "
+                         "(it then runs the replaced Hugging Face module); this one was built on its own")
+    stock_parameters = {id(p) for p in stock.parameters()}
+    missing = [name for name, p in layer.named_parameters() if id(p) not in stock_parameters]
+    if missing:
+        raise ValueError(f"{type(layer).__name__} holds parameters its replaced Hugging Face module lacks "
+                         f"({', '.join(missing[:3])}, ...: an adapter added after remat.patch), which generation "
+                         "with a KV cache would skip; apply adapters before remat.patch, or merge them")
+    if stock.training != layer.training:
+        stock.train(layer.training)
+    # Its forward, not its __call__: the stock module's own forward hooks (Hugging Face's output
+    # recorders, which remat.patch carried over to layer) already run around layer's call.
+    return stock.forward(*args, **kwargs)
+
+
+def refuse_static_cache(cache):
+    """A patched model generates with a dynamic cache (DynamicCache and its sliding-window layers);
+    a static cache (fixed-size buffers, ``cache.is_compileable``) raises ValueError."""
+    if cache is not None and getattr(cache, "is_compileable", False):
+        raise ValueError("a remat-patched model generates with a dynamic KV cache (DynamicCache, the default); "
+                         f"{type(cache).__name__} (a static, fixed-size cache) is not supported; use "
+                         "cache_implementation='dynamic'")
 
 
 def rope_type_of(config):
@@ -45,24 +162,13 @@ def sliding_window_of(stock, config):
 
 
 def check_attention_mask(mask):
-    """A patched model's 2-D attention mask must be causal-compatible: None, all ones, or ones
-    followed by zeros along each row (right padding). Anything else raises ValueError (inside a
-    compiled graph: an assertion op in the graph)."""
-    if mask is None or not isinstance(mask, torch.Tensor):
-        return None
-    if mask.dim() != 2:
-        raise ValueError(f"a remat-patched model takes a 2-D [B, N] attention_mask (ones, then zeros for right "
-                         f"padding), got shape {tuple(mask.shape)}")
-    ones = mask.to(torch.bool)
-    # Right padding: along each row, once a position is 0 every later one is too.
-    pad_before_token = (ones[:, 1:] & ~ones[:, :-1]).any()
-    message = ("remat's attention supports causal masks with right padding only; this attention_mask has a pad "
-               "before a real token (left padding or holes); pad on the right (tokenizer.padding_side = 'right') "
-               "or call remat.unpatch(model)")
-    if torch.compiler.is_compiling():
-        # Inside a compiled graph a Python branch on tensor data would break the graph; the check
-        # becomes an assertion op in the graph instead.
-        torch._assert_async(~pad_before_token, message)
-    elif bool(pad_before_token):
-        raise ValueError(message)
-    return None
+    """A patched model's ``attention_mask``: None or a 2-D ``[B, N]`` padding mask (ones for real
+    tokens, zeros for pads, anywhere: right or left padding, holes). Anything else (a 4-D mask, a
+    custom or prefix-LM mask) raises ValueError naming what is supported."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise ValueError("a remat-patched model takes attention_mask None or a 2-D [B, N] padding mask (1 = real "
+                         "token, 0 = pad, anywhere in a row), and packed rows by position_ids or cu_seq_lens_q/k; "
+                         f"got {getattr(mask, 'shape', type(mask).__name__)}: 4-D and custom masks (prefix-LM, "
+                         "block masks) are not supported; call remat.unpatch(model) for those")

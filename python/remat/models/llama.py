@@ -69,9 +69,10 @@ class LlamaLayer(PreNormDecoderLayer):
         policy, backend: as above; backend as for remat.attention.
 
     ``forward(hidden_states, attention_mask=None, position_ids=None, position_embeddings=None)``:
-    ``hidden_states`` [B, N, hidden]. ``attention_mask`` must be None (causal attention; remat.patch
-    checks a Hugging Face model's padding mask, see there). ``position_embeddings``
-    (cos, sin) from a Hugging Face rotary module override the built-in rope tables.
+    ``hidden_states`` [B, N, hidden]. ``attention_mask``: None or a 2-D [B, N] padding mask (pads
+    anywhere); restarting ``position_ids`` or ``cu_seq_lens_q/k`` split packed rows into
+    documents (see PreNormDecoderLayer.forward). ``position_embeddings`` (cos, sin) from a Hugging
+    Face rotary module override the built-in rope tables.
     """
 
     def __init__(self, hidden, intermediate, num_heads, num_kv_heads=None, head_dim=None, *, eps=1e-6,

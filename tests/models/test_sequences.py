@@ -1,0 +1,247 @@
+"""Sequences as people feed them to a patched model: padding anywhere in a row (right, left, holes)
+and packed rows (documents one after another in one row, positions restarting at 0, with or
+without an all-ones attention_mask, or with Hugging Face's cu_seq_lens_q/k arguments), on tiny
+Llama, Mistral (sliding window), Qwen2 and GPT-2 models built from configs.
+
+Padding: logits at every real position, the loss and every parameter gradient against the stock
+model in the same dtype and a float64 copy (the 2x rule). Labels are -100 at pads and wherever the
+token before is a pad (a logit at a pad position predicts it: the stock model's outputs there come
+from a fully masked softmax row and mean nothing). Packed rows: against running each document
+alone. Also torch.compile on a padded batch (one graph), attention-only patching and gradient
+checkpointing with padding."""
+
+import warnings
+
+import pytest
+import torch
+
+import remat
+
+from _checks import assert_within_2x_of_stock
+from helpers import LENGTH, CompileCounter, causal_lm, gpt2_model
+
+transformers = pytest.importorskip("transformers")
+
+KINDS = ("llama", "mistral", "qwen2", "gpt2")
+POLICIES = ("speed", "balanced", "memory")
+# Documents of the packed row: lengths 4, 1, 6 (a one-token document among them).
+DOCUMENTS = (4, 1, 6)
+
+
+def build(kind, dtype=torch.float32, attn_implementation="sdpa", **overrides):
+    """A tiny model; stock references use sdpa, whose fully masked (pad) query rows give 0, where
+    eager's give NaN in float64 and spread it through 0 x NaN."""
+    if kind == "gpt2":
+        model = gpt2_model(dtype)
+        model.config._attn_implementation = attn_implementation
+        return model
+    return causal_lm(kind, dtype, attn_implementation=attn_implementation, **overrides)
+
+
+def padded_batch(layout, vocab=96):
+    """ids, mask [2, 11] with 3 pads in the second row: at its end, at its start, or in its middle.
+    Mistral's window (4) is wider than any run of pads (see helpers.batch)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (2, LENGTH), generator=g)
+    mask = torch.ones(2, LENGTH, dtype=torch.long)
+    pads = {"right": slice(8, 11), "left": slice(0, 3), "holes": slice(4, 7)}[layout]
+    mask[1, pads] = 0
+    return ids, mask
+
+
+def labels_for(ids, mask):
+    after_pad = torch.nn.functional.pad(mask[:, :-1], (1, 0), value=1) == 0
+    return ids.masked_fill((mask == 0) | after_pad, -100)
+
+
+def step(model, **inputs):
+    """(logits, loss, {name: grad}) of a forward with labels and backward, and a forward without
+    labels for the logits (a patched causal LM in training computes its loss fused, without
+    logits)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    inputs.pop("labels")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    return logits, loss.detach(), grads
+
+
+def check_against_stock(got, base, want, real, dtype):
+    assert_within_2x_of_stock("logits", got[0][real], base[0][real], want[0][real], dtype)
+    assert_within_2x_of_stock("loss", got[1].reshape(1), base[1].reshape(1), want[1].reshape(1), dtype)
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        assert_within_2x_of_stock(name, got[2][name], base[2][name], want[2][name], dtype)
+
+
+CASES = [(kind, layout) for kind in KINDS for layout in ("right", "left", "holes")
+         if (kind, layout) != ("mistral", "holes")]  # a window over holes: test_holes_under_a_sliding_window
+
+
+@pytest.mark.parametrize("kind,layout", CASES, ids=[f"{k}-{lay}" for k, lay in CASES])
+def test_padding_anywhere_matches_stock(kind, layout):
+    policy = POLICIES[CASES.index((kind, layout)) % 3]
+    ids, mask = padded_batch(layout)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    want = step(build(kind, torch.float64), **inputs)
+    base = step(build(kind), **inputs)
+    patched = build(kind)
+    remat.patch(patched, policy=policy)
+    got = step(patched, **inputs)
+    check_against_stock(got, base, want, mask.bool(), torch.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_in_bf16_matches_stock(kind):
+    layout = {"llama": "left", "mistral": "right", "qwen2": "holes", "gpt2": "left"}[kind]
+    ids, mask = padded_batch(layout)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    want = step(build(kind, torch.float64), **inputs)
+    base = step(build(kind, torch.bfloat16), **inputs)
+    patched = build(kind, torch.bfloat16)
+    remat.patch(patched, policy=POLICIES[KINDS.index(kind) % 3])
+    got = step(patched, **inputs)
+    check_against_stock(got, base, want, mask.bool(), torch.bfloat16)
+
+
+def test_holes_under_a_sliding_window():
+    """With holes, the real tokens of a row run as one sequence and Mistral's window counts real
+    tokens (as FlashAttention-2's unpadding does): each row equals the stock model run on the row
+    without its pads, at the same positions."""
+    ids, mask = padded_batch("holes")
+    model = build("mistral")
+    remat.patch(model, policy="memory")
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    stock = build("mistral")
+    for row in range(2):
+        real = mask[row].bool()
+        positions = torch.arange(LENGTH)[real][None]
+        ones = torch.ones(1, int(real.sum()), dtype=torch.long)  # no packed-row detection in stock
+        with torch.no_grad():
+            want = stock(input_ids=ids[row, real][None], position_ids=positions, attention_mask=ones).logits[0]
+        torch.testing.assert_close(logits[row, real], want, rtol=1e-5, atol=1e-5)
+
+
+def packed_row():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 96, (1, sum(DOCUMENTS)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
+    labels = ids.clone()
+    starts = torch.tensor([0, *DOCUMENTS[:-1]]).cumsum(0)
+    labels[0, starts] = -100  # DataCollatorWithFlattening's labels: each document's first token ignored
+    offsets = torch.nn.functional.pad(torch.tensor(DOCUMENTS).cumsum(0), (1, 0)).to(torch.int32)
+    return ids, positions, labels, offsets, starts
+
+
+def per_document_reference(model, ids, labels, starts):
+    """Logits, loss and gradients of running each document alone, the loss taken as the packed
+    row's (Hugging Face's shifted labels over the concatenated logits)."""
+    model.zero_grad(set_to_none=True)
+    logits = torch.cat([model(input_ids=ids[:, s : s + n]).logits for s, n in zip(starts.tolist(), DOCUMENTS,
+                                                                                    strict=True)], 1)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+PACKED = [(kind, variant) for kind in KINDS for variant in ("positions", "ones_mask", "cu_seq_lens")]
+
+
+@pytest.mark.parametrize("kind,variant", PACKED, ids=[f"{k}-{v}" for k, v in PACKED])
+def test_packed_rows_match_each_document_alone(kind, variant):
+    ids, positions, labels, offsets, starts = packed_row()
+    inputs = dict(input_ids=ids, position_ids=positions, labels=labels)
+    if variant == "ones_mask":
+        inputs["attention_mask"] = torch.ones_like(ids)
+    if variant == "cu_seq_lens":
+        inputs.update(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=max(DOCUMENTS),
+                      max_length_k=max(DOCUMENTS))
+    want = per_document_reference(build(kind, torch.float64), ids, labels, starts)
+    base = per_document_reference(build(kind), ids, labels, starts)
+    patched = build(kind)
+    remat.patch(patched, policy=POLICIES[PACKED.index((kind, variant)) % 3])
+    got = step(patched, **inputs)
+    check_against_stock(got, base, want, torch.ones_like(ids, dtype=torch.bool), torch.float32)
+
+
+def test_packed_rows_in_bf16():
+    ids, positions, labels, _, starts = packed_row()
+    want = per_document_reference(build("qwen2", torch.float64), ids, labels, starts)
+    base = per_document_reference(build("qwen2", torch.bfloat16), ids, labels, starts)
+    patched = build("qwen2", torch.bfloat16)
+    remat.patch(patched)
+    got = step(patched, input_ids=ids, position_ids=positions, labels=labels)
+    check_against_stock(got, base, want, torch.ones_like(ids, dtype=torch.bool), torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["left", "holes"])
+def test_compile_with_a_padded_batch_is_one_graph(layout):
+    """Under torch.compile the padding layout has fixed shapes (every pad a one-token sequence of
+    its own), so a padded batch compiles to one graph (fullgraph) and matches the eager model."""
+    torch._dynamo.reset()
+    ids, mask = padded_batch(layout)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    model = build("llama")
+    remat.patch(model)
+    eager = step(model, **dict(inputs))
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    got = step(compiled, **dict(inputs))
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], eager[0][real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], eager[1], rtol=1e-5, atol=1e-6)
+    for name, g in eager[2].items():
+        torch.testing.assert_close(got[2][f"_orig_mod.{name}"], g, rtol=1e-4, atol=1e-6)
+    assert counter.frames == 2  # one graph for the forward with labels, one without
+
+
+def test_attention_modules_alone_take_padding_and_packing():
+    ids, mask = padded_batch("left")
+    stock, patched = build("mistral"), build("mistral")
+    report = remat.patch(patched, modules=("attention",))
+    assert {old for _, old, _ in report.replaced} == {"MistralAttention"}
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    got, want = step(patched, **inputs), step(stock, **inputs)
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], want[0][real], rtol=1e-5, atol=1e-5)
+    for name, g in want[2].items():
+        torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-6)
+    ids, positions, labels, _, starts = packed_row()
+    want = per_document_reference(stock, ids, labels, starts)
+    got = step(patched, input_ids=ids, position_ids=positions, labels=labels)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_checkpointing_with_padding_keeps_the_gradients():
+    ids, mask = padded_batch("holes")
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    model = build("qwen2", attention_dropout=0.1)
+    remat.patch(model)
+    torch.manual_seed(0)
+    plain = step(model, **dict(inputs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable()
+    torch.manual_seed(0)
+    checkpointed = step(model, **dict(inputs))
+    assert torch.equal(plain[1], checkpointed[1])
+    for name, g in plain[2].items():
+        assert torch.equal(checkpointed[2][name], g), name
+
+
+def test_masks_that_are_not_padding_raise():
+    model = build("llama")
+    remat.patch(model)
+    ids, mask = padded_batch("right")
+    with pytest.raises(ValueError, match="2-D"):
+        model(input_ids=ids, attention_mask=mask[:, None, None, :].float())
+    layer = model.model.layers[0]
+    x = torch.randn(2, LENGTH, 64)
+    with pytest.raises(ValueError, match="padding mask"):
+        layer(x, attention_mask=mask[:, :5])
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        layer(x, cu_seq_lens_q=torch.tensor([0, LENGTH], dtype=torch.int32))

@@ -1,0 +1,150 @@
+"""Generation from a patched model: with a KV cache (DynamicCache, sliding-window layers included)
+each fused layer runs the Hugging Face layer it replaced, which appends to the cache and attends
+through remat's attention ("remat" attention implementation). Greedy generate() returns the stock
+model's tokens for single prompts and batched left-padded prompts on tiny Llama, Mistral (window
+4, prompts longer than it), Qwen2 and GPT-2; training steps and generation alternate on one model."""
+
+import pytest
+import torch
+
+import remat
+from remat.memory import SavedTensorLog
+
+from helpers import LENGTH, batch, causal_lm, gpt2_model
+
+transformers = pytest.importorskip("transformers")
+
+KINDS = ("llama", "mistral", "qwen2", "gpt2")
+
+
+def build(kind):
+    model = gpt2_model() if kind == "gpt2" else causal_lm(kind)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None  # always max_new_tokens tokens
+    # The helpers' configs say use_cache=False (training); generation uses a cache, as by default.
+    model.generation_config.use_cache = True
+    return model
+
+
+def greedy(model, ids, mask, new_tokens=6):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+
+
+class CountingAttention:
+    """Wraps the registered "remat" attention function, counting calls and the query lengths."""
+
+    def __init__(self):
+        self.registry = transformers.AttentionInterface._global_mapping
+        self.inner = self.registry["remat"]
+        self.query_lengths = []
+
+    def __enter__(self):
+        def counted(module, query, *args, **kwargs):
+            self.query_lengths.append(query.shape[2])
+            return self.inner(module, query, *args, **kwargs)
+
+        self.registry["remat"] = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.registry["remat"] = self.inner
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_generate_returns_the_stock_tokens(kind):
+    stock, patched = build(kind), build(kind)
+    remat.patch(patched)
+    ids, mask, _ = batch()
+    left = mask.flip(1)  # batched prompts padded on the left, as generate expects
+    want_single, want_batched = greedy(stock, ids[:1], mask[:1]), greedy(stock, ids, left)
+    with CountingAttention() as counter:
+        got_single, got_batched = greedy(patched, ids[:1], mask[:1]), greedy(patched, ids, left)
+    assert torch.equal(got_single, want_single)
+    assert torch.equal(got_batched, want_batched)
+    # Every step of every layer attended through remat: the prompt, then one query per new token.
+    layers = 2
+    assert counter.query_lengths == ([LENGTH] * layers + [1] * layers * 5) * 2
+
+
+def test_cached_forward_saves_nothing_and_matches_stock():
+    stock, patched = build("mistral"), build("mistral")
+    remat.patch(patched)
+    ids, mask, _ = batch()
+    left = mask.flip(1)
+    real = left.bool()
+    with torch.inference_mode():
+        want = stock(input_ids=ids, attention_mask=left, use_cache=True)
+    with torch.no_grad(), SavedTensorLog() as log:
+        got = patched(input_ids=ids, attention_mask=left, use_cache=True)
+    assert log.saved == []
+    torch.testing.assert_close(got.logits[real], want.logits[real], rtol=1e-5, atol=1e-5)
+    for layer_got, layer_want in zip(got.past_key_values.layers, want.past_key_values.layers, strict=True):
+        torch.testing.assert_close(layer_got.keys, layer_want.keys)
+        torch.testing.assert_close(layer_got.values, layer_want.values)
+
+
+def test_training_steps_and_generation_alternate():
+    """An evaluation loop that samples mid-training: train, generate, train; parameters and tokens
+    stay those of the stock model doing the same."""
+    ids, mask, labels = batch()
+    left = mask.flip(1)
+    runs = []
+    for patch in (False, True):
+        model = build("qwen2")
+        if patch:
+            remat.patch(model)
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        tokens = []
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            optimizer.step()
+            tokens.append(greedy(model, ids, left, new_tokens=4))
+        runs.append((tokens, [p.detach().clone() for p in model.parameters()]))
+    (stock_tokens, stock_params), (tokens, params) = runs
+    assert not torch.equal(stock_tokens[0], stock_tokens[1])  # training changed what is generated
+    for got, want in zip(tokens, stock_tokens, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(params, stock_params, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_static_cache_and_late_adapters_raise():
+    model = build("llama")
+    remat.patch(model)
+    ids, mask, _ = batch()
+    with pytest.raises(ValueError, match="dynamic KV cache"):
+        model.generate(input_ids=ids[:1], max_new_tokens=2, do_sample=False, cache_implementation="static")
+    layer = model.model.layers[0]
+    layer.extra = torch.nn.Linear(2, 2)  # a parameter the replaced stock layer does not hold
+    with pytest.raises(ValueError, match="adapter added after remat.patch"):
+        greedy(model, ids[:1], mask[:1], new_tokens=2)
+
+
+def test_a_layer_built_on_its_own_refuses_a_cache():
+    layer = remat.nn.LlamaLayer(64, 160, 4, 2)
+    cache = transformers.DynamicCache()
+    with pytest.raises(ValueError, match="remat.patch"):
+        layer(torch.randn(1, 3, 64), cache=cache)
+
+
+def test_generate_returns_the_stock_hidden_states():
+    """Hugging Face records hidden states with hooks: with a cache the replacement's carried hooks
+    record each layer once (the stock layer inside runs without its own)."""
+    ids, mask, _ = batch()
+    left = mask.flip(1)
+    runs = []
+    for patch in (False, True):
+        model = build("llama")
+        if patch:
+            remat.patch(model)
+        runs.append(model.generate(input_ids=ids, attention_mask=left, max_new_tokens=3, do_sample=False,
+                                   output_hidden_states=True, return_dict_in_generate=True))
+    stock, patched = runs
+    assert torch.equal(stock.sequences, patched.sequences)
+    assert [len(s) for s in patched.hidden_states] == [len(s) for s in stock.hidden_states] == [3, 3, 3]
+    for step, (want_step, got_step) in enumerate(zip(stock.hidden_states, patched.hidden_states, strict=True)):
+        real = left.bool() if step == 0 else torch.ones(2, 1, dtype=torch.bool)
+        for want, got in zip(want_step, got_step, strict=True):
+            torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
