@@ -17,7 +17,7 @@ from remat.memory import retained_bytes, saved_bytes
 from remat.ops import ops_for
 
 from _checks import assert_within_2x_of_stock
-from helpers import BATCH, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, LENGTH, batch, causal_lm
+from helpers import BATCH, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, LENGTH, CompileCounter, batch, causal_lm
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -427,3 +427,17 @@ def test_gemma_layer_bytes_with_lora(policy, targets):
     assert layer.saved_bytes_per_token(2) == plain + extra
     rope_tables = 2 * LENGTH * (HEAD_DIM // 2) * 4 if layer.self_attn.rope_theta is not None else 0
     assert saved_bytes(layer, x) == BATCH * LENGTH * layer.saved_bytes_per_token(2) + rope_tables
+
+
+def test_compile_fullgraph_with_lora_and_dropout():
+    torch._dynamo.reset()
+    model = lora_model("llama", torch.float32, "patch_first", config=lora_config(dropout=0.1))
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    got = loss_and_grads(compiled, seed=2)
+    eager = loss_and_grads(model, seed=2)
+    assert counter.frames == 1
+    torch.testing.assert_close(got[0], eager[0])
+    assert set(got[1]) == {f"_orig_mod.{name}" for name in eager[1]}
+    for name in eager[1]:
+        torch.testing.assert_close(got[1][f"_orig_mod.{name}"], eager[1][name])
