@@ -441,3 +441,19 @@ def test_compile_fullgraph_with_lora_and_dropout():
     assert set(got[1]) == {f"_orig_mod.{name}" for name in eager[1]}
     for name in eager[1]:
         torch.testing.assert_close(got[1][f"_orig_mod.{name}"], eager[1][name])
+
+
+def test_carry_wrappers_keeps_adapters_added_after_patching():
+    """remat.nn.adapters.carry_wrappers moves PEFT's wrappers of shared projections from a fused
+    layer to the stock layer it replaced (what unpatch needs after patch -> get_peft_model)."""
+    from remat.nn.adapters import carry_wrappers
+
+    model = causal_lm("llama")
+    stock_layer = model.model.layers[0]
+    layer = remat.nn.LlamaLayer.from_module(stock_layer)
+    peft.inject_adapter_in_model(lora_config(("q_proj", "down_proj")), layer)
+    carried = carry_wrappers(layer, stock_layer)
+    assert sorted(carried) == ["mlp.down_proj", "self_attn.q_proj"]
+    assert stock_layer.self_attn.q_proj is layer.self_attn.q_proj
+    assert isinstance(stock_layer.mlp.down_proj, peft.tuners.lora.LoraLayer)
+    assert carry_wrappers(layer, stock_layer) == []

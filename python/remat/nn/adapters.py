@@ -192,3 +192,19 @@ def lora_bytes_per_call(modules):
     """Bytes the LoRA branches of ``modules`` (projections) keep per call: 16 (a Philox seed and
     offset) per active adapter with dropout; nothing per token."""
     return 16 * sum(adapter.dropout_p > 0 for module in modules for adapter in read_projection(module).adapters)
+
+
+def carry_wrappers(replacement, original):
+    """Puts the wrappers added to ``replacement`` after it replaced ``original`` (PEFT's
+    ``get_peft_model`` on a patched model wraps the projections the two share) into ``original``
+    at the same paths, so that restoring ``original`` (remat.unpatch) keeps the adapters. A
+    wrapper is recognised by its ``base_layer`` being the module ``original`` holds at that path.
+    Returns the paths carried over."""
+    originals = dict(original.named_modules())
+    carried = []
+    for path, module in list(replacement.named_modules()):
+        if path and path in originals and getattr(module, "base_layer", None) is originals[path]:
+            parent_path, _, name = path.rpartition(".")
+            setattr(original.get_submodule(parent_path), name, module)
+            carried.append(path)
+    return carried
