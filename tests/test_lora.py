@@ -457,3 +457,13 @@ def test_carry_wrappers_keeps_adapters_added_after_patching():
     assert stock_layer.self_attn.q_proj is layer.self_attn.q_proj
     assert isinstance(stock_layer.mlp.down_proj, peft.tuners.lora.LoraLayer)
     assert carry_wrappers(layer, stock_layer) == []
+
+
+def test_lora_under_autocast_matches_stock():
+    stock = lora_model("llama", torch.float32)
+    reference = lora_model("llama", torch.float64, source=stock)
+    patched = lora_model("llama", torch.float32, "peft_first", source=stock)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, base = loss_and_grads(patched), loss_and_grads(stock)
+    assert all(g.dtype == torch.float32 for g in got[1].values())
+    assert_matches_stock(got, base, loss_and_grads(reference), torch.bfloat16)
