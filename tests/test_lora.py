@@ -470,3 +470,18 @@ def test_lora_under_autocast_matches_stock():
         got, base = loss_and_grads(patched), loss_and_grads(stock)
     assert all(g.dtype == torch.float32 for g in got[1].values())
     assert_matches_stock(got, base, loss_and_grads(reference), torch.bfloat16)
+
+
+@pytest.mark.parametrize("policy", ["balanced", "memory"])
+def test_generic_mlp_sub_block_keeps_only_its_input(policy):
+    """An MLP with a projection of another linear type runs under checkpoint: it keeps its input h
+    (already the fused sub-block's), not the fused block's fp32 norm statistics (4 bytes per token)."""
+    model = causal_lm("llama", torch.bfloat16)
+    fused = remat.nn.LlamaLayer.from_module(model.model.layers[0], policy=policy)
+    generic = remat.nn.LlamaLayer.from_module(model.model.layers[0], policy=policy)
+    generic.mlp.down_proj = GainLinear(generic.mlp.down_proj)
+    generic.mlp.down_proj.gain.requires_grad_(False)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    tokens = BATCH * LENGTH
+    assert saved_bytes(generic, x) == saved_bytes(fused, x) - 4 * tokens
+    assert retained_bytes(generic, x) == retained_bytes(fused, x) - 4 * tokens
