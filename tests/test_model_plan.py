@@ -300,3 +300,40 @@ def test_time_costs_plan_within_budget():
     report = remat.patch(model, policy="auto", budget_bytes=floor, example_inputs=inputs, cost="time")
     assert measured_peak(model, inputs) <= floor
     assert "seconds" in report.plan.explain()
+
+
+def test_lora_model_plans_within_budget_and_matches_stock_peft():
+    """A PEFT LoRA model (B not zero, base frozen): planned at its floor and between, the real step
+    keeps at most the budget and the trainable gradients match stock PEFT under the 2x rule."""
+    peft = pytest.importorskip("peft")
+    config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+                  init_lora_weights=False)
+
+    def lora(dtype):
+        model = build("llama", dtype, layers=3)
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(**config))
+
+    inputs = example()
+
+    def loss_and_grads(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    reference, stock = loss_and_grads(lora(torch.float64)), loss_and_grads(lora(torch.float32))
+    costs = model_plan.measure_model_costs(lora(torch.float32), inputs)
+    floor = model_plan.smallest_feasible_budget(costs)
+    stock_peak, _ = model_plan.peak_and_cost(costs, all_stock(costs))
+    for budget in (floor, (floor + stock_peak) // 4):
+        model = lora(torch.float32)
+        report = remat.patch(model, policy="auto", budget_bytes=budget, example_inputs=inputs)
+        assert any(isinstance(d, Span) or d.choice != "stock" for d in report.plan.decisions)
+        assert measured_peak(model, inputs) <= report.plan.predicted_peak_bytes <= budget
+        got = loss_and_grads(model)
+        assert len(got[1]) == len(stock[1]) == 3 * 2 * len(config["target_modules"])
+        assert_within_2x_of_stock("loss", got[0].reshape(1), stock[0].reshape(1), reference[0].reshape(1),
+                                  torch.float32)
+        for name in reference[1]:
+            assert_within_2x_of_stock(name, got[1][name], stock[1][name], reference[1][name], torch.float32)
