@@ -12,7 +12,7 @@ import torch
 import remat
 
 from _checks import assert_within_2x_of_stock
-from helpers import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, batch, causal_lm
+from helpers import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, CompileCounter, batch, causal_lm
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,25 +130,54 @@ def test_recording_whatever_the_order_and_after_unpatch(recorded_before_patch):
         assert [h.__qualname__.split(".")[-1] for h in layer._forward_hooks.values()] == ["output_capturing_hook"]
 
 
+# Hugging Face's own refusal: a patched model's attention implementation is "remat" (see remat.patch),
+# and its config refuses output_attentions for any implementation but eager, before the forward.
+ATTENTIONS_REFUSED = ("never forms the attention probabilities"
+                      "|not supported when using the `attn_implementation` set to remat")
+
+
 @pytest.mark.parametrize("modules", [("norm", "mlp", "attention"), ("attention",)], ids=["layers", "attention"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_output_attentions_raises(kind, modules):
     """remat's attention keeps q, k, v, o and the logsumexp, never the probabilities: asking for
-    them (by argument or in the config) raises instead of returning an empty tuple."""
+    them (by argument or in the config) raises ValueError instead of returning an empty tuple."""
     model = family_model(kind)
     report = remat.patch(model, modules=modules)
     if kind == "gpt2" and modules == ("attention",):
         assert not report.replaced  # GPT-2's attention is replaced only inside a whole block
         return
     ids, mask, _ = batch()
-    with pytest.raises(ValueError, match="never forms the attention probabilities"):
+    with pytest.raises(ValueError, match=ATTENTIONS_REFUSED):
         model(input_ids=ids, attention_mask=mask, output_attentions=True)
-    model.config.output_attentions = True
-    with pytest.raises(ValueError, match="output_attentions is not available"):
+    with pytest.raises(ValueError, match=ATTENTIONS_REFUSED):
+        model.config.output_attentions = True
         model(input_ids=ids, attention_mask=mask)
     model.config.output_attentions = False
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)  # usable after the error
     assert len(out.hidden_states) == LAYERS + 1
+
+
+@pytest.mark.parametrize("modules", [("norm", "mlp", "attention"), ("attention",)], ids=["layers", "attention"])
+def test_replacements_refuse_attentions_in_a_recorded_call(modules):
+    """Below Hugging Face's config check: inside a call that records attentions (Hugging Face's
+    collector active), a replaced layer or attention module raises naming why, before its forward
+    (a whole layer: no attention module to record) or after it (an attention module returns
+    ``(output, None)``), rather than recording nothing."""
+    from transformers.utils import output_capturing
+
+    model = family_model("llama")
+    remat.patch(model, modules=modules)
+    layer = model.model.layers[0]
+    module = layer if "mlp" in modules else layer.self_attn
+    x = torch.randn(1, 5, HIDDEN)
+    rope = model.model.rotary_emb(x, torch.arange(5)[None])
+    token = output_capturing._active_collector.set({"attentions": []})
+    try:
+        with pytest.raises(ValueError, match="never forms the attention probabilities"):
+            module(x, position_embeddings=rope)
+    finally:
+        output_capturing._active_collector.reset(token)
+    assert module(x, position_embeddings=rope) is not None  # no collector: runs as usual
 
 
 def test_deep_copy_records_and_unpatches_on_its_own():
@@ -161,3 +190,20 @@ def test_deep_copy_records_and_unpatches_on_its_own():
         out = patched(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         assert len(out.hidden_states) == LAYERS + 1
         assert isinstance(patched.model.layers[0], remat.nn.LlamaLayer) == replaced
+
+
+def test_compiled_patched_model_records_in_one_graph():
+    """Under torch.compile(fullgraph=True) the recording hooks trace into the model's one graph:
+    the stock count and values."""
+    torch._dynamo.reset()
+    model = family_model("llama")
+    remat.patch(model)
+    ids, _, _ = batch()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    got = compiled(input_ids=ids, output_hidden_states=True).hidden_states
+    want = model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert counter.frames == 1
+    assert len(got) == len(want) == LAYERS + 1
+    for value, expected in zip(got, want):
+        torch.testing.assert_close(value, expected)

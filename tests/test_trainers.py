@@ -92,8 +92,11 @@ def hf_trainer_losses(model, tokenizer, tmp_path, checkpointing):
     return logged_losses(trainer)
 
 
-def sft_losses(model, tokenizer, tmp_path, checkpointing, bf16=False):
-    args = trl.SFTConfig(max_length=32, **common_arguments(tmp_path, checkpointing, bf16))
+def sft_losses(model, tokenizer, tmp_path, checkpointing, bf16=False, padding_free=False):
+    """SFTTrainer's logged losses; ``padding_free``: TRL packs each batch into one row whose
+    position_ids restart per document (no attention mask; TRL then takes no max_length)."""
+    args = trl.SFTConfig(max_length=None if padding_free else 32, padding_free=padding_free,
+                         **common_arguments(tmp_path, checkpointing, bf16))
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": TEXTS}),
                              processing_class=tokenizer)
     return logged_losses(trainer)
@@ -103,10 +106,17 @@ def assert_fp32_losses_equal(got, want):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-5, atol=0)
 
 
+def sft_padding_free_losses(model, tokenizer, tmp_path, checkpointing):
+    return sft_losses(model, tokenizer, tmp_path, checkpointing, padding_free=True)
+
+
+TRAINERS = {"hf": hf_trainer_losses, "sft": sft_losses, "sft_padding_free": sft_padding_free_losses}
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
-@pytest.mark.parametrize("trainer", ["hf", "sft"])
+@pytest.mark.parametrize("trainer", list(TRAINERS))
 def test_patched_model_trains_as_stock(trainer, checkpointing, tokenizer, tmp_path):
-    run = hf_trainer_losses if trainer == "hf" else sft_losses
+    run = TRAINERS[trainer]
     want = run(build(False, False)[0], tokenizer, tmp_path / "stock", False)
     model, calls = build(True, False)
     got = run(model, tokenizer, tmp_path / "patched", checkpointing)

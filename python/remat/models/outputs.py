@@ -26,6 +26,10 @@ classes, so families added later, such as mixture-of-experts layers, are covered
   recorded nothing (an attention replacement returns ``(output, None)``) raises after it. Nothing
   is returned short silently.
 - :func:`drop_recorders` (before unpatching) removes what :func:`carry_recorders` added.
+
+With the patched model's attention implementation set to ``"remat"`` (remat.patch), Hugging
+Face's config refuses ``output_attentions`` before any forward, for any implementation but eager;
+the checks here are what still refuses it inside a recorded call that gets past that.
 """
 
 import sys
