@@ -207,3 +207,22 @@ def test_compiled_patched_model_records_in_one_graph():
     assert len(got) == len(want) == LAYERS + 1
     for value, expected in zip(got, want):
         torch.testing.assert_close(value, expected)
+
+
+def test_generate_with_hidden_states_equals_stock():
+    """generate(output_hidden_states=True): a patched layer runs its stock module's forward with the
+    KV cache (remat.models.hf.run_stock_layer), and the recorders fire once per layer and step."""
+    ids = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for patched in (False, True):
+        model = family_model("llama").eval()
+        if patched:
+            remat.patch(model)
+        runs.append(model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=True,
+                                   output_hidden_states=True, return_dict_in_generate=True))
+    want, got = runs
+    assert torch.equal(got.sequences, want.sequences)
+    assert [len(step) for step in got.hidden_states] == [len(step) for step in want.hidden_states] == [LAYERS + 1] * 3
+    for got_step, want_step in zip(got.hidden_states, want.hidden_states):
+        for value, expected in zip(got_step, want_step):
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-5)
