@@ -135,7 +135,7 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     if plan is not None:
         report.plan = plan
         named = dict(model.named_modules())
-        model_plan.install(model, plan, [named[layer.name] for layer in plan.costs.layers])
+        model_plan.install(plan, [named[layer.name] for layer in plan.costs.layers])
     if not report.replaced:
         return report
     setattr(model, _HOOK, True)

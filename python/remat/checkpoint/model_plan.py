@@ -55,7 +55,6 @@ from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
 
 COSTS = ("flops", "time")
 STOCK = "stock"
-TAPED_CHOICES = (STOCK, *LAYER_POLICIES)
 _PLANNED = "_remat_model_plan"
 
 
@@ -663,7 +662,7 @@ def _pass_through_forward(self, hidden_states, *args, **kwargs):
     return hidden_states
 
 
-def install(model, plan, layer_modules):
+def install(plan, layer_modules):
     """Makes the patched ``layer_modules`` (one per planned layer, in order) run ``plan``: a
     span's first layer runs the whole span under remat's chain executor (its input kept, the span
     re-run in backward), the span's other layers pass the hidden states through; every fused
