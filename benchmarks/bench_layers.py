@@ -107,7 +107,15 @@ def run(device, quick=False):
             r["saved_vs_eager"] = r["saved_bytes"] / stock[r["mode"]]["saved_bytes"]
             rows.append({**r, **tags})
     rows.extend(lora_rows(device, quick, tags))
-    return rows
+    return same_columns(rows)
+
+
+def same_columns(rows):
+    """Rows of different blocks carry different columns (the LoRA rows: ratios from interleaved
+    rounds and no absolute times); every row gets every column ("" where it has none), so one CSV
+    (benchmarks.common.write_csv takes the first row's columns) and one table hold them all."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    return [{key: row.get(key, "") for key in columns} for row in rows]
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
