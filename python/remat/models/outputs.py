@@ -19,12 +19,12 @@ classes, so families added later, such as mixture-of-experts layers, are covered
   original carried itself (a decoder layer's hidden-state hook: the replacement returns the same
   hidden states), and those of the original's submodules to the replacement's submodules at the
   same path that are instances of the same class (a MoE router built as a subclass of the stock
-  router, returning the logits first as stock does). remat's fused attention is no such module and
-  forms no attention probabilities, so the attention hooks have nothing to record. Each replacement then
-  checks, whenever a collector asks for one of those outputs, that every recorder of its original
-  recorded: a key with no carrier raises ValueError before the forward, one whose carrier
-  recorded nothing (an attention replacement returns ``(output, None)``) raises after it. Nothing
-  is returned short silently.
+  router, returning the logits first as stock does). remat's fused attention is no such module
+  and forms no attention probabilities, so the attention hooks have nothing to record. Each
+  replacement then checks, whenever a collector asks for one of those outputs, that every
+  recorder of its original recorded: a key with no carrier raises ValueError before the forward,
+  one whose carrier recorded nothing (an attention replacement returns ``(output, None)``) raises
+  after it. Nothing is returned short silently.
 - :func:`drop_recorders` (before unpatching) removes what :func:`carry_recorders` added.
 
 With the patched model's attention implementation set to ``"remat"`` (remat.patch), Hugging
