@@ -245,3 +245,22 @@ def test_masks_that_are_not_padding_raise():
         layer(x, attention_mask=mask[:, :5])
     with pytest.raises(ValueError, match="cu_seq_lens"):
         layer(x, cu_seq_lens_q=torch.tensor([0, LENGTH], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["positions", "cu_seq_lens"])
+def test_hugging_face_flattening_collator(flash_kwargs):
+    """A batch from Hugging Face's DataCollatorWithFlattening (one row, position_ids restarting,
+    labels -100 at each document's first token; with return_flash_attn_kwargs the int32 offsets):
+    loss and gradients equal the per-document reference."""
+    ids, _, _, _, starts = packed_row()
+    documents = [{"input_ids": ids[0, s : s + n].tolist()} for s, n in zip(starts.tolist(), DOCUMENTS, strict=True)]
+    collated = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(documents)
+    assert ("cu_seq_lens_q" in collated) == flash_kwargs and "attention_mask" not in collated
+    want = per_document_reference(build("llama"), collated["input_ids"], collated["labels"], starts)
+    patched = build("llama")
+    remat.patch(patched)
+    got = step(patched, **collated)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    for name, g in want[2].items():
+        torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-6)

@@ -35,7 +35,8 @@ class SequenceLayout(NamedTuple):
     """How a ``[B, N]`` batch runs as packed sequences (one row ``[1, T]``, variable-length attention).
 
     ``tokens``: int64 ``[T]`` flat indices into the ``B * N`` tokens, in packed order (the real
-    tokens, row by row), or None when all ``B * N`` tokens run in order. ``cu_seqlens``: int32
+    tokens, row by row; under torch.compile followed by every pad), or None when all ``B * N``
+    tokens run in order. ``cu_seqlens``: int32
     ``[S + 1]`` offsets of the sequences in the packed row. ``max_seqlen``: the longest sequence
     (an upper bound)."""
 
