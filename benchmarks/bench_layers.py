@@ -3,7 +3,9 @@ full, remat.nn.LlamaLayer with each policy against the stock Hugging Face layer 
 what `transformers` runs by default), the stock layer under per-layer torch.utils.checkpoint, and
 torch.compile of the stock layer. Reports saved-for-backward bytes per token per layer (everywhere),
 peak memory (GPU) and time ratios to the stock layer; FLOPs are not counted here. Plus LoRA rows
-(lora_rows): PEFT LoRA layers, stock, checkpointed and fused, full-step ratios from interleaved rounds."""
+(lora_rows): PEFT LoRA layers, stock, checkpointed and fused, full-step ratios from interleaved rounds.
+Plus one Mixtral (mixture-of-experts) layer against remat's MixtralLayer (_moe_rows), full-step
+ratios from interleaved rounds."""
 
 import torch
 import torch.utils.checkpoint
@@ -106,8 +108,57 @@ def run(device, quick=False):
             r["time_vs_eager"] = r["median_ms"] / stock[r["mode"]]["median_ms"]
             r["saved_vs_eager"] = r["saved_bytes"] / stock[r["mode"]]["saved_bytes"]
             rows.append({**r, **tags})
+    rows.extend(_moe_rows(device, quick, tags))
     rows.extend(lora_rows(device, quick, tags))
     return same_columns(rows)
+
+
+def _moe_rows(device, quick, tags):
+    """One Mixtral decoder layer (8 experts, top-2; Hugging Face's default experts path, grouped_mm)
+    against remat.models.mixtral.MixtralLayer with each policy: the full step's time ratio to the
+    stock layer from interleaved rounds (benchmarks.common.interleaved_ratios), saved bytes per token."""
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding
+
+    from remat.models.mixtral import MixtralLayer
+
+    if device.type == "cuda":
+        shape = dict(hidden=4096, inter=14336, experts=8, top_k=2, heads=32, kv_heads=8, tokens=4096)
+        dtype = torch.bfloat16
+    else:
+        shape = dict(hidden=512, inter=1376, experts=8, top_k=2, heads=8, kv_heads=4, tokens=128 if quick else 256)
+        dtype = torch.float32
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=shape["hidden"], intermediate_size=shape["inter"],
+                                        num_local_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
+                                        num_hidden_layers=1, num_attention_heads=shape["heads"],
+                                        num_key_value_heads=shape["kv_heads"], use_cache=False,
+                                        attn_implementation="sdpa", experts_implementation="grouped_mm")
+    torch.manual_seed(0)
+    stock = MixtralDecoderLayer(config, 0).to(device=device, dtype=dtype)
+    for p in stock.parameters():
+        torch.nn.init.normal_(p, 1.0 if p.dim() == 1 else 0.0, 0.02)
+    tokens = shape["tokens"]
+    x = torch.randn(1, tokens, shape["hidden"], device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    rope = MixtralRotaryEmbedding(config).to(device)(x, torch.arange(tokens, device=device)[None])
+    params = list(stock.parameters())
+    layers = {"torch": stock, **{f"remat-{p}": MixtralLayer.from_module(stock, policy=p) for p in
+                                 ("speed", "balanced", "memory")}}
+
+    def full_step(layer):
+        return lambda: torch.autograd.grad(layer(x, position_embeddings=rope), [x, *params], dy)
+
+    ratios = interleaved_ratios({name: full_step(layer) for name, layer in layers.items()}, "torch", device,
+                                rounds=5 if quick else 11)
+    rows = []
+    for name, layer in layers.items():
+        saved = saved_bytes(layer, x, position_embeddings=rope)
+        median, q20, q80 = ratios[name]
+        rows.append({"block": "mixtral_layer", "depth": 1, **shape, "dtype": str(dtype).replace("torch.", ""),
+                     "provider": name, "mode": "full", "time_vs_eager": median, "ratio_q20": q20, "ratio_q80": q80,
+                     "saved_bytes": saved, "saved_bytes_per_token_per_layer": saved / tokens, **tags})
+    return rows
+
 
 
 def same_columns(rows):

@@ -10,7 +10,10 @@ from typing import NamedTuple
 
 # The family modules, in lookup order.
 FAMILY_MODULES = ("remat.models.llama", "remat.models.gpt2", "remat.models.qwen3", "remat.models.phi3",
-                  "remat.models.gemma", "remat.models.torch_norms")
+                  "remat.models.gemma",
+                  "remat.models.mixtral",
+                  "remat.models.qwen3_moe",
+                  "remat.models.torch_norms")
 
 PART_KINDS = ("norm", "mlp", "attention")
 

@@ -1,0 +1,183 @@
+"""The sparse mixture-of-experts block (router and experts, with the pre-norm fused in) as one
+autograd Function, so that the norm's backward runs once on the summed gradient of both.
+
+normed = rmsnorm(x) (or x itself without a norm); router: logits = normed Wr^T (x's dtype),
+p = softmax(fp32 logits), (top, indices) = top-k of p, weights = top / sum(top) when
+``renormalize``, kept fp32 (``fp32_weights``, Mixtral) or cast to x's dtype (Qwen3-MoE). Experts:
+for every expert e with routed rows, x_e = normed[rows of e], y_e = (act(x_e Wg_e^T) * (x_e
+Wu_e^T)) Wd_e^T, and out[t] = the sum over t's k choices of weight * y_e[t], accumulated in fp32
+and rounded once. Wg_e and Wu_e are the row halves ``gate_up[e, :I]`` and ``gate_up[e, I:]``
+(views of the 3-D expert Parameter, never copies). One GEMM per expert on its gathered rows;
+experts with no row are skipped; the loop runs over experts, never over tokens.
+
+Recompute contract (bytes per token at hidden H, expert intermediate I, k experts per token,
+element size s, routing-weight element size w: 4 with ``fp32_weights``, else s), checked byte for
+byte in tests/models/test_mixtral.py and test_qwen3_moe.py:
+
+- "block": keeps x (sH), the fp32 rstd (4), the int64 indices (8k) and the weights (wk): in all
+  ``sH + 4 + k(8 + w)``. Backward recomputes normed, each expert's gate/up GEMMs and activation,
+  the router logits and softmax.
+- "activation": also keeps gate and up of every routed row (``2Iks``). Backward recomputes
+  normed, the activation, the router logits and softmax.
+
+The expert input rows are gathered again from the recomputed normed rows in backward instead of
+being kept per expert (that would be k times the bytes of x). The routing-weight gradient uses
+<dy, y_e> = <dy Wd_e, h_e>, so backward runs no down GEMM beyond the usual two (dh and dWd); the
+router GEMM (E x H per token, small next to the experts' 3kIH) runs again in backward. Inputs are
+2-D [tokens, H].
+"""
+
+import torch
+import torch.nn.functional as F
+
+from remat.autograd.mlp import _fused_gate_up
+from remat.autograd.norm import norm_backward, norm_forward
+from remat.ops import ops_for
+
+EXPERT_RECOMPUTE_MODES = ("activation", "block")
+
+
+def _normed(x, norm_weight, eps, backend):
+    """(normed rows, fp32 rstd) of x with RMSNorm (eps set), or (x, None) without a norm."""
+    if eps is None:
+        return x, None
+    normed, _, rstd = norm_forward(x, norm_weight, None, "rms", eps, backend)
+    return normed, rstd
+
+
+def _norm_grads(d_normed, x, norm_weight, rstd, eps, backend):
+    """(dx, d_norm_weight) through the RMSNorm (x_hat recomputed from x and rstd), or
+    (d_normed, None) without a norm."""
+    if eps is None:
+        return d_normed, None
+    dx, d_weight, _ = norm_backward(d_normed.contiguous(), x, norm_weight, None, rstd, "rms", False, backend)
+    return dx, d_weight
+
+
+def expert_groups(indices, num_experts):
+    """The (token, choice) pairs of ``indices`` [T, k] grouped by expert: (positions, counts) with
+    positions [T k] the flat pair indices (t k + choice) sorted by expert (stable: by token within
+    an expert) and counts a list of E Python ints (rows per expert)."""
+    flat = indices.reshape(-1)
+    positions = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return positions, counts
+
+
+class MoEFunction(torch.autograd.Function):
+    """(out [T, H], logits [T, E], weights [T, k], indices [T, k]) of the sparse MoE block; see the
+    module docstring. gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I], w_router [E, H].
+    weights and indices are not differentiable outputs (the weights' gradient flows inside, into
+    the logits); logits are (Hugging Face's load-balancing loss differentiates them)."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, w_router, gate_up, down, eps, top_k, renormalize, fp32_weights, activation,
+                recompute, backend):
+        ops = ops_for("mlp", backend)
+        num_experts, inter = gate_up.shape[0], down.shape[2]
+        tokens = x.shape[0]
+        normed, rstd = _normed(x, norm_weight, eps, backend)
+        logits = F.linear(normed, w_router)
+        top, indices = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+        if renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        weights = top if fp32_weights else top.to(x.dtype)
+        positions, counts = expert_groups(indices, num_experts)
+        flat_weights = weights.reshape(-1)
+        fused = _fused_gate_up(ops, recompute, None, None) and recompute == "block"
+        gates = ups = None
+        if recompute == "activation":
+            gates, ups = x.new_empty(tokens * top_k, inter), x.new_empty(tokens * top_k, inter)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = positions[start:start + count]
+            rows = pairs // top_k
+            x_e = normed[rows]
+            w_gate, w_up = gate_up[expert, :inter], gate_up[expert, inter:]
+            if fused:
+                h, _, _ = ops.glu_matmul(x_e, w_gate, w_up, activation, False, "none", None, None, None, None)
+            else:
+                if gates is not None:
+                    gate = torch.matmul(x_e, w_gate.t(), out=gates[start:start + count])
+                    up = torch.matmul(x_e, w_up.t(), out=ups[start:start + count])
+                else:
+                    gate, up = F.linear(x_e, w_gate), F.linear(x_e, w_up)
+                h = ops.glu_fwd(gate, up, activation)
+            y_e = F.linear(h, down[expert])
+            out.index_add_(0, rows, y_e.float() * flat_weights[pairs, None].float())
+            start += count
+        del normed
+        ctx.mark_non_differentiable(weights, indices)
+        ctx.save_for_backward(x, norm_weight, w_router, gate_up, down, rstd, weights, indices, gates, ups)
+        ctx.eps, ctx.renormalize, ctx.activation, ctx.backend, ctx.fused = eps, renormalize, activation, backend, fused
+        return out.to(x.dtype), logits, weights, indices
+
+    @staticmethod
+    def backward(ctx, dy, d_logits, _d_weights, _d_indices):
+        x, norm_weight, w_router, gate_up, down, rstd, weights, indices, gates, ups = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        ops = ops_for("mlp", ctx.backend)
+        num_experts, inter = gate_up.shape[0], down.shape[2]
+        top_k = indices.shape[1]
+        normed, _ = _normed(x, norm_weight, ctx.eps, ctx.backend)
+        positions, counts = expert_groups(indices, num_experts)
+        flat_weights = weights.reshape(-1)
+        dy = dy.contiguous()
+        d_normed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        d_gate_up = torch.zeros_like(gate_up) if need[3] else None
+        d_down = torch.zeros_like(down) if need[4] else None
+        d_flat_weights = torch.zeros(flat_weights.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = positions[start:start + count]
+            rows = pairs // top_k
+            x_e, dy_e = normed[rows], dy[rows]
+            w_e = flat_weights[pairs, None].float()
+            w_gate, w_up, w_down = gate_up[expert, :inter], gate_up[expert, inter:], down[expert]
+            # g = dy_e Wd: the gradient of the expert's unweighted output at h; dh = weight * g.
+            g = dy_e @ w_down
+            dh = (g.float() * w_e).to(x.dtype)
+            if ctx.fused:
+                dgate, dup, h = ops.glu_matmul_bwd(x_e, w_gate, w_up, dh, ctx.activation, True, "none", None, None,
+                                                   None, None)
+            else:
+                if gates is not None:
+                    gate, up = gates[start:start + count], ups[start:start + count]
+                else:
+                    gate, up = F.linear(x_e, w_gate), F.linear(x_e, w_up)
+                dgate, dup, h = ops.glu_bwd(dh, gate, up, ctx.activation, True)
+            # d weight = <dy_e, y_e> = <dy_e Wd, h>: no recompute of the down GEMM.
+            d_flat_weights[pairs] = (g.float() * h.float()).sum(dim=-1)
+            if d_down is not None:
+                torch.matmul((dy_e.float() * w_e).to(x.dtype).t(), h, out=d_down[expert])
+            if d_gate_up is not None:
+                torch.matmul(dgate.t(), x_e, out=d_gate_up[expert, :inter])
+                torch.matmul(dup.t(), x_e, out=d_gate_up[expert, inter:])
+            # One GEMM over [dgate | dup] and the expert's whole [2I, H] slice: one rounding, as stock.
+            d_normed.index_add_(0, rows, (torch.cat((dgate, dup), dim=1) @ gate_up[expert]).float())
+            start += count
+        # The router: weights -> (renormalized) top-k probabilities -> fp32 softmax -> logits, plus
+        # the logits' own gradient (the load-balancing loss); the logits are recomputed.
+        logits = F.linear(normed, w_router)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = probs.gather(1, indices)
+        d_top = d_flat_weights.view(indices.shape)
+        if ctx.renormalize:
+            total = top.sum(dim=-1, keepdim=True)
+            d_top = (d_top - (d_top * top / total).sum(dim=-1, keepdim=True)) / total
+        d_probs = torch.zeros_like(probs).scatter_(1, indices, d_top)
+        d_logits_f = probs * (d_probs - (probs * d_probs).sum(dim=-1, keepdim=True))
+        if d_logits is not None:
+            d_logits_f = d_logits_f + d_logits.float()
+        d_logits_total = d_logits_f.to(logits.dtype)
+        del logits, probs, d_probs, d_logits_f
+        d_w_router = d_logits_total.t() @ normed if need[2] else None
+        d_normed += (d_logits_total @ w_router).float()
+        dx, d_norm_weight = _norm_grads(d_normed.to(x.dtype), x, norm_weight, rstd, ctx.eps, ctx.backend)
+        return (dx if need[0] else None, d_norm_weight if need[1] else None, d_w_router, d_gate_up, d_down,
+                None, None, None, None, None, None, None)

@@ -1,0 +1,368 @@
+"""The Mixtral family (remat.models.mixtral, remat.nn.moe): patched tiny Mixtral models built from
+configs (4 experts, top-2, no downloads) against a float64 copy of the stock model under the 2x
+rule, fp32 and bf16, every policy, backends cpp and torch: logits, loss (with the load-balancing
+auxiliary loss), aux_loss, router logits and every gradient (router and 3-D expert Parameters
+included); one layer's routing starves an expert (constructed, and asserted). MixtralLayer's
+policies as measured byte formulas; parameters shared, keys unchanged; the router caught by
+Hugging Face's router-logit hooks."""
+
+import pytest
+import torch
+
+import remat
+from remat.memory import SavedTensorLog, retained_bytes, saved_bytes
+from remat.models.mixtral import MixtralLayer
+from remat.nn.moe import moe_block
+
+from _checks import assert_within_2x_of_stock
+from helpers import BATCH, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LENGTH, batch, cpu_backends
+
+transformers = pytest.importorskip("transformers")
+
+EXPERTS, TOP_K, EXPERT_INTER = 4, 2, 40
+STARVED = 3  # the expert that layer 0's router never picks (see mixtral_model)
+
+
+def mixtral_model(dtype=torch.float32, seed=0, sliding=False, **overrides):
+    """A tiny MixtralForCausalLM from a config (2 layers, 4 experts, top-2, aux loss coefficient 1 so
+    its gradient is visible) with random norm weights. Layer 0's router never picks expert 3: every
+    embedding has a large feature 0 (so the normalized input's feature 0 is large and positive for
+    every token), on which that router's row 3 has a large negative weight and rows 0-2 a positive
+    one (layer 1's router ignores feature 0). Built in fp32, then cast; the float64 reference runs
+    Hugging Face's eager experts loop (grouped_mm takes no float64)."""
+    torch.manual_seed(seed)
+    options = dict(vocab_size=96, hidden_size=HIDDEN, intermediate_size=EXPERT_INTER, num_hidden_layers=2,
+                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                   num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, router_aux_loss_coef=1.0,
+                   max_position_embeddings=64, use_cache=False, attn_implementation="eager")
+    if sliding:
+        options.update(sliding_window=4)
+    options.update(overrides)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**options))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        model.model.embed_tokens.weight[:, 0] = 3.0
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight[0] = 1.0
+        router = model.model.layers[0].mlp.gate.weight
+        router[:, 0] = 0.1
+        router[STARVED, 0] = -1.0
+        model.model.layers[1].mlp.gate.weight[:, 0] = 0.0  # layer 1 routes by the other features
+    model = model.to(dtype)
+    if dtype == torch.float64:
+        model.set_experts_implementation("eager")
+    return model
+
+
+def step(model, ids, mask, labels):
+    """(logits, loss, aux_loss, router logits per layer, {parameter: gradient}) of one training step
+    with output_router_logits (the loss includes the load-balancing loss); logits from a second
+    forward without labels."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    out.loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return logits, out.loss.detach(), out.aux_loss.detach(), [r.detach() for r in out.router_logits], grads
+
+
+def per_token_formula(policy, element):
+    """Bytes per token a MixtralLayer keeps (its docstring): fp32 routing weights."""
+    q_width, kv_width = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    memory = element * (2 * HIDDEN + q_width) + 4 * HEADS + 8 + TOP_K * (8 + 4)
+    balanced = memory + element * (q_width + 2 * kv_width)
+    return {"memory": memory, "balanced": balanced, "speed": balanced + 2 * EXPERT_INTER * TOP_K * element}[policy]
+
+
+@pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+def test_patched_mixtral_matches_stock(sliding, dtype, policy, backend):
+    reference = mixtral_model(torch.float64, sliding=sliding)
+    stock = mixtral_model(dtype, sliding=sliding)
+    patched = mixtral_model(dtype, sliding=sliding)
+    report = remat.patch(patched, policy=policy, backend=backend)
+    mine = [entry for entry in report.replaced if entry[0].startswith("model.")]
+    assert mine == [("model.layers.0", "MixtralDecoderLayer", "HFMixtralLayer"),
+                    ("model.layers.1", "MixtralDecoderLayer", "HFMixtralLayer"),
+                    ("model.norm", "MixtralRMSNorm", "RMSNorm")]
+    layers = patched.model.layers
+    assert [layer.self_attn.window for layer in layers] == [(3, None) if sliding else None] * 2
+    ids, mask, labels = batch()
+    real = mask.bool()
+    want, base, got = (step(m, ids, mask, labels) for m in (reference, stock, patched))
+    # Layer 0's routing starves expert 3 (and uses the other three); layer 1 uses every expert.
+    chosen = [logits.topk(TOP_K, dim=-1).indices.unique().tolist() for logits in want[3]]
+    assert chosen == [[0, 1, 2], [0, 1, 2, 3]]
+    assert torch.equal(got[4]["model.layers.0.mlp.experts.gate_up_proj"][STARVED],
+                       torch.zeros_like(got[4]["model.layers.0.mlp.experts.gate_up_proj"][STARVED]))
+    assert_within_2x_of_stock("logits", got[0][real], base[0][real], want[0][real], dtype)
+    for i, name in ((1, "loss"), (2, "aux_loss")):
+        assert_within_2x_of_stock(name, got[i].reshape(1), base[i].reshape(1), want[i].reshape(1), dtype)
+    assert len(got[3]) == len(want[3]) == 2
+    rows = real.flatten()
+    for layer, (value, stock_value, ref) in enumerate(zip(got[3], base[3], want[3])):
+        # [B N, E] rows as stock; pad rows (which the aux loss masks out) are not compared: a layer that
+        # runs a padded batch packed routes real tokens only, and its pad rows are zeros.
+        assert value.dtype == dtype and value.shape == ref.shape
+        assert_within_2x_of_stock(f"router_logits[{layer}]", value[rows], stock_value[rows], ref[rows], dtype)
+    assert set(got[4]) == set(want[4])
+    for name in want[4]:
+        assert_within_2x_of_stock(name, got[4][name], base[4][name], want[4][name], dtype)
+
+
+def test_patched_mixtral_without_router_logits_matches_stock():
+    """Without output_router_logits: no aux loss and no router logits, as stock; the loss matches."""
+    reference, patched = mixtral_model(torch.float64), mixtral_model()
+    remat.patch(patched, backend="torch")
+    ids, mask, labels = batch()
+    outs = [m(input_ids=ids, attention_mask=mask, labels=labels) for m in (reference, patched)]
+    assert outs[0].aux_loss is None and outs[1].aux_loss is None and outs[1].router_logits is None
+    torch.testing.assert_close(outs[1].loss.double(), outs[0].loss.double(), rtol=1e-5, atol=1e-6)
+
+
+def layer_inputs(model, dtype):
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
+    positions = torch.arange(LENGTH)[None].expand(BATCH, LENGTH)
+    return x, positions, model.model.rotary_emb(x, positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mixtral_policies_against_the_stock_layer(dtype):
+    """The stock layer keeps more than every policy; each policy keeps exactly its formula (plus
+    the rope tables the model passes)."""
+    model = mixtral_model(dtype)
+    stock = model.model.layers[1]
+    x, positions, rope = layer_inputs(model, dtype)
+    mask = torch.full((LENGTH, LENGTH), float("-inf")).triu(1).to(dtype)[None, None]
+    eager = saved_bytes(stock, x, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+    saved = {p: saved_bytes(MixtralLayer.from_module(stock, policy=p, backend="torch"), x, position_embeddings=rope)
+             for p in ("speed", "balanced", "memory")}
+    assert eager > saved["speed"] > saved["balanced"] > saved["memory"]
+    tables = 2 * rope[0].numel() * rope[0].element_size()
+    for policy, value in saved.items():
+        layer = MixtralLayer.from_module(stock, policy=policy)
+        assert layer.saved_bytes_per_token(x.element_size()) == per_token_formula(policy, x.element_size())
+        assert value == BATCH * LENGTH * per_token_formula(policy, x.element_size()) + tables, policy
+
+
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+def test_mixtral_layer_built_from_sizes_saves_the_formula(policy):
+    layer = MixtralLayer(HIDDEN, EXPERT_INTER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM, policy=policy,
+                         backend="torch", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.1)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    rope_tables = 2 * LENGTH * (HEAD_DIM // 2) * 4  # the layer's fp32 cos/sin [1, N, D/2]
+    assert saved_bytes(layer, x) == BATCH * LENGTH * per_token_formula(policy, 2) + rope_tables
+
+
+def test_from_module_shares_every_parameter_and_keeps_the_keys():
+    model = mixtral_model()
+    stock = model.model.layers[0]
+    layer = MixtralLayer.from_module(stock)
+    assert list(layer.state_dict()) == list(stock.state_dict())
+    for (name, p), (_, q) in zip(stock.named_parameters(), layer.named_parameters()):
+        assert p is q, name
+    # The router is a subclass of the stock router class (Hugging Face's hooks catch it by isinstance).
+    assert isinstance(layer.mlp.gate, type(stock.mlp.gate))
+    assert layer.mlp.gate.renormalize and layer.mlp.gate.fp32_weights
+
+
+def test_experts_use_views_of_the_3d_parameters():
+    """The expert GEMMs read gate_up_proj[e, :I], gate_up_proj[e, I:] and down_proj[e] in place
+    (autograd saves the Parameters themselves, never a copy or a split)."""
+    model = mixtral_model()
+    layer = MixtralLayer.from_module(model.model.layers[1], backend="torch")
+    x, _, rope = layer_inputs(model, torch.float32)
+    with SavedTensorLog() as log:
+        layer(x, position_embeddings=rope)
+    experts = layer.mlp.experts
+    params = [s for s in log.saved if s.is_parameter and len(s.shape) == 3]
+    assert {s.shape for s in params} == {tuple(experts.gate_up_proj.shape), tuple(experts.down_proj.shape)}
+
+
+def test_patched_mixtral_parts_and_jitter_noise():
+    """modules=("mlp",) replaces the sparse block alone (same outputs as stock); router jitter
+    noise is left alone with the reason."""
+    model, stock = mixtral_model(), mixtral_model()
+    report = remat.patch(model, modules=("mlp",), backend="torch")
+    assert [new for _, _, new in report.replaced] == ["SparseMoE", "SparseMoE"]
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                                   stock(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
+    jittery = mixtral_model(router_jitter_noise=0.1)
+    report = remat.patch(jittery, backend="torch")
+    assert {name for name, _, _ in report.left_alone if name.startswith("model.layers")} == {
+        "model.layers.0", "model.layers.1"}
+    assert all("jitter" in why for name, _, why in report.left_alone if name.startswith("model.layers"))
+
+
+def test_moe_block_checks_its_arguments():
+    x = torch.randn(5, 8)
+    w_router, gate_up, down = torch.randn(4, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+    common = dict(renormalize=True, fp32_weights=True)
+    with pytest.raises(ValueError, match="top_k must be an int in 1..4"):
+        moe_block(x, w_router, gate_up, down, 5, **common)
+    with pytest.raises(ValueError, match=r"x must be \[tokens, hidden\]"):
+        moe_block(x[None], w_router, gate_up, down, 2, **common)
+    with pytest.raises(TypeError, match="w_router must have x's dtype"):
+        moe_block(x, w_router.double(), gate_up, down, 2, **common)
+    with pytest.raises(ValueError, match="norm_weight is given without eps"):
+        moe_block(x, w_router, gate_up, down, 2, norm_weight=torch.ones(8), **common)
+    with pytest.raises(ValueError, match=r"down must have shape \(4, 8, 3\)"):
+        moe_block(x, w_router, gate_up, down[..., :2], 2, **common)
+    with pytest.raises(ValueError, match=r"gate_up must have shape \(3, 6, 8\), got \(4, 6, 8\)"):
+        moe_block(x, w_router[:3], gate_up, down, 2, **common)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        moe_block(x, w_router, gate_up, down, 2, recompute="none", **common)
+    with pytest.raises(ValueError, match="gate_up must be a"):
+        moe_block(x, w_router, gate_up[:, :5], down, 2, **common)
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("recompute", ["block", "activation"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_moe_functions_match_float64(dtype, recompute, backend):
+    """moe_block (every CPU backend; Triton's fused gate/up GEMM under the interpreter in "block")
+    with a fused RMSNorm on odd sizes (T = 13 tokens, H = 24, I = 10,
+    5 experts, top-3, rows with a stride of 29), one expert starved: output and every gradient
+    (input, norm weight, router, both 3-D Parameters) against float64, within 2x of the unfused
+    computation (Hugging Face's RMSNorm, router and experts loop) in PyTorch in the same dtype."""
+    g = torch.Generator().manual_seed(3)
+    hidden, inter, experts, top_k, tokens = 24, 10, 5, 3, 13
+    wide = torch.randn(tokens, hidden + 5, generator=g)
+    wide[:, 0] = 4.0 + torch.rand(tokens, generator=g)  # the normalized feature 0 is large and positive
+    router = 0.3 * torch.randn(experts, hidden, generator=g)
+    router[:, 0], router[1, 0] = 0.1, -4.0  # expert 1 starved
+    params = dict(norm=1 + 0.2 * torch.randn(hidden, generator=g), router=router,
+                  gate_up=torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5,
+                  down=torch.randn(experts, hidden, inter, generator=g) * inter**-0.5)
+    dy = torch.randn(tokens, hidden, generator=g)
+    eps = 1e-5
+
+    def unfused(x, norm, router, gate_up, down):
+        # Hugging Face's RMSNorm: normalized in fp32, rounded to x's dtype, then times the weight.
+        normed = norm * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        probs = torch.softmax(torch.nn.functional.linear(normed, router).float(), dim=-1)
+        top, idx = torch.topk(probs, top_k, dim=-1)
+        top = top / top.sum(-1, keepdim=True)
+        out = torch.zeros_like(normed)
+        for e in range(experts):
+            tok, slot = torch.where(idx == e)
+            gate, up = torch.nn.functional.linear(normed[tok], gate_up[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down[e])
+            out = out.index_add(0, tok, (y * top[tok, slot, None]).to(out.dtype))
+        return out, idx
+
+    def fused(x, norm, router, gate_up, down):
+        out, _, _, idx = moe_block(x, router, gate_up, down, top_k, renormalize=True, fp32_weights=True,
+                                   norm_weight=norm, eps=eps, recompute=recompute, backend=backend)
+        return out, idx
+
+    def run(fn, dt):
+        x = wide.to(dt).requires_grad_()
+        leaves = {k: v.to(dt).requires_grad_() for k, v in params.items()}
+        out, idx = fn(x[:, :hidden], **leaves)
+        grads = torch.autograd.grad(out, [x, *leaves.values()], dy.to(dt))
+        return [out.detach(), grads[0][:, :hidden], *grads[1:]], idx
+
+    want, idx = run(unfused, torch.float64)
+    assert idx.unique().tolist() == [0, 2, 3, 4]
+    stock, _ = run(unfused, dtype)
+    got, got_idx = run(fused, dtype)
+    assert torch.equal(got_idx, idx)
+    names = ["out", "dx", "dnorm", "drouter", "dgate_up", "ddown"]
+    for name, value, stock_value, ref in zip(names, got, stock, want):
+        assert value.dtype == dtype, name
+        assert_within_2x_of_stock(name, value, stock_value, ref, dtype)
+
+
+@pytest.mark.parametrize("policy,expected", [("speed", 151712), ("balanced", 37024), ("memory", 24736)])
+def test_real_shaped_layer_keeps_the_readme_bytes(policy, expected):
+    """README's table: a Mixtral-8x7B-shaped layer (h 4096, I 14336, 8 experts top-2, 32/8 heads of
+    128), bf16, from its formula (built on the meta device; the formula is measured above)."""
+    with torch.device("meta"):
+        layer = MixtralLayer(4096, 14336, 8, 2, 32, 8, 128, policy=policy, dtype=torch.bfloat16)
+    assert layer.saved_bytes_per_token(2) == expected
+
+
+def test_left_padded_batch_records_router_logits_per_row():
+    """A left-padded batch runs packed (real tokens only): the recorded router logits are still
+    [B N, E] rows, the real tokens' equal to stock's and the pads' zero, so Hugging Face's masked
+    load-balancing loss, the loss and every gradient match the float64 stock model."""
+    # sdpa: its fully masked (left-pad) query rows give 0, where float64 eager gives NaN that then
+    # reaches real tokens through 0 * NaN in the next layer.
+    reference, stock, patched = (mixtral_model(dtype, attn_implementation="sdpa")
+                                 for dtype in (torch.float64, torch.float32, torch.float32))
+    remat.patch(patched, backend="torch")
+    ids, _, _ = batch()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 3] = -100  # else the last pad's output (which remat leaves as its input) predicts it
+    want, base, got = (step(m, ids, mask, labels) for m in (reference, stock, patched))
+    rows = mask.bool().flatten()
+    for layer in range(2):
+        assert got[3][layer].shape == want[3][layer].shape and not got[3][layer][~rows].any()
+        assert_within_2x_of_stock(f"router_logits[{layer}]", got[3][layer][rows], base[3][layer][rows],
+                                  want[3][layer][rows], torch.float32)
+    # Hugging Face computes both losses in fp32 (logits upcast), the float64 model's too: fp32 tolerance.
+    for i in (1, 2):
+        torch.testing.assert_close(got[i].double(), want[i].double(), rtol=2e-5, atol=1e-6)
+    for name in want[4]:
+        assert_within_2x_of_stock(name, got[4][name], base[4][name], want[4][name], torch.float32)
+
+
+def test_router_logits_recorded_when_the_model_ran_before_patching():
+    """Hugging Face installs its recording hooks at the first recorded call; a model that ran
+    before remat.patch still records the patched routers' logits (remat.models.outputs carries the
+    hooks to the router subclass)."""
+    model, reference = mixtral_model(), mixtral_model()
+    ids, mask, _ = batch()
+    model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    remat.patch(model, backend="torch")
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
+        want = reference(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
+    assert len(got) == len(want) == 2
+    rows = mask.bool().flatten()  # pad rows are not compared (see test_patched_mixtral_matches_stock)
+    for value, ref in zip(got, want):
+        torch.testing.assert_close(value[rows], ref[rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+def test_layer_retains_what_it_saves(policy):
+    """What a forward keeps alive is what it saves for backward, less the caller's input: no
+    router, expert or accumulation temporary outlives the forward."""
+    layer = MixtralLayer(HIDDEN, EXPERT_INTER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM, policy=policy,
+                         backend="torch", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.1)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    assert retained_bytes(layer, x) == saved_bytes(layer, x) - x.numel() * x.element_size() > 0
+
+
+def test_stock_moe_block_keeps_the_readme_bytes():
+    """README: the stock post-attention norm + MixtralSparseMoeBlock of a Mixtral-8x7B-shaped layer
+    (Hugging Face's default grouped_mm experts, bf16, 1024 tokens on the meta device: its tensor
+    sizes do not depend on the routing) keeps 295,032 bytes per token; remat's block keeps
+    sH + 4 + 12k = 8,220 ("balanced", "memory") or 122,908 ("speed")."""
+    config = transformers.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                                        num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
+                                        head_dim=128, experts_implementation="grouped_mm")
+    with torch.device("meta"):
+        stock = transformers.models.mixtral.modeling_mixtral.MixtralDecoderLayer(config, 0).to(torch.bfloat16)
+        h = torch.randn(1, 1024, 4096, dtype=torch.bfloat16, requires_grad=True)
+    assert saved_bytes(lambda t: stock.mlp(stock.post_attention_layernorm(t)), h) / 1024 == 295032.03125
+    block = MixtralLayer.from_module(stock).mlp
+    assert (block.saved_bytes_per_token(2), block.saved_bytes_per_token(2, "activation")) == (8220, 122908)
