@@ -366,3 +366,26 @@ def test_stock_moe_block_keeps_the_readme_bytes():
     assert saved_bytes(lambda t: stock.mlp(stock.post_attention_layernorm(t)), h) / 1024 == 295032.03125
     block = MixtralLayer.from_module(stock).mlp
     assert (block.saved_bytes_per_token(2), block.saved_bytes_per_token(2, "activation")) == (8220, 122908)
+
+
+def test_peft_lora_on_the_experts_is_refused_loudly():
+    """PEFT LoRA on the 3-D expert Parameters (target_parameters) wraps the experts in a
+    ParamWrapper, which the fused block does not compute: before remat.patch the layer is left
+    stock (and the model's outputs are PEFT's), after it the next forward raises."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj",
+                                                                          "mlp.experts.down_proj"])
+    ids, mask, _ = batch()
+    adapted = peft.get_peft_model(mixtral_model(), config)
+    with torch.no_grad():
+        want = adapted(input_ids=ids, attention_mask=mask).logits
+    report = remat.patch(adapted, backend="torch")
+    reasons = {name: why for name, _, why in report.left_alone if name.endswith(("layers.0", "layers.1"))}
+    assert len(reasons) == 2 and all("ParamWrapper" in why for why in reasons.values())
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids, attention_mask=mask).logits, want, rtol=1e-5, atol=1e-5)
+    patched = mixtral_model()
+    remat.patch(patched, backend="torch")
+    late = peft.get_peft_model(patched, config)
+    with pytest.raises(ValueError, match="not remat's MoEExperts"):
+        late(input_ids=ids, attention_mask=mask)

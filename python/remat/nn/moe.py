@@ -289,6 +289,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden_states, norm=None, recompute=None, token_rows=None):
         checks.check_hidden_states(hidden_states)
+        if type(self.experts) is not MoEExperts:
+            # A wrapper added after patching (PEFT's target_parameters LoRA: a ParamWrapper) would
+            # change the expert weights in ways the fused block does not compute.
+            raise ValueError(f"the experts module is a {type(self.experts).__name__}, not remat's MoEExperts (an "
+                             "adapter added after remat.patch?); call remat.unpatch(model), add the adapter, and "
+                             "patch again (such layers are then left stock)")
         *_, out = self.gate(hidden_states, norm=norm, experts=self.experts, recompute=recompute,
                             token_rows=token_rows)
         return out.view(hidden_states.shape)
