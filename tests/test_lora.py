@@ -486,3 +486,22 @@ def test_generic_mlp_sub_block_keeps_only_its_input(policy):
     tokens = BATCH * LENGTH
     assert saved_bytes(generic, x) == saved_bytes(fused, x) - 4 * tokens
     assert retained_bytes(generic, x) == retained_bytes(fused, x) - 4 * tokens
+
+
+@pytest.mark.parametrize("order", ["patch_first", "peft_first"])
+def test_lora_in_replaced_parts(order):
+    """Attention and MLP modules replaced one by one (no whole layers): each projection with LoRA
+    runs remat.lora_linear."""
+    stock = lora_model("llama", torch.float32)
+    reference = lora_model("llama", torch.float64, source=stock)
+    patched = causal_lm("llama")
+    if order == "patch_first":
+        remat.patch(patched, modules=("mlp", "attention"))
+    torch.manual_seed(1)
+    patched = peft.get_peft_model(patched, lora_config())
+    if order == "peft_first":
+        remat.patch(patched, modules=("mlp", "attention"))
+    copy_parameters(patched, stock)
+    layer = patched.base_model.model.model.layers[0]
+    assert type(layer.mlp).__name__ == "SwiGLUMLP" and type(layer.self_attn).__module__.startswith("remat.")
+    assert_matches_stock(loss_and_grads(patched), loss_and_grads(stock), loss_and_grads(reference), torch.float32)
