@@ -2,7 +2,8 @@
 each fused layer runs the Hugging Face layer it replaced, which appends to the cache and attends
 through remat's attention ("remat" attention implementation). Greedy generate() returns the stock
 model's tokens for single prompts and batched left-padded prompts on tiny Llama, Mistral (window
-4, prompts longer than it), Qwen2 and GPT-2; training steps and generation alternate on one model."""
+4, prompts longer than it), Qwen2 and GPT-2, and also Gemma 2 / 3, Qwen3 and Phi-3; training steps
+and generation alternate on one model."""
 
 import pytest
 import torch
@@ -148,3 +149,39 @@ def test_generate_returns_the_stock_hidden_states():
         real = left.bool() if step == 0 else torch.ones(2, 1, dtype=torch.bool)
         for want, got in zip(want_step, got_step, strict=True):
             torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def other_family(kind):
+    """Tiny Gemma 2 / Gemma 3 (window 4 on layer 0, attention softcap), Qwen3 (window 4 on layer
+    1) and Phi-3 (window 4) models from configs."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, use_cache=False, attn_implementation="eager")
+    if kind in ("gemma2", "gemma3"):
+        config_class = transformers.Gemma2Config if kind == "gemma2" else transformers.Gemma3TextConfig
+        config = config_class(head_dim=16, query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=5.0,
+                              layer_types=["sliding_attention", "full_attention"], **common)
+        model_class = transformers.Gemma2ForCausalLM if kind == "gemma2" else transformers.Gemma3ForCausalLM
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(head_dim=16, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                                          **common)
+        model_class = transformers.Qwen3ForCausalLM
+    else:
+        config = transformers.Phi3Config(original_max_position_embeddings=64, sliding_window=4, pad_token_id=0,
+                                         bos_token_id=1, eos_token_id=2, **common)
+        model_class = transformers.Phi3ForCausalLM
+    model = model_class(config)
+    model.generation_config.update(pad_token_id=0, eos_token_id=None, use_cache=True)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "phi3"])
+def test_other_families_generate_the_stock_tokens(kind):
+    stock, patched = other_family(kind), other_family(kind)
+    remat.patch(patched)
+    ids, mask, _ = batch()
+    left = mask.flip(1)
+    with CountingAttention() as counter:
+        got = greedy(patched, ids, left, new_tokens=4)
+    assert torch.equal(got, greedy(stock, ids, left, new_tokens=4))
+    assert len(counter.query_lengths) == 2 * 4
