@@ -10,7 +10,15 @@ import sys
 
 import torch
 
-from benchmarks import bench_attention, bench_checkpoint, bench_cross_entropy, bench_layers, bench_mlp, bench_norm
+from benchmarks import (
+    bench_attention,
+    bench_checkpoint,
+    bench_cross_entropy,
+    bench_frontier,
+    bench_layers,
+    bench_mlp,
+    bench_norm,
+)
 from benchmarks.common import RESULTS_DIR, print_table, write_csv
 
 
@@ -53,7 +61,8 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     parser.add_argument("--out", default=None, help=f"output folder (default {RESULTS_DIR})")
     parser.add_argument("--no-plots", action="store_true", help="write CSVs only")
-    parser.add_argument("--only", choices=["norm", "mlp", "attention", "layers", "checkpoint", "cross_entropy"],
+    parser.add_argument("--only", choices=["norm", "mlp", "attention", "layers", "checkpoint", "cross_entropy",
+                                           "frontier"],
                         default=None, help="run one benchmark")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -78,6 +87,13 @@ def main(argv=None):
         print_table(rows, bench_checkpoint.summary_columns)
         path = write_csv(rows, f"checkpoint-{tag}.csv", args.out)
         png = None if args.no_plots else bench_checkpoint.plot(rows, os.path.splitext(path)[0] + ".png")
+        print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; device: {rows[0]['device']}; "
+              f"commit {rows[0]['commit']}")
+    if args.only in (None, "frontier"):
+        rows = bench_frontier.run(device, quick=args.quick)
+        print_table(rows, bench_frontier.summary_columns)
+        path = write_csv(rows, f"frontier-{tag}.csv", args.out)
+        png = None if args.no_plots else bench_frontier.plot(rows, os.path.splitext(path)[0] + ".png")
         print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; device: {rows[0]['device']}; "
               f"commit {rows[0]['commit']}")
 
