@@ -380,8 +380,8 @@ def family_model(kind, dtype, seed=0):
     return model.to(dtype)
 
 
-FAMILY_TARGETS = {"qwen3": ALL_TARGETS, "gemma3": ALL_TARGETS, "phi3": ("qkv_proj", "o_proj", "down_proj"),
-                  "gpt2": ("c_attn", "c_proj", "c_fc")}
+FAMILY_TARGETS = {"qwen3": ALL_TARGETS, "gemma3": ALL_TARGETS,
+                  "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), "gpt2": ("c_attn", "c_proj", "c_fc")}
 
 
 def family_lora_model(kind, dtype, order="stock", policy="balanced", source=None, **config):
@@ -395,14 +395,24 @@ def family_lora_model(kind, dtype, order="stock", policy="balanced", source=None
 
 
 @pytest.mark.parametrize("kind, policy", [("qwen3", "memory"), ("gemma3", "balanced"), ("gemma3", "memory"),
-                                          ("phi3", "balanced"), ("gpt2", "memory")])
+                                          ("phi3", "balanced"), ("phi3", "memory"), ("gpt2", "memory")])
 def test_lora_in_other_families(kind, policy):
-    """Qwen3 and Gemma 3 take LoRA inside their fused sub-blocks (Gemma's memory policy too, with
-    its sandwich norms); Phi-3's fused qkv_proj / gate_up_proj and GPT-2's Conv1D layers with LoRA
-    take the generic path (their sub-blocks unfused under checkpoint)."""
-    stock = family_lora_model(kind, torch.float32)
-    reference = family_lora_model(kind, torch.float64, source=stock)
-    patched = family_lora_model(kind, torch.float32, "patch_first", policy, source=stock)
+    """Qwen3, Gemma 3 and Phi-3 take LoRA inside their fused sub-blocks (Gemma's memory policy too,
+    with its sandwich norms; Phi-3's qkv_proj / gate_up_proj adapters as row slices of B), and with
+    dropout Phi-3's fused projections take the generic path, as GPT-2's Conv1D layers with LoRA
+    do (their sub-blocks unfused under checkpoint)."""
+    dropout = 0.2 if kind == "phi3" and policy == "memory" else 0.0
+    stock = family_lora_model(kind, torch.float32, dropout=dropout)
+    if dropout:
+        with_philox_dropout(stock, dropout)
+    reference = family_lora_model(kind, torch.float64, source=stock, dropout=dropout)
+    if dropout:
+        with_philox_dropout(reference, dropout)
+    patched = family_lora_model(kind, torch.float32, "patch_first", policy, source=stock, dropout=dropout)
+    if dropout:
+        # Philox masks everywhere (PEFT's forward then runs them under checkpoint: the generic path,
+        # whose recompute must replay them).
+        with_philox_dropout(patched, dropout)
     assert_matches_stock(loss_and_grads(patched), loss_and_grads(stock), loss_and_grads(reference), torch.float32)
 
 
@@ -505,3 +515,14 @@ def test_lora_in_replaced_parts(order):
     layer = patched.base_model.model.model.layers[0]
     assert type(layer.mlp).__name__ == "SwiGLUMLP" and type(layer.self_attn).__module__.startswith("remat.")
     assert_matches_stock(loss_and_grads(patched), loss_and_grads(stock), loss_and_grads(reference), torch.float32)
+
+
+@pytest.mark.parametrize("policy", ["speed", "memory"])
+def test_phi3_lora_joins_the_fused_sub_blocks(policy):
+    """Phi-3 with LoRA on every projection keeps the bytes of its policy (no generic path)."""
+    stock = family_model("phi3", torch.bfloat16).model.layers[0]
+    plain = remat.nn.Phi3Layer.from_module(stock, policy=policy)
+    layer = remat.nn.Phi3Layer.from_module(stock, policy=policy)
+    peft.inject_adapter_in_model(lora_config(FAMILY_TARGETS["phi3"]), layer)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    assert saved_bytes(layer, x) == saved_bytes(plain, x)

@@ -4,10 +4,11 @@ gate/up projections are one ``gate_up_proj`` (rows ``[gate: I | up: I]``), used 
 fused sub-blocks take row slices of those weights (views, no copies; ``state_dict`` unchanged).
 Residual dropout (``resid_pdrop``) after each sub-block, as Phi-3 has, with Philox masks.
 
-A ``qkv_proj`` or ``gate_up_proj`` that is not a plain nn.Linear (a PEFT LoRA layer, a quantized
-linear) makes its sub-block run through the modules' own forwards under checkpoint (the generic
-path of remat.nn.adapters: the sub-block keeps only its input and re-runs in backward, whatever
-the policy); ``o_proj`` with LoRA runs remat.lora_linear.
+PEFT LoRA on ``qkv_proj`` / ``gate_up_proj`` joins the fused sub-blocks as row slices of B (one
+shared A, whose rank-r intermediate is recomputed per slice); with ``lora_dropout > 0`` there (one
+mask shared by the slices) or with another linear type, the sub-block runs through the modules'
+own forwards under checkpoint (the generic path of remat.nn.adapters: it keeps only its input and
+re-runs in backward, whatever the policy). ``o_proj`` and ``down_proj`` take LoRA as Llama's.
 
 Partial rotary embedding (``partial_rotary_factor < 1``: only the first ``r`` features of a head
 rotate, in pairs ``(i, i + r/2)``) is refused: remat's rope kernels rotate the whole head (pairs
@@ -209,27 +210,34 @@ class Phi3Layer(PreNormDecoderLayer):
     def attention_output(self, x, position_ids, position_embeddings, sequences=None):
         attn, norm = self.self_attn, self.input_layernorm
         rope = attn.rope_for(x.shape[1], x.device, position_ids, position_embeddings)
-        if not adapters.is_plain_linear(attn.qkv_proj):
+        qkv = adapters.read_projection(attn.qkv_proj)
+        if not adapters.fusable_split(qkv):
             return adapters.checkpointed(lambda t: _unfused_attention(norm, attn, t, rope, sequences), x)
         weights, biases = attn.qkv_weights(x)
+        q_width, kv_width = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        lora = adapters.split_adapters(qkv.adapters, (q_width, kv_width, kv_width))
         return functional.norm_attention(
             x, checks.vector_like(norm.weight, x), *weights, b_q=biases[0], b_k=biases[1], b_v=biases[2],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="rms", eps=norm.eps_for(x), causal=True,
             scale=attn.scale, rope=rope, window=attn.window, dropout_p=attn.dropout if attn.training else 0.0,
-            keep_qkv=self.keeps_qkv, backend=attn.backend, **varlen_arguments(sequences))
+            keep_qkv=self.keeps_qkv, lora=lora, backend=attn.backend, **varlen_arguments(sequences))
 
     def out_proj(self, o):
         return adapters.linear_projection(adapters.read_projection(self.self_attn.o_proj), o, self.backend)
 
     def mlp_block(self, h):
         mlp, norm = self.mlp, self.post_attention_layernorm
-        if not (adapters.is_plain_linear(mlp.gate_up_proj) and adapters.is_plain_linear(mlp.down_proj)):
+        gate_up, down = adapters.read_projection(mlp.gate_up_proj), adapters.read_projection(mlp.down_proj)
+        if not adapters.fusable_split(gate_up) or down.generic:
             return adapters.checkpointed(lambda t: _unfused_mlp(norm, mlp, t), h)
         w_gate, w_up, b_gate, b_up = mlp.gate_up_weights(h)
+        lora = adapters.split_adapters(gate_up.adapters, (mlp.intermediate, mlp.intermediate))
+        if lora is not None or down.adapters:
+            lora = (*(lora or ((), ())), down.adapters)
         return functional.norm_mlp(
-            h, checks.vector_like(norm.weight, h), w_gate, w_up, checks.cast_like(mlp.down_proj.weight, h), norm="rms",
+            h, checks.vector_like(norm.weight, h), w_gate, w_up, checks.cast_like(down.weight, h), norm="rms",
             eps=norm.eps_for(h), activation=mlp.activation, b_gate=b_gate, b_up=b_up,
-            b_down=checks.cast_like(mlp.down_proj.bias, h), recompute=self.mlp_recompute, backend=self.backend)
+            b_down=checks.cast_like(down.bias, h), recompute=self.mlp_recompute, lora=lora, backend=self.backend)
 
 
 def _unfused_attention(norm, attn, x, rope, sequences):

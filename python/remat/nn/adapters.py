@@ -208,3 +208,24 @@ def carry_wrappers(replacement, original):
             setattr(original.get_submodule(parent_path), name, module)
             carried.append(path)
     return carried
+
+
+def fusable_split(projection):
+    """Whether a fused projection (Phi-3's qkv_proj, gate_up_proj) can join a fused sub-block as
+    row slices: plain, or LoRA without dropout (the slices would need one shared mask)."""
+    return not projection.generic and all(adapter.dropout_p == 0 for adapter in projection.adapters)
+
+
+def split_adapters(adapters_, widths):
+    """LoRA adapters of a fused projection as one adapter list per row slice of ``widths`` (B and
+    its bias sliced, A shared: autograd sums its gradients); None without adapters."""
+    if not adapters_:
+        return None
+    slices, start = [], 0
+    for width in widths:
+        end = start + width
+        slices.append(tuple(adapter._replace(b=adapter.b[start:end],
+                                             bias=None if adapter.bias is None else adapter.bias[start:end])
+                            for adapter in adapters_))
+        start = end
+    return tuple(slices)
