@@ -147,3 +147,25 @@ def test_custom_checkpoint_function_runs_each_layer_twice_in_all():
     assert len(checkpoint_calls) == 2 and len(layer_runs) == 2
     loss.backward()
     assert len(checkpoint_calls) == 2 and len(layer_runs) == 4
+
+
+def test_reentrant_checkpointing_with_a_left_padded_batch():
+    """Trainer's gradient_checkpointing_kwargs={"use_reentrant": True}: the packed (left-padded)
+    path passes its offsets as a plain positional argument; gradients stay bitwise."""
+    ids, mask, _ = batch()
+    left = mask.flip(1)
+    labels = ids.masked_fill(left == 0, -100)
+    model = causal_lm("llama")
+    remat.patch(model)
+    model.train()
+    results = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, attention_mask=left, labels=labels).loss.backward()
+        results.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in results[0].items():
+        assert torch.equal(results[1][name], g), name
