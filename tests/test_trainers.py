@@ -113,11 +113,22 @@ def sft_padding_free_losses(model, tokenizer, tmp_path, checkpointing):
 TRAINERS = {"hf": hf_trainer_losses, "sft": sft_losses, "sft_padding_free": sft_padding_free_losses}
 
 
+_STOCK_LOSSES = {}
+
+
+def stock_losses(trainer, lora, tokenizer, tmp_path):
+    """The unpatched stack's logged losses (fp32, no checkpointing) for ``trainer`` (a TRAINERS key),
+    with or without LoRA: computed once per module run, shared by the tests that compare with it."""
+    if (trainer, lora) not in _STOCK_LOSSES:
+        _STOCK_LOSSES[trainer, lora] = TRAINERS[trainer](build(False, lora)[0], tokenizer, tmp_path / "stock", False)
+    return _STOCK_LOSSES[trainer, lora]
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
 @pytest.mark.parametrize("trainer", list(TRAINERS))
 def test_patched_model_trains_as_stock(trainer, checkpointing, tokenizer, tmp_path):
     run = TRAINERS[trainer]
-    want = run(build(False, False)[0], tokenizer, tmp_path / "stock", False)
+    want = stock_losses(trainer, False, tokenizer, tmp_path)
     model, calls = build(True, False)
     got = run(model, tokenizer, tmp_path / "patched", checkpointing)
     assert len(calls) == 2 * STEPS * (2 if checkpointing else 1)  # two layers; recomputed once under checkpointing
@@ -128,8 +139,7 @@ def test_patched_model_trains_as_stock(trainer, checkpointing, tokenizer, tmp_pa
 @pytest.mark.parametrize("trainer", ["hf", "sft"])
 def test_lora_recipe_trains_as_stock_peft(trainer, checkpointing, tokenizer, tmp_path):
     run = hf_trainer_losses if trainer == "hf" else sft_losses
-    stock, _ = build(False, True)
-    want = run(stock, tokenizer, tmp_path / "stock", False)
+    want = stock_losses(trainer, True, tokenizer, tmp_path)
     model, calls = build(True, True)
     frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
     got = run(model, tokenizer, tmp_path / "patched", checkpointing)
@@ -144,7 +154,7 @@ def test_lora_recipe_trains_as_stock_peft(trainer, checkpointing, tokenizer, tmp
 def test_sft_default_bf16_autocast_within_twice_stock_rounding(tokenizer, tmp_path):
     """SFTConfig's default (bf16=True: CPU autocast): the patched run's losses are no further from
     the fp32 run than twice the stock bf16 run's, plus one bf16 ulp of the loss."""
-    fp32 = torch.tensor(sft_losses(build(False, False)[0], tokenizer, tmp_path / "fp32", False))
+    fp32 = torch.tensor(stock_losses("sft", False, tokenizer, tmp_path))
     stock = torch.tensor(sft_losses(build(False, False)[0], tokenizer, tmp_path / "stock", False, bf16=True))
     got = torch.tensor(sft_losses(build(True, False)[0], tokenizer, tmp_path / "patched", False, bf16=True))
     bound = 2 * (stock - fp32).abs() + fp32.abs() * 2.0 ** -8
