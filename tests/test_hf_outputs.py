@@ -192,6 +192,46 @@ def test_deep_copy_records_and_unpatches_on_its_own():
         assert isinstance(patched.model.layers[0], remat.nn.LlamaLayer) == replaced
 
 
+def moe_model(kind, dtype=torch.float32, seed=0):
+    """A tiny Mixtral or Qwen3-MoE causal LM from a config: 3 layers of 4 experts, 2 per token, the
+    experts run by Hugging Face's eager loop (its grouped_mm takes no float64)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=96, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  num_key_value_heads=KV_HEADS, max_position_embeddings=64, num_experts_per_tok=2, use_cache=False,
+                  attn_implementation="eager")
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            intermediate_size=32, num_local_experts=4, **common))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            moe_intermediate_size=32, num_experts=4, head_dim=HEAD_DIM, **common))
+    model.set_experts_implementation("eager")
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_router_logits_and_aux_loss_equal_stock(kind, dtype):
+    """Mixture-of-experts layers: Hugging Face records router logits with hooks on its router
+    class; remat's router (built as a subclass of it, at the same path) carries them, so
+    output_router_logits and the load-balancing loss read from them equal stock's."""
+    reference, stock, patched = (moe_model(kind, d) for d in (torch.float64, dtype, dtype))
+    report = remat.patch(patched)
+    assert sum(new.endswith("Layer") for _, _, new in report.replaced) == LAYERS
+    ids, mask, _ = batch()
+    real = mask.bool()
+    want, base, got = (m(input_ids=ids, attention_mask=mask, output_router_logits=True, output_hidden_states=True)
+                       for m in (reference, stock, patched))
+    assert len(got.router_logits) == len(base.router_logits) == LAYERS
+    assert len(got.hidden_states) == LAYERS + 1
+    for i, (value, stock_value, ref) in enumerate(zip(got.router_logits, base.router_logits, want.router_logits)):
+        # [B * N, E]: compare the real tokens (padded positions differ by design, see remat.patch)
+        value, stock_value, ref = (t.view(*ids.shape, -1)[real] for t in (value, stock_value, ref))
+        assert_within_2x_of_stock(f"router_logits[{i}]", value.detach(), stock_value.detach(), ref.detach(), dtype)
+    assert_within_2x_of_stock("aux_loss", got.aux_loss.detach().reshape(1), base.aux_loss.detach().reshape(1),
+                              want.aux_loss.detach().reshape(1), dtype)
+
+
 def test_compiled_patched_model_records_in_one_graph():
     """Under torch.compile(fullgraph=True) the recording hooks trace into the model's one graph:
     the stock count and values."""
