@@ -280,6 +280,7 @@ def plan_for_costs(costs, budget_bytes, *, max_span=None):
         raise ValueError(f"budget_bytes must be non-negative, got {budget_bytes}")
     n, base = len(costs.layers), costs.pre_bytes + costs.shared_bytes
     span_options = _span_options(costs)
+    span_bytes = {key: [s for s, _, _ in options] for key, options in span_options.items()}
     max_span = n if max_span is None else max_span
     # Per layer boundary and per "some layer is fused yet": the Pareto set of (bytes held, cost).
     # Plans with no fused layer are the all-stock plan, priced on its own below.
@@ -297,7 +298,7 @@ def plan_for_costs(costs, budget_bytes, *, max_span=None):
                     if options is None:
                         break
                     # The cheapest inner policies whose re-run fits on top of what is held now.
-                    fit = bisect.bisect_right([s for s, _, _ in options], budget_bytes - base - held) - 1
+                    fit = bisect.bisect_right(span_bytes[i, b], budget_bytes - base - held) - 1
                     if fit < 0:
                         continue
                     _, span_cost, policies = options[fit]
