@@ -44,12 +44,13 @@ def with_lora(model):
                                             init_lora_weights=False))
 
 
-def build(patched, lora, policy="balanced"):
-    """A tiny Llama (2 layers, 96 tokens), optionally with LoRA (the README's recipe: adapters,
-    then remat.patch) and/or patched; fused-forward calls of each patched layer are counted (twice
-    per step under gradient checkpointing)."""
+def build(patched, lora, policy="balanced", patch_first=False):
+    """A tiny Llama (2 layers, 96 tokens), optionally with LoRA and/or patched: the README's order
+    (adapters, then remat.patch), or with ``patch_first`` remat.patch before get_peft_model.
+    Fused-forward calls of each patched layer are counted (twice per step under gradient
+    checkpointing)."""
     model = causal_lm("llama")
-    if lora:
+    if lora and not patch_first:
         model = with_lora(model)
     calls = []
     if patched:
@@ -59,6 +60,8 @@ def build(patched, lora, policy="balanced"):
         for name in replaced:
             layer = model.get_submodule(name)
             layer._fused_forward = _counting(layer._fused_forward, calls)
+    if lora and patch_first:
+        model = with_lora(model)
     return model, calls
 
 
@@ -135,12 +138,14 @@ def test_patched_model_trains_as_stock(trainer, checkpointing, tokenizer, tmp_pa
     assert_fp32_losses_equal(got, want)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
-@pytest.mark.parametrize("trainer", ["hf", "sft"])
-def test_lora_recipe_trains_as_stock_peft(trainer, checkpointing, tokenizer, tmp_path):
+@pytest.mark.parametrize(("trainer", "checkpointing", "patch_first"), [
+    ("hf", False, False), ("hf", True, False), ("sft", False, False), ("sft", True, False), ("hf", True, True)],
+    ids=["hf-plain", "hf-gradient_checkpointing", "sft-plain", "sft-gradient_checkpointing",
+         "hf-gradient_checkpointing-patched_before_peft"])
+def test_lora_recipe_trains_as_stock_peft(trainer, checkpointing, patch_first, tokenizer, tmp_path):
     run = hf_trainer_losses if trainer == "hf" else sft_losses
     want = stock_losses(trainer, True, tokenizer, tmp_path)
-    model, calls = build(True, True)
+    model, calls = build(True, True, patch_first=patch_first)
     frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
     got = run(model, tokenizer, tmp_path / "patched", checkpointing)
     assert len(calls) == 2 * STEPS * (2 if checkpointing else 1)
