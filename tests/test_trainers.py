@@ -227,3 +227,18 @@ def test_readme_lora_recipe_trains_as_stock_peft(tokenizer, tmp_path, monkeypatc
     for name, p in originals.items():  # every original parameter: frozen and unchanged
         assert not p.requires_grad and torch.equal(p, frozen[name]), name
     assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # zero-initialised, trained
+
+
+def test_unpatch_after_sft_trainer_keeps_its_forward(tokenizer, tmp_path):
+    """SFTTrainer replaces the model's forward with its fused LM head around the one remat.patch
+    installed; remat.unpatch then leaves that forward in place (the mask check inside passes
+    through), so the trainer trains the stock model; patching that model again is refused."""
+    model, calls = build(True, False)
+    args = trl.SFTConfig(max_length=32, **common_arguments(tmp_path / "unpatched", False))
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": TEXTS}),
+                             processing_class=tokenizer)
+    remat.unpatch(model)
+    assert_fp32_losses_equal(logged_losses(trainer), stock_losses("sft", False, tokenizer, tmp_path))
+    assert not calls  # the stock layers ran
+    with pytest.raises(ValueError, match="wrapped after an earlier remat.patch"):
+        remat.patch(model)

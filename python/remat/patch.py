@@ -51,6 +51,7 @@ _HOOK = "_remat_patched"
 _CONFIGS = "_remat_saved_configs"
 _PREVIOUS_FORWARD = "_remat_previous_forward"
 _MASK_CHECK = "_remat_mask_check"
+_KEPT_INSIDE_WRAPPER = "_remat_mask_check_inside_wrapper"
 
 
 @dataclass
@@ -114,6 +115,10 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
         raise ValueError(f"policy must be one of {(*LAYER_POLICIES, 'auto')} or a dict, got {policy!r}")
     if getattr(model, _HOOK, False):
         raise ValueError("model is already patched; call remat.unpatch(model) first")
+    if model.__dict__.get(_KEPT_INSIDE_WRAPPER) or causal_lm.wrapped_after_uninstall(model):
+        raise ValueError("model's forward was wrapped after an earlier remat.patch (for example by TRL's "
+                         "SFTTrainer) and still runs through that patch's forward; patch the model before "
+                         "building the trainer, on a model that was never patched")
     plan = None
     if policy == "auto":
         if not set(registry.PART_KINDS) <= set(modules):
@@ -237,13 +242,15 @@ def _install_mask_check(model):
         mask = bound.get("attention_mask")
         if mask is None and var_keyword is not None:
             mask = bound.get(var_keyword, {}).get("attention_mask")
-        check_attention_mask(mask)
+        if getattr(self, _HOOK, False):  # a pass-through once unpatched, if a later wrapper keeps calling it
+            check_attention_mask(mask)
         # Looked up on the bound model at call time, so a deepcopy calls its own copy.
         inner = self.__dict__.get(_PREVIOUS_FORWARD)
         if inner is not None:
             return inner(*args, **kwargs)
         return stock_forward(self, *args, **kwargs)
 
+    checked_forward.__dict__[_MASK_CHECK] = True  # how unpatch recognises it as the model's forward
     if previous is not None:
         setattr(model, _PREVIOUS_FORWARD, previous)
     model.forward = types.MethodType(checked_forward, model)
@@ -262,10 +269,16 @@ def unpatch(model):
         raise ValueError("model is not patched by remat.patch")
     delattr(model, _HOOK)
     if model.__dict__.pop(_MASK_CHECK, False):
-        del model.forward
-    if hasattr(model, _PREVIOUS_FORWARD):
-        model.forward = getattr(model, _PREVIOUS_FORWARD)
-        delattr(model, _PREVIOUS_FORWARD)
+        if getattr(getattr(model.__dict__.get("forward"), "__func__", None), _MASK_CHECK, False):
+            del model.forward
+            if hasattr(model, _PREVIOUS_FORWARD):
+                model.forward = getattr(model, _PREVIOUS_FORWARD)
+                delattr(model, _PREVIOUS_FORWARD)
+        else:
+            # A wrapper installed after patching (TRL's SFTTrainer replaces forward with its fused
+            # LM head around the mask check) stays the model's forward; the mask check inside it
+            # passes everything through now that the model is unpatched.
+            setattr(model, _KEPT_INSIDE_WRAPPER, True)
     for config, use_cache, attn_implementation in model.__dict__.pop(_CONFIGS, ()):
         config.use_cache = use_cache
         config._attn_implementation = attn_implementation

@@ -35,6 +35,7 @@ from remat.models import registry
 
 LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 _STOCK_FORWARD = "_remat_loss_previous_forward"
+_KEPT_INSIDE_WRAPPER = "_remat_fused_loss_inside_wrapper"
 _INSTALLED = "_remat_fused_loss"
 # Arguments of the causal LM's forward that are its own, not the base model's.
 _LOSS_ARGUMENTS = ("labels", "shift_labels", "logits_to_keep", "num_items_in_batch", "ignore_index")
@@ -87,11 +88,13 @@ def install(module):
         extra = dict(bound.pop(var_keyword, {})) if var_keyword else {}
         bound.pop("self", None)
         arguments = {**bound, **extra}
-        if not (self.training and arguments.get("labels") is not None):
+        # Stock once uninstalled, if a wrapper installed later (TRL's SFTTrainer) keeps calling it.
+        if not (self.__dict__.get(_INSTALLED) and self.training and arguments.get("labels") is not None):
             inner = self.__dict__.get(_STOCK_FORWARD)
             return inner(*args, **kwargs) if inner is not None else stock_forward(self, *args, **kwargs)
         return _fused_loss_forward(self, output_type, arguments)
 
+    forward.__dict__[_INSTALLED] = True  # how uninstall recognises it as the module's forward
     previous = module.__dict__.get("forward")
     if previous is not None:
         setattr(module, _STOCK_FORWARD, previous)
@@ -100,15 +103,26 @@ def install(module):
 
 
 def uninstall(module):
-    """Restores the forward :func:`install` replaced."""
+    """Restores the forward :func:`install` replaced. A forward wrapped around it later (TRL's
+    SFTTrainer installs its fused LM head so) stays in place; the fused-loss forward inside it then
+    runs the stock forward."""
     if not module.__dict__.get(_INSTALLED):
         return
     delattr(module, _INSTALLED)
+    if not getattr(getattr(module.__dict__.get("forward"), "__func__", None), _INSTALLED, False):
+        setattr(module, _KEPT_INSIDE_WRAPPER, True)
+        return
     del module.forward
     previous = module.__dict__.get(_STOCK_FORWARD)
     if previous is not None:
         module.forward = previous
         delattr(module, _STOCK_FORWARD)
+
+
+def wrapped_after_uninstall(model):
+    """Whether a module of ``model`` still runs an uninstalled fused-loss forward inside a wrapper
+    installed after it (see :func:`uninstall`); installing again would make the two call each other."""
+    return any(module.__dict__.get(_KEPT_INSIDE_WRAPPER) for module in model.modules())
 
 
 def _fused_loss_forward(model, output_type, arguments):
