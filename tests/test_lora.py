@@ -473,6 +473,22 @@ def test_carry_wrappers_keeps_adapters_added_after_patching():
     assert carry_wrappers(layer, stock_layer) == []
 
 
+def test_unpatch_after_patch_then_peft_keeps_the_adapters():
+    """remat.patch, then get_peft_model, then remat.unpatch: the stock layers get PEFT's wrappers
+    back, so the unpatched model still trains its adapters and equals stock PEFT."""
+    stock = lora_model("llama", torch.float32)
+    model = lora_model("llama", torch.float32, "patch_first", source=stock)
+    remat.unpatch(model.base_model.model)
+    assert not any(isinstance(m, remat.nn.LlamaLayer) for m in model.modules())
+    trainable = sorted(name for name, p in model.named_parameters() if p.requires_grad)
+    assert trainable == sorted(name for name, p in stock.named_parameters() if p.requires_grad)
+    assert len(trainable) == 2 * 2 * len(ALL_TARGETS)
+    got, expected = loss_and_grads(model), loss_and_grads(stock)
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    for name in expected[1]:
+        torch.testing.assert_close(got[1][name], expected[1][name], rtol=0, atol=0)
+
+
 def test_lora_under_autocast_matches_stock():
     stock = lora_model("llama", torch.float32)
     reference = lora_model("llama", torch.float64, source=stock)

@@ -42,6 +42,7 @@ from torch import nn
 from remat.checkpoint import model_plan
 from remat.models import causal_lm, outputs, registry
 from remat.models.hf import ATTENTION_IMPLEMENTATION, check_attention_mask, register_attention
+from remat.nn.adapters import carry_wrappers
 from remat.nn.layers import LAYER_POLICIES
 
 # "loss": a causal LM's training loss through remat.linear_cross_entropy (remat.models.causal_lm).
@@ -292,6 +293,9 @@ def _unpatch_children(parent):
         original = child.__dict__.get(_ORIGINAL)
         if original is not None:
             outputs.drop_recorders(child)
+            # Adapters added after patching (patch, then get_peft_model) wrap the projections the
+            # fused layer shares with the original: move them there, or unpatch would drop them.
+            carry_wrappers(child, original)
             setattr(parent, name, original)
         else:
             _unpatch_children(child)
