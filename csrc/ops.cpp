@@ -38,6 +38,18 @@ TORCH_LIBRARY(remat, m) {
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cos,"
         " Tensor? sin, Tensor? rng, float scale, float softcap, int window_left, int window_right,"
         " float dropout_p, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Packed (variable-length) attention, FlashAttention's varlen convention: q [total_q, Hq, D], k and
+  // v [total_k, Hkv, D]; cu_seqlens_q / cu_seqlens_k int32 [S + 1] offsets (from 0, non-decreasing,
+  // ending at the totals); max_seqlen_q / _k upper bounds of the lengths. o [total_q, Hq, D], lse
+  // fp32 [Hq, total_q]. cos/sin: fp32 [S_rows, D/2] (positions restart per sequence) or
+  // [1, T, D/2] (per packed key token). Dropout: the zero-padded batch's Philox stream.
+  m.def("attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,"
+        " int max_seqlen_q, int max_seqlen_k, Tensor? cos, Tensor? sin, Tensor? rng, float scale, float softcap,"
+        " int window_left, int window_right, float dropout_p) -> (Tensor o, Tensor lse)");
+  m.def("attention_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,"
+        " Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, Tensor? cos, Tensor? sin,"
+        " Tensor? rng, float scale, float softcap, int window_left, int window_right, float dropout_p,"
+        " bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
   // Dropout with a Philox mask that is never stored: y = keep ? x / (1 - p) : 0, keep(i) the
   // Philox stream of rng = (seed, offset) at counter offset + i (common/philox.h). x contiguous.
   // The backward applies the same op to dy.

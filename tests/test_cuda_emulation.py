@@ -96,7 +96,9 @@ class FwdParams(ctypes.Structure):
                     "q_batch_stride", "q_row_stride", "q_head_stride", "k_batch_stride", "k_row_stride",
                     "k_head_stride", "v_batch_stride", "v_row_stride", "v_head_stride", "rope_batch_stride",
                     "window_left", "window_right")]
-                + [(name, ctypes.c_float) for name in ("scale", "softcap", "dropout_p")])
+                + [(name, ctypes.c_float) for name in ("scale", "softcap", "dropout_p")]
+                + [(name, ctypes.c_void_p) for name in ("cu_seqlens_q", "cu_seqlens_k")]
+                + [(name, ctypes.c_int64) for name in ("total_q", "rope_token_stride")])
 
 
 class BwdParams(ctypes.Structure):
@@ -112,7 +114,9 @@ class BwdParams(ctypes.Structure):
                     "v_batch_stride", "v_row_stride", "v_head_stride", "o_batch_stride", "o_row_stride",
                     "o_head_stride", "rope_batch_stride", "window_left", "window_right")]
                 + [(name, ctypes.c_float) for name in ("scale", "softcap", "dropout_p")]
-                + [("deterministic", ctypes.c_bool)])
+                + [("deterministic", ctypes.c_bool)]
+                + [(name, ctypes.c_void_p) for name in ("cu_seqlens_q", "cu_seqlens_k")]
+                + [(name, ctypes.c_int64) for name in ("total_q", "rope_token_stride")])
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,12 @@ namespace remat {
 // rng: device pointer to int64 (seed, offset), read by the kernels, when dropout_p > 0; else
 // nullptr. window_left / window_right: -1 = unbounded (causal is window_right = 0). softcap:
 // 0 = off.
+// Packed (variable-length) sequences: cu_seqlens_q / cu_seqlens_k, device int32 [batch + 1]
+// offsets (nullptr for a dense call): q is [total_q, Hq, D] and k, v [total_k, Hkv, D] with batch
+// strides 0, batch is the number of sequences S, n / m their max_seqlen bounds (the grids and the
+// dropout counter grid of the zero-padded batch), o [total_q, Hq, D], lse [Hq, total_q]. Rope:
+// rope_batch_stride 0 and rope_token_stride D/2 for per-token tables [1, T, D/2] (rows follow the
+// packed keys), 0 for tables [S_rows, D/2] that restart in every sequence.
 struct AttentionFwdParams {
   const void* q;
   const void* k;
@@ -38,6 +44,9 @@ struct AttentionFwdParams {
   int64_t rope_batch_stride;
   int64_t window_left, window_right;
   float scale, softcap, dropout_p;
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+  int64_t total_q, rope_token_stride;
 };
 
 // Backward with recompute. dout and o are [B, N, Hq, D] with the given strides (unit head-dim
@@ -72,6 +81,9 @@ struct AttentionBwdParams {
   int64_t window_left, window_right;
   float scale, softcap, dropout_p;
   bool deterministic;
+  const int32_t* cu_seqlens_q;  // packed sequences as in AttentionFwdParams (Delta [Hq, total_q],
+  const int32_t* cu_seqlens_k;  // dq_accum [total_q, Hq, D]); nullptr for a dense call
+  int64_t total_q, rope_token_stride;
 };
 
 // Largest head dim the kernels take (they pad D with zeros to a bucket of 32, 64, 96, 128, 192

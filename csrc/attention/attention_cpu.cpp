@@ -16,6 +16,8 @@
 // contiguous fp32 rows. Those copies are temporaries of the call, never saved.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -98,6 +100,10 @@ struct Problem {
   bool dropout;
   uint64_t seed, offset;
   Storage storage;
+  // The dropout counter grid: element (b, h, i, j) draws counter
+  // offset + (((b + drop_batch) * hq + h) * drop_rows + i) * drop_cols + j. Dense calls: (0, N, M).
+  // A sequence s of a packed call: (s, max_seqlen_q, max_seqlen_k), the zero-padded batch's stream.
+  int64_t drop_batch, drop_rows, drop_cols;
 
   // The key range [lo, hi) that any of query rows [i0, i1) can see.
   std::pair<int64_t, int64_t> key_range(int64_t i0, int64_t i1) const {
@@ -114,7 +120,7 @@ struct Problem {
   // 1/(1-p) when the dropout mask keeps element (b, h, i, j), 0 when it drops it, 1 without dropout.
   float keep_factor(int64_t b, int64_t h, int64_t i, int64_t j) const {
     if (!dropout) return 1.0f;
-    const uint64_t index = static_cast<uint64_t>(((b * hq + h) * n + i) * m + j);
+    const uint64_t index = static_cast<uint64_t>((((b + drop_batch) * hq + h) * drop_rows + i) * drop_cols + j);
     return dropout_keep(seed, offset, index, dropout_p) ? keep_scale : 0.0f;
   }
 };
@@ -164,6 +170,9 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const c10::option
     p.offset = static_cast<uint64_t>(state[1]);
   }
   p.storage = storage_of(q.scalar_type());
+  p.drop_batch = 0;
+  p.drop_rows = p.n;
+  p.drop_cols = p.m;
   return p;
 }
 
@@ -243,27 +252,18 @@ void score_tile(const float* q_rows, int64_t rows, const float* k_transposed, in
                      kBlockK);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     const c10::optional<at::Tensor>& cos,
-                                                     const c10::optional<at::Tensor>& sin,
-                                                     const c10::optional<at::Tensor>& rng, double scale,
-                                                     double softcap, int64_t window_left, int64_t window_right,
-                                                     double dropout_p) {
-  check_attention_qkv(q, k, v);
-  check_attention_options(q, k, cos, sin, rng, scale, softcap, dropout_p);
-  const Problem p = make_problem(q, k, rng, scale, softcap, window_left, window_right, dropout_p);
-  const Rope rope = make_rope(cos, sin);
+// The forward of one problem: q [B, N, Hq, D], k, v [B, M, Hkv, D] (views, any strides with a unit
+// last stride). Writes o at o_base as a contiguous [B, N, Hq, D] block and lse at
+// lse_base[(b * Hq + h) * lse_head_stride + i].
+void forward_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Rope& rope, const Problem& p,
+                  char* o_base, float* lse_base, int64_t lse_head_stride) {
   const Layout layout = make_layout(p);
   const int64_t D = p.head_dim, Dp = layout.dim;
-  at::Tensor o = at::empty({p.batch, p.n, p.hq, D}, q.options());
-  at::Tensor lse = at::empty({p.batch, p.hq, p.n}, q.options().dtype(at::kFloat));
-
+  const int64_t o_element = q.element_size();
   const std::vector<float> qf = load_rows(q, rope, p.shift, p.storage, Dp);
   const std::vector<float> kt =
       transpose_rows(load_rows(k, rope, 0, p.storage, Dp), p.batch * p.hkv, p.m, Dp, layout.keys);
   const std::vector<float> vf = load_rows(v, Rope{}, 0, p.storage, Dp);
-  char* o_base = static_cast<char*>(o.data_ptr());
-  float* lse_base = lse.data_ptr<float>();
   const int64_t q_blocks = (p.n + kBlockQ - 1) / kBlockQ;
 
   at::parallel_for(0, p.batch * p.hq * q_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -313,11 +313,25 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
         float* a = acc.data() + r * Dp;
         const float sum = softmax[r].sum;
         for (int64_t d = 0; d < D; ++d) a[d] = sum > 0.0f ? a[d] / sum : 0.0f;
-        narrow(a, o_base + ((b * p.n + i) * p.hq + h) * D * o.element_size(), D, p.storage);
-        lse_base[(b * p.hq + h) * p.n + i] = softmax[r].lse();
+        narrow(a, o_base + ((b * p.n + i) * p.hq + h) * D * o_element, D, p.storage);
+        lse_base[(b * p.hq + h) * lse_head_stride + i] = softmax[r].lse();
       }
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const c10::optional<at::Tensor>& cos,
+                                                     const c10::optional<at::Tensor>& sin,
+                                                     const c10::optional<at::Tensor>& rng, double scale,
+                                                     double softcap, int64_t window_left, int64_t window_right,
+                                                     double dropout_p) {
+  check_attention_qkv(q, k, v);
+  check_attention_options(q, k, cos, sin, rng, scale, softcap, dropout_p);
+  const Problem p = make_problem(q, k, rng, scale, softcap, window_left, window_right, dropout_p);
+  at::Tensor o = at::empty({p.batch, p.n, p.hq, p.head_dim}, q.options());
+  at::Tensor lse = at::empty({p.batch, p.hq, p.n}, q.options().dtype(at::kFloat));
+  forward_core(q, k, v, make_rope(cos, sin), p, static_cast<char*>(o.data_ptr()), lse.data_ptr<float>(), p.n);
   return {o, lse};
 }
 
@@ -346,21 +360,21 @@ void backward_tile(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t r
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
-    const at::Tensor& lse, const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-    const c10::optional<at::Tensor>& rng, double scale, double softcap, int64_t window_left, int64_t window_right,
-    double dropout_p, bool /*deterministic: the CPU backward is always deterministic*/) {
-  check_attention_qkv(q, k, v);
-  check_attention_options(q, k, cos, sin, rng, scale, softcap, dropout_p);
-  check_attention_bwd_extra(dout, q, o, lse);
-  const Problem p = make_problem(q, k, rng, scale, softcap, window_left, window_right, dropout_p);
-  const Rope rope = make_rope(cos, sin);
+// Where the backward of one problem writes: dq, dk, dv as contiguous [B, N, Hq, D] / [B, M, Hkv, D]
+// blocks; lse read at lse[(b * Hq + h) * lse_head_stride + i].
+struct BackwardOut {
+  char* dq;
+  char* dk;
+  char* dv;
+  const float* lse;
+  int64_t lse_head_stride;
+};
+
+void backward_core(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& o, const Rope& rope, const Problem& p, const BackwardOut& out) {
   const Layout layout = make_layout(p);
   const int64_t D = p.head_dim, Dp = layout.dim, Mp = layout.keys;
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  const int64_t element = q.element_size();
 
   const std::vector<float> qf = load_rows(q, rope, p.shift, p.storage, Dp);
   const std::vector<float> kf = load_rows(k, rope, 0, p.storage, Dp);
@@ -377,12 +391,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
       delta[row] = sum;
     }
   });
-  const float* lse_base = lse.const_data_ptr<float>();
 
   // dk, dv: one task per key block of one (batch, kv head); it visits the group's query heads.
   const int64_t k_blocks = (p.m + kBlockK - 1) / kBlockK;
-  char* dk_base = static_cast<char*>(dk.data_ptr());
-  char* dv_base = static_cast<char*>(dv.data_ptr());
   at::parallel_for(0, p.batch * p.hkv * k_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK), probs(kBlockQ * kBlockK),
         dscores(kBlockQ * kBlockK), dk_acc(kBlockK * Dp), dv_acc(kBlockK * Dp);
@@ -395,13 +406,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
       const auto [qlo, qhi] = p.query_range(j0, j0 + cols);
       for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
         const int64_t row0 = (b * p.hq + h) * p.n;
+        const float* lse_rows = out.lse + (b * p.hq + h) * out.lse_head_stride;
         for (int64_t i0 = qlo; i0 < qhi; i0 += kBlockQ) {
           const int64_t rows = std::min(kBlockQ, qhi - i0);
           const float* q_rows = qf.data() + (row0 + i0) * Dp;
           const float* do_rows = dof.data() + (row0 + i0) * Dp;
           score_tile(q_rows, rows, kt.data() + kv * Dp * Mp, j0, layout, scores.data());
           score_tile(do_rows, rows, vt.data() + kv * Dp * Mp, j0, layout, dprobs.data());
-          backward_tile(p, b, h, i0, rows, j0, cols, lse_base + row0, delta.data() + row0, scores.data(),
+          backward_tile(p, b, h, i0, rows, j0, cols, lse_rows, delta.data() + row0, scores.data(),
                         dprobs.data(), probs.data(), dscores.data());
           // dv += probs^T @ dout, dk += dS^T @ q (rotated), over this tile's rows.
           product_accumulate(probs.data(), 1, kBlockK, cols, do_rows, Dp, rows, Dp, dv_acc.data(), Dp);
@@ -409,22 +421,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
         }
       }
       for (int64_t c = 0; c < cols; ++c) {
-        const int64_t j = j0 + c, out = ((b * p.m + j) * p.hkv + kvh) * D;
-        store_row(dk_acc.data() + c * Dp, rope, b, j, D, dk_base + out * dk.element_size(), p.storage);
-        narrow(dv_acc.data() + c * Dp, dv_base + out * dv.element_size(), D, p.storage);
+        const int64_t j = j0 + c, at = ((b * p.m + j) * p.hkv + kvh) * D;
+        store_row(dk_acc.data() + c * Dp, rope, b, j, D, out.dk + at * element, p.storage);
+        narrow(dv_acc.data() + c * Dp, out.dv + at * element, D, p.storage);
       }
     }
   });
 
   // dq: one task per query block of one (batch, query head).
   const int64_t q_blocks = (p.n + kBlockQ - 1) / kBlockQ;
-  char* dq_base = static_cast<char*>(dq.data_ptr());
   at::parallel_for(0, p.batch * p.hq * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK), probs(kBlockQ * kBlockK),
         dscores(kBlockQ * kBlockK), dq_acc(kBlockQ * Dp);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % q_blocks, h = (task / q_blocks) % p.hq, b = task / (q_blocks * p.hq);
       const int64_t kv = b * p.hkv + h / p.group, row0 = (b * p.hq + h) * p.n;
+      const float* lse_rows = out.lse + (b * p.hq + h) * out.lse_head_stride;
       const int64_t i0 = block * kBlockQ, rows = std::min(kBlockQ, p.n - i0);
       std::fill(dq_acc.begin(), dq_acc.end(), 0.0f);
       const auto [lo, hi] = p.key_range(i0, i0 + rows);
@@ -432,7 +444,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
         const int64_t cols = std::min(kBlockK, hi - j0);
         score_tile(qf.data() + (row0 + i0) * Dp, rows, kt.data() + kv * Dp * Mp, j0, layout, scores.data());
         score_tile(dof.data() + (row0 + i0) * Dp, rows, vt.data() + kv * Dp * Mp, j0, layout, dprobs.data());
-        backward_tile(p, b, h, i0, rows, j0, cols, lse_base + row0, delta.data() + row0, scores.data(),
+        backward_tile(p, b, h, i0, rows, j0, cols, lse_rows, delta.data() + row0, scores.data(),
                       dprobs.data(), probs.data(), dscores.data());
         // dq += dS @ k (rotated).
         product_accumulate(dscores.data(), kBlockK, 1, rows, kf.data() + (kv * p.m + j0) * Dp, Dp, cols, Dp,
@@ -441,10 +453,131 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         store_row(dq_acc.data() + r * Dp, rope, b, i + p.shift, D,
-                  dq_base + ((b * p.n + i) * p.hq + h) * D * dq.element_size(), p.storage);
+                  out.dq + ((b * p.n + i) * p.hq + h) * D * element, p.storage);
       }
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+    const c10::optional<at::Tensor>& rng, double scale, double softcap, int64_t window_left, int64_t window_right,
+    double dropout_p, bool /*deterministic: the CPU backward is always deterministic*/) {
+  check_attention_qkv(q, k, v);
+  check_attention_options(q, k, cos, sin, rng, scale, softcap, dropout_p);
+  check_attention_bwd_extra(dout, q, o, lse);
+  const Problem p = make_problem(q, k, rng, scale, softcap, window_left, window_right, dropout_p);
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  const BackwardOut out{static_cast<char*>(dq.data_ptr()), static_cast<char*>(dk.data_ptr()),
+                        static_cast<char*>(dv.data_ptr()), lse.const_data_ptr<float>(), p.n};
+  backward_core(dout, q, k, v, o, make_rope(cos, sin), p, out);
+  return {dq, dk, dv};
+}
+
+// Packed (variable-length) attention: sequence s holds queries cu_seqlens_q[s] .. cu_seqlens_q[s+1]
+// - 1 of q [total_q, Hq, D] and keys cu_seqlens_k[s] .. of k, v [total_k, Hkv, D]. Each sequence
+// is one dense problem (B = 1) over views of the packed tensors, writing straight into its rows of
+// the packed outputs (lse [Hq, total_q]: head stride total_q). Sequences run one after another,
+// each parallel over its heads and blocks. A sequence without queries leaves its dk, dv rows 0;
+// one without keys leaves its o and dq rows 0 and its lse +inf.
+struct PackedSequence {
+  int64_t index, q0, n, k0, m;
+};
+
+std::vector<PackedSequence> packed_sequences(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k) {
+  const int32_t* cu_q = cu_seqlens_q.const_data_ptr<int32_t>();
+  const int32_t* cu_k = cu_seqlens_k.const_data_ptr<int32_t>();
+  std::vector<PackedSequence> sequences;
+  for (int64_t s = 0; s + 1 < cu_seqlens_q.numel(); ++s) {
+    const PackedSequence sequence{s, cu_q[s], cu_q[s + 1] - cu_q[s], cu_k[s], cu_k[s + 1] - cu_k[s]};
+    if (sequence.n > 0 && sequence.m > 0) sequences.push_back(sequence);
+  }
+  return sequences;
+}
+
+// Sequence views [1, L, H, D] of a packed [total, H, D] tensor.
+at::Tensor sequence_view(const at::Tensor& packed, int64_t start, int64_t length) {
+  return packed.narrow(0, start, length).unsqueeze(0);
+}
+
+// The rope tables of one sequence: [S, D/2] tables restart per sequence (row = position in it);
+// [1, T, D/2] tables are per packed key token (rows from the sequence's first key on).
+Rope sequence_rope(const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin, int64_t k0) {
+  Rope rope;
+  if (!cos.has_value()) return rope;
+  const bool per_token = cos->dim() == 3;
+  rope.half = cos->size(-1);
+  rope.rows = cos->size(-2) - (per_token ? k0 : 0);
+  const int64_t first = per_token ? k0 * rope.half : 0;
+  rope.cos = cos->const_data_ptr<float>() + first;
+  rope.sin = sin->const_data_ptr<float>() + first;
+  return rope;
+}
+
+Problem sequence_problem(const at::Tensor& q_s, const at::Tensor& k_s, const c10::optional<at::Tensor>& rng,
+                         double scale, double softcap, int64_t window_left, int64_t window_right, double dropout_p,
+                         const PackedSequence& sequence, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  Problem p = make_problem(q_s, k_s, rng, scale, softcap, window_left, window_right, dropout_p);
+  p.drop_batch = sequence.index;
+  p.drop_rows = max_seqlen_q;
+  p.drop_cols = max_seqlen_k;
+  return p;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, const c10::optional<at::Tensor>& cos,
+    const c10::optional<at::Tensor>& sin, const c10::optional<at::Tensor>& rng, double scale, double softcap,
+    int64_t window_left, int64_t window_right, double dropout_p) {
+  check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, true);
+  check_attention_options(q.unsqueeze(0), k.unsqueeze(0), c10::nullopt, c10::nullopt, rng, scale, softcap,
+                          dropout_p);
+  const int64_t total_q = q.size(0), hq = q.size(1), head_dim = q.size(2);
+  at::Tensor o = at::zeros({total_q, hq, head_dim}, q.options());
+  at::Tensor lse = at::full({hq, total_q}, INFINITY, q.options().dtype(at::kFloat));
+  char* o_base = static_cast<char*>(o.data_ptr());
+  for (const PackedSequence& sequence : packed_sequences(cu_seqlens_q, cu_seqlens_k)) {
+    const at::Tensor q_s = sequence_view(q, sequence.q0, sequence.n);
+    const at::Tensor k_s = sequence_view(k, sequence.k0, sequence.m);
+    const Problem p = sequence_problem(q_s, k_s, rng, scale, softcap, window_left, window_right, dropout_p, sequence,
+                                       max_seqlen_q, max_seqlen_k);
+    forward_core(q_s, k_s, sequence_view(v, sequence.k0, sequence.m), sequence_rope(cos, sin, sequence.k0), p,
+                 o_base + sequence.q0 * hq * head_dim * o.element_size(), lse.data_ptr<float>() + sequence.q0,
+                 total_q);
+  }
+  return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+    const c10::optional<at::Tensor>& rng, double scale, double softcap, int64_t window_left, int64_t window_right,
+    double dropout_p, bool /*deterministic: the CPU backward is always deterministic*/) {
+  check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, true);
+  check_attention_options(q.unsqueeze(0), k.unsqueeze(0), c10::nullopt, c10::nullopt, rng, scale, softcap,
+                          dropout_p);
+  check_attention_varlen_bwd_extra(dout, q, o, lse);
+  const int64_t total_q = q.size(0), hq = q.size(1), hkv = k.size(1), head_dim = q.size(2);
+  at::Tensor dq = at::zeros(q.sizes(), q.options());
+  at::Tensor dk = at::zeros(k.sizes(), k.options());
+  at::Tensor dv = at::zeros(v.sizes(), v.options());
+  const int64_t element = q.element_size();
+  for (const PackedSequence& sequence : packed_sequences(cu_seqlens_q, cu_seqlens_k)) {
+    const at::Tensor q_s = sequence_view(q, sequence.q0, sequence.n);
+    const at::Tensor k_s = sequence_view(k, sequence.k0, sequence.m);
+    const Problem p = sequence_problem(q_s, k_s, rng, scale, softcap, window_left, window_right, dropout_p, sequence,
+                                       max_seqlen_q, max_seqlen_k);
+    const BackwardOut out{static_cast<char*>(dq.data_ptr()) + sequence.q0 * hq * head_dim * element,
+                          static_cast<char*>(dk.data_ptr()) + sequence.k0 * hkv * head_dim * element,
+                          static_cast<char*>(dv.data_ptr()) + sequence.k0 * hkv * head_dim * element,
+                          lse.const_data_ptr<float>() + sequence.q0, total_q};
+    backward_core(sequence_view(dout, sequence.q0, sequence.n), q_s, k_s, sequence_view(v, sequence.k0, sequence.m),
+                  sequence_view(o, sequence.q0, sequence.n), sequence_rope(cos, sin, sequence.k0), p, out);
+  }
   return {dq, dk, dv};
 }
 
@@ -453,6 +586,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
 TORCH_LIBRARY_IMPL(remat, CPU, m) {
   m.impl("attention_fwd", &attention_fwd_cpu);
   m.impl("attention_bwd", &attention_bwd_cpu);
+  m.impl("attention_varlen_fwd", &attention_varlen_fwd_cpu);
+  m.impl("attention_varlen_bwd", &attention_varlen_bwd_cpu);
 }
 
 }  // namespace remat

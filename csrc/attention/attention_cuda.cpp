@@ -2,6 +2,7 @@
 // allocation, the current stream. The kernels themselves (attention.cu) see only raw pointers,
 // strides and sizes, so they compile with nvcc without the torch headers.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -169,11 +170,118 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda_op(
   return {dq, dk, dv};
 }
 
+// Packed (variable-length) sequences: the dense kernels with cu_seqlens in the params (see
+// attention.h), q, k, v [total, H, D] seen as one batch of S sequences with batch strides 0.
+template <typename Params>
+void set_packed_params(Params& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                       int64_t max_seqlen_k, const c10::optional<at::Tensor>& cos,
+                       const c10::optional<at::Tensor>& sin, const c10::optional<at::Tensor>& rng,
+                       int64_t window_left, int64_t window_right, double scale, double softcap, double dropout_p) {
+  set_shared_params(p, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), RopeArgs{}, rng, window_left, window_right,
+                    scale, softcap, dropout_p);
+  p.batch = cu_seqlens_q.numel() - 1;
+  p.n = max_seqlen_q;
+  p.m = max_seqlen_k;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = 0;
+  p.cos = cos.has_value() ? cos->const_data_ptr<float>() : nullptr;
+  p.sin = sin.has_value() ? sin->const_data_ptr<float>() : nullptr;
+  p.rope_batch_stride = 0;
+  p.rope_token_stride = cos.has_value() && cos->dim() == 3 ? q.size(2) / 2 : 0;
+  p.cu_seqlens_q = cu_seqlens_q.const_data_ptr<int32_t>();
+  p.cu_seqlens_k = cu_seqlens_k.const_data_ptr<int32_t>();
+  p.total_q = q.size(0);
+}
+
+void check_cuda_packed(const at::Tensor& q, const at::Tensor& cu_seqlens_q) {
+  check_cuda_attention(q.unsqueeze(0));
+  TORCH_CHECK(cu_seqlens_q.numel() - 1 <= kAttentionCudaMaxGridYZ, "the CUDA attention kernels take at most ",
+              kAttentionCudaMaxGridYZ, " packed sequences, got ", cu_seqlens_q.numel() - 1);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, const c10::optional<at::Tensor>& cos,
+    const c10::optional<at::Tensor>& sin, const c10::optional<at::Tensor>& rng, double scale, double softcap,
+    int64_t window_left, int64_t window_right, double dropout_p) {
+  // The offsets' values were checked on the host by the caller (remat.checks.check_varlen_offsets):
+  // reading them here would cost a device sync.
+  check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, false);
+  check_attention_options(q.unsqueeze(0), k.unsqueeze(0), c10::nullopt, c10::nullopt, rng, scale, softcap,
+                          dropout_p);
+  check_cuda_packed(q, cu_seqlens_q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t total_q = q.size(0), hq = q.size(1), head_dim = q.size(2);
+  // Sequences without keys leave their o rows 0 and lse +inf (and so does a call without any).
+  at::Tensor o = max_seqlen_k == 0 ? at::zeros({total_q, hq, head_dim}, q.options())
+                                   : at::empty({total_q, hq, head_dim}, q.options());
+  at::Tensor lse = at::full({hq, total_q}, INFINITY, q.options().dtype(at::kFloat));
+  if (total_q == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) return {o, lse};
+  AttentionFwdParams p{};
+  p.q = q.const_data_ptr();
+  p.k = k.const_data_ptr();
+  p.v = v.const_data_ptr();
+  p.o = o.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  set_packed_params(p, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, window_left,
+                    window_right, scale, softcap, dropout_p);
+  C10_CUDA_CHECK(attention_fwd_cuda(p, attention_kind(q.scalar_type()), c10::cuda::getCurrentCUDAStream()));
+  return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda_op(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+    const c10::optional<at::Tensor>& rng, double scale, double softcap, int64_t window_left, int64_t window_right,
+    double dropout_p, bool deterministic) {
+  check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, false);
+  check_attention_options(q.unsqueeze(0), k.unsqueeze(0), c10::nullopt, c10::nullopt, rng, scale, softcap,
+                          dropout_p);
+  check_attention_varlen_bwd_extra(dout, q, o, lse);
+  check_cuda_packed(q, cu_seqlens_q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t total_q = q.size(0), hq = q.size(1), head_dim = q.size(2);
+  const bool empty = total_q == 0 || k.size(0) == 0 || max_seqlen_q == 0 || max_seqlen_k == 0;
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  if (empty) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor delta = at::empty({hq, total_q}, f32);
+  at::Tensor dq_accum = deterministic ? at::Tensor() : at::zeros({total_q, hq, head_dim}, f32);
+
+  AttentionBwdParams p{};
+  p.dout = dout.const_data_ptr();
+  p.q = q.const_data_ptr();
+  p.k = k.const_data_ptr();
+  p.v = v.const_data_ptr();
+  p.o = o.const_data_ptr();
+  p.lse = lse.const_data_ptr<float>();
+  set_packed_params(p, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, window_left,
+                    window_right, scale, softcap, dropout_p);
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.delta = delta.data_ptr<float>();
+  p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
+  p.dout_batch_stride = p.o_batch_stride = 0;
+  p.dout_row_stride = dout.stride(0);
+  p.dout_head_stride = dout.stride(1);
+  p.o_row_stride = o.stride(0);
+  p.o_head_stride = o.stride(1);
+  p.deterministic = deterministic;
+  C10_CUDA_CHECK(attention_bwd_cuda(p, attention_kind(q.scalar_type()), c10::cuda::getCurrentCUDAStream()));
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(remat, CUDA, m) {
   m.impl("attention_fwd", &attention_fwd_cuda_op);
   m.impl("attention_bwd", &attention_bwd_cuda_op);
+  m.impl("attention_varlen_fwd", &attention_varlen_fwd_cuda_op);
+  m.impl("attention_varlen_bwd", &attention_varlen_bwd_cuda_op);
 }
 
 }  // namespace remat

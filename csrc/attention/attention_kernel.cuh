@@ -243,14 +243,46 @@ struct Geometry {
   }
 };
 
+// The rows of one batch entry, or with cu_seqlens_q (packed sequences) of sequence b: its first
+// rows in the packed inputs (0 for a batch entry, which its batch stride places), its first rows
+// in the contiguous outputs' [B N] / [total] rows, and its lengths. Masks, tile ranges and
+// positions use these lengths; the dropout counter keeps the params' n, m (for packed sequences
+// the max_seqlen bounds: sequence b draws batch entry b of the zero-padded batch's stream).
+struct SequenceRows {
+  int64_t q_start, k_start, q_out, k_out, n, m;
+};
+
+template <typename Params>
+__device__ __forceinline__ SequenceRows sequence_rows(const Params& p, int64_t b) {
+  if (p.cu_seqlens_q == nullptr) return {0, 0, b * p.n, b * p.m, p.n, p.m};
+  const int64_t q_start = p.cu_seqlens_q[b], k_start = p.cu_seqlens_k[b];
+  return {q_start, k_start, q_start, k_start, p.cu_seqlens_q[b + 1] - q_start, p.cu_seqlens_k[b + 1] - k_start};
+}
+
+// Row (b, h, 0) of lse / Delta: fp32 [B, Hq, N], or [Hq, total_q] for packed sequences.
+template <typename Params>
+__device__ __forceinline__ int64_t stats_row(const Params& p, const SequenceRows& rows, int64_t b, int64_t h) {
+  return p.cu_seqlens_q == nullptr ? (b * p.hq + h) * p.n : h * p.total_q + rows.q_start;
+}
+
+// The rope tables of (b): the batch's rows, or for packed sequences with per-token tables the rows
+// from the sequence's first key on (rope_token_stride D/2; 0 for tables restarting per sequence).
+template <typename Params>
+__device__ __forceinline__ const float* rope_rows(const Params& p, const float* table, const SequenceRows& rows,
+                                                  int64_t b) {
+  return table != nullptr ? table + b * p.rope_batch_stride + rows.k_start * p.rope_token_stride : nullptr;
+}
+
 struct Dropout {
   bool on;
   uint64_t seed, offset;
   float p, keep_scale;
+  // Keys per row of the counter grid [B, Hq, N, M]: M (packed sequences: max_seqlen_k).
+  int64_t cols;
 
   // rng: device (seed, offset), read once per thread (a broadcast load).
-  __device__ static Dropout make(float p, const int64_t* rng) {
-    Dropout d{p > 0.0f, 0, 0, p, 1.0f};
+  __device__ static Dropout make(float p, const int64_t* rng, int64_t cols) {
+    Dropout d{p > 0.0f, 0, 0, p, 1.0f, cols};
     if (d.on) {
       d.seed = static_cast<uint64_t>(rng[0]);
       d.offset = static_cast<uint64_t>(rng[1]);
@@ -469,18 +501,23 @@ __global__ void __launch_bounds__(FwdTiles<DP>::kThreads, FwdTiles<DP>::kMinBloc
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t q_block = static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x;
   const int64_t h = blockIdx.y, b = blockIdx.z;
+  const SequenceRows seq = sequence_rows(p, b);
   const int64_t kvh = h / (p.hq / p.hkv);
   const int64_t q0 = q_block * L::kBlockM;
-  const int valid_q = static_cast<int>(min64(L::kBlockM, p.n - q0));
+  if (q0 >= seq.n) return;  // a block past a packed sequence's end (the whole block leaves)
+  const int valid_q = static_cast<int>(min64(L::kBlockM, seq.n - q0));
   const int head_dim = static_cast<int>(p.head_dim);
-  const Geometry geo{p.n, p.m, p.m - p.n, p.window_left, p.window_right};
-  const Dropout dropout = Dropout::make(p.dropout_p, p.rng);
-  const float* cos = p.cos != nullptr ? p.cos + b * p.rope_batch_stride : nullptr;
-  const float* sin = p.sin != nullptr ? p.sin + b * p.rope_batch_stride : nullptr;
+  const Geometry geo{seq.n, seq.m, seq.m - seq.n, p.window_left, p.window_right};
+  const Dropout dropout = Dropout::make(p.dropout_p, p.rng, p.m);
+  const float* cos = rope_rows(p, p.cos, seq, b);
+  const float* sin = rope_rows(p, p.sin, seq, b);
 
-  const T* q_g = static_cast<const T*>(p.q) + b * p.q_batch_stride + q0 * p.q_row_stride + h * p.q_head_stride;
-  const T* k_g = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
-  const T* v_g = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
+  const T* q_g = static_cast<const T*>(p.q) + b * p.q_batch_stride + (seq.q_start + q0) * p.q_row_stride +
+                 h * p.q_head_stride;
+  const T* k_g = static_cast<const T*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride +
+                 kvh * p.k_head_stride;
+  const T* v_g = static_cast<const T*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride +
+                 kvh * p.v_head_stride;
 
   load_tile<T, L::kBlockM, DP, L::kThreads>(q_s, L::kLdT, q_g, p.q_row_stride, valid_q, head_dim, flags.q_vec);
   cp_async_wait_all();
@@ -507,7 +544,7 @@ __global__ void __launch_bounds__(FwdTiles<DP>::kThreads, FwdTiles<DP>::kMinBloc
   int64_t k_lo, k_hi;
   geo.key_range(q0, q0 + valid_q - 1, k_lo, k_hi);
   for (int64_t k0 = k_lo; k0 < k_hi; k0 += L::kBlockN) {
-    const int valid_k = static_cast<int>(min64(L::kBlockN, p.m - k0));
+    const int valid_k = static_cast<int>(min64(L::kBlockN, seq.m - k0));
     __syncthreads();  // every warp is done with the previous k / v tile (first pass: q is loaded)
     load_tile<T, L::kBlockN, DP, L::kThreads>(k_s, L::kLdT, k_g + k0 * p.k_row_stride, p.k_row_stride, valid_k,
                                               head_dim, flags.k_vec);
@@ -627,13 +664,13 @@ __global__ void __launch_bounds__(FwdTiles<DP>::kThreads, FwdTiles<DP>::kMinBloc
   T* o_g = static_cast<T*>(p.o);
   const int out_r = lane >> 1, out_c = (lane & 1) * 8;  // 8 consecutive elements per lane
   const int64_t out_i = q0 + warp * kFrag + out_r;
-  T* o_row = o_g + ((b * p.n + out_i) * p.hq + h) * p.head_dim;
+  T* o_row = o_g + ((seq.q_out + out_i) * p.hq + h) * p.head_dim;
 #pragma unroll
   for (int c = 0; c < DP / kFrag; ++c) {
     wmma::store_matrix_sync(s_w, o_acc[c], L::kLdS, wmma::mem_row_major);
     __syncwarp();
     const int d0 = c * kFrag + out_c;
-    if (out_i < p.n && d0 < head_dim) {
+    if (out_i < seq.n && d0 < head_dim) {
       const float* src = s_w + out_r * L::kLdS + out_c;
       if (flags.out_vec) {  // D % 8 == 0: the chunk is entirely inside the row
         Pack<T, 8> pack;
@@ -649,7 +686,7 @@ __global__ void __launch_bounds__(FwdTiles<DP>::kThreads, FwdTiles<DP>::kMinBloc
     }
     __syncwarp();
   }
-  if (parity == 0 && i < p.n) p.lse[(b * p.hq + h) * p.n + i] = softmax.lse();
+  if (parity == 0 && i < seq.n) p.lse[stats_row(p, seq, b, h) + i] = softmax.lse();
 #endif
 }
 
@@ -661,15 +698,18 @@ template <typename T>
 __global__ void __launch_bounds__(kSmallThreads) attention_bwd_delta_kernel(const AttentionBwdParams p) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kSmallThreads / kWarpSize) + threadIdx.x / kWarpSize;
-  if (row >= p.batch * p.hq * p.n) return;  // whole warps leave together
-  const int64_t i = row % p.n, h = (row / p.n) % p.hq, b = row / (p.n * p.hq);
+  // Packed sequences: the total_q rows as one batch entry (Delta [Hq, total_q]; no batch stride).
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int64_t n = packed ? p.total_q : p.n, batch = packed ? 1 : p.batch;
+  if (row >= batch * p.hq * n) return;  // whole warps leave together
+  const int64_t i = row % n, h = (row / n) % p.hq, b = row / (n * p.hq);
   const T* dout = static_cast<const T*>(p.dout) + b * p.dout_batch_stride + i * p.dout_row_stride + h * p.dout_head_stride;
   const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
   float sum = 0.0f;
   for (int64_t d = lane; d < p.head_dim; d += kWarpSize) sum += to_float(dout[d]) * to_float(o[d]);
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
-  if (lane == 0) p.delta[row] = sum;  // row = (b * Hq + h) * N + i
+  if (lane == 0) p.delta[row] = sum;  // row = (b * Hq + h) * n + i
 }
 
 // S = Q K^T and dP = dO V^T for a [BM, BN] tile into shared fp32, 16x16 fragments spread over
@@ -728,7 +768,7 @@ __device__ __forceinline__ void backward_tile(const BwdScalars& sc, const float*
     if (full || sc.geo.visible(i, j)) {
       const float t = attention_logit(s_s[r * ld_s + c], sc.scale, sc.softcap);
       const float prob = exp2f(t * kLog2e - lse2_s[r]);
-      const float keep = sc.dropout.factor(drop_head + static_cast<uint64_t>(i * sc.geo.m + j));
+      const float keep = sc.dropout.factor(drop_head + static_cast<uint64_t>(i * sc.dropout.cols + j));
       pd = prob * keep;
       ds = prob * (dp_s[r * ld_s + c] * keep - delta_s[r]) * attention_logit_grad(t, sc.scale, sc.softcap);
     }
@@ -737,13 +777,13 @@ __device__ __forceinline__ void backward_tile(const BwdScalars& sc, const float*
   }
 }
 
-// lse * log2e (+inf past N) and Delta (0 past N) of query rows q0 .. q0 + BM - 1 of one head.
+// lse * log2e (+inf past n) and Delta (0 past n) of query rows q0 .. q0 + BM - 1 of one head.
 template <int BM>
-__device__ __forceinline__ void load_row_stats(const AttentionBwdParams& p, int64_t row_head, int64_t q0,
+__device__ __forceinline__ void load_row_stats(const AttentionBwdParams& p, int64_t row_head, int64_t n, int64_t q0,
                                                float* lse2_s, float* delta_s) {
   for (int r = static_cast<int>(threadIdx.x); r < BM; r += static_cast<int>(blockDim.x)) {
     const int64_t i = q0 + r;
-    const bool valid = i < p.n;
+    const bool valid = i < n;
     lse2_s[r] = valid ? p.lse[row_head + i] * kLog2e : INFINITY;
     delta_s[r] = valid ? p.delta[row_head + i] : 0.0f;
   }
@@ -778,24 +818,28 @@ __global__ void __launch_bounds__(DkDvTiles<DP>::kThreads, DkDvTiles<DP>::kMinBl
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t kvh = blockIdx.y, b = blockIdx.z;
+  const SequenceRows seq = sequence_rows(p, b);
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) * L::kBlockN;
-  const int valid_k = static_cast<int>(min64(L::kBlockN, p.m - k0));
+  if (k0 >= seq.m) return;  // a block past a packed sequence's keys (the whole block leaves)
+  const int valid_k = static_cast<int>(min64(L::kBlockN, seq.m - k0));
   const int64_t group = p.hq / p.hkv;
   const int head_dim = static_cast<int>(p.head_dim);
-  const BwdScalars sc{{p.n, p.m, p.m - p.n, p.window_left, p.window_right},
-                      Dropout::make(p.dropout_p, p.rng),
+  const BwdScalars sc{{seq.n, seq.m, seq.m - seq.n, p.window_left, p.window_right},
+                      Dropout::make(p.dropout_p, p.rng, p.m),
                       p.scale,
                       p.softcap};
-  const float* cos = p.cos != nullptr ? p.cos + b * p.rope_batch_stride : nullptr;
-  const float* sin = p.sin != nullptr ? p.sin + b * p.rope_batch_stride : nullptr;
+  const float* cos = rope_rows(p, p.cos, seq, b);
+  const float* sin = rope_rows(p, p.sin, seq, b);
 
   load_tile<T, L::kBlockN, DP, L::kThreads>(
       k_s, L::kLdT,
-      static_cast<const T*>(p.k) + b * p.k_batch_stride + k0 * p.k_row_stride + kvh * p.k_head_stride,
+      static_cast<const T*>(p.k) + b * p.k_batch_stride + (seq.k_start + k0) * p.k_row_stride +
+          kvh * p.k_head_stride,
       p.k_row_stride, valid_k, head_dim, flags.k_vec);
   load_tile<T, L::kBlockN, DP, L::kThreads>(
       v_s, L::kLdT,
-      static_cast<const T*>(p.v) + b * p.v_batch_stride + k0 * p.v_row_stride + kvh * p.v_head_stride,
+      static_cast<const T*>(p.v) + b * p.v_batch_stride + (seq.k_start + k0) * p.v_row_stride +
+          kvh * p.v_head_stride,
       p.v_row_stride, valid_k, head_dim, flags.v_vec);
   cp_async_wait_all();
   __syncthreads();
@@ -815,18 +859,20 @@ __global__ void __launch_bounds__(DkDvTiles<DP>::kThreads, DkDvTiles<DP>::kMinBl
   int64_t q_lo, q_hi;
   sc.geo.query_range(k0, k0 + valid_k - 1, q_lo, q_hi);
   for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-    const int64_t row_head = (b * p.hq + h) * p.n;  // row (b, h, 0) of lse / Delta
-    const uint64_t drop_head = static_cast<uint64_t>(row_head * p.m);
-    const T* q_g = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-    const T* do_g = static_cast<const T*>(p.dout) + b * p.dout_batch_stride + h * p.dout_head_stride;
+    const int64_t row_head = stats_row(p, seq, b, h);  // row (b, h, 0) of lse / Delta
+    const uint64_t drop_head = static_cast<uint64_t>((b * p.hq + h) * p.n * p.m);
+    const T* q_g = static_cast<const T*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride +
+                   h * p.q_head_stride;
+    const T* do_g = static_cast<const T*>(p.dout) + b * p.dout_batch_stride + seq.q_start * p.dout_row_stride +
+                    h * p.dout_head_stride;
     for (int64_t q0 = q_lo; q0 < q_hi; q0 += L::kBlockM) {
-      const int valid_q = static_cast<int>(min64(L::kBlockM, p.n - q0));
+      const int valid_q = static_cast<int>(min64(L::kBlockM, seq.n - q0));
       __syncthreads();  // the previous step is done with q, dout, P_d, dS, the stats and S
       load_tile<T, L::kBlockM, DP, L::kThreads>(q_s, L::kLdT, q_g + q0 * p.q_row_stride, p.q_row_stride, valid_q,
                                                 head_dim, flags.q_vec);
       load_tile<T, L::kBlockM, DP, L::kThreads>(do_s, L::kLdT, do_g + q0 * p.dout_row_stride, p.dout_row_stride,
                                                 valid_q, head_dim, flags.do_vec);
-      load_row_stats<L::kBlockM>(p, row_head, q0, lse2_s, delta_s);
+      load_row_stats<L::kBlockM>(p, row_head, seq.n, q0, lse2_s, delta_s);
       cp_async_wait_all();
       __syncthreads();
       if (cos != nullptr) {
@@ -864,7 +910,7 @@ __global__ void __launch_bounds__(DkDvTiles<DP>::kThreads, DkDvTiles<DP>::kMinBl
         // (16x16 fp32 per warp) sits in the S region, dead since the element-wise step.
         float* stage = s_s + warp * kFrag * kFrag;
         constexpr int kTilesD = DP / kFrag, kTiles = L::kBlockM / kFrag * kTilesD;
-        float* dq_head = p.dq_accum + (b * p.n * p.hq + h) * p.head_dim;  // (b, 0, h, 0)
+        float* dq_head = p.dq_accum + (seq.q_out * p.hq + h) * p.head_dim;  // (b, 0, h, 0)
         const int out_r = lane >> 1, out_c = (lane & 1) * 8;
         for (int tile = warp; tile < kTiles; tile += L::kWarps) {
           const int tr = tile / kTilesD, tc = tile % kTilesD;
@@ -881,7 +927,7 @@ __global__ void __launch_bounds__(DkDvTiles<DP>::kThreads, DkDvTiles<DP>::kMinBl
           wmma::store_matrix_sync(stage, acc, kFrag, wmma::mem_row_major);
           __syncwarp();
           const int64_t i = q0 + tr * kFrag + out_r;
-          if (i < p.n) {
+          if (i < seq.n) {
             float* dst = dq_head + i * p.hq * p.head_dim;
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
@@ -897,7 +943,7 @@ __global__ void __launch_bounds__(DkDvTiles<DP>::kThreads, DkDvTiles<DP>::kMinBl
 
   // Epilogue: stage dK, then dV, as fp32 [kBlockN, DP] from offset 0 (every region is dead).
   float* stage = reinterpret_cast<float*>(smem);
-  const int64_t out_offset = ((b * p.m + k0) * p.hkv + kvh) * p.head_dim;
+  const int64_t out_offset = ((seq.k_out + k0) * p.hkv + kvh) * p.head_dim;
   const int64_t out_row_stride = p.hkv * p.head_dim;
   __syncthreads();
 #pragma unroll
@@ -946,28 +992,32 @@ __global__ void __launch_bounds__(DqTiles<DP>::kThreads, DqTiles<DP>::kMinBlocks
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int64_t q_block = static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x;
   const int64_t h = blockIdx.y, b = blockIdx.z;
+  const SequenceRows seq = sequence_rows(p, b);
   const int64_t kvh = h / (p.hq / p.hkv);
   const int64_t q0 = q_block * L::kBlockM;
-  const int valid_q = static_cast<int>(min64(L::kBlockM, p.n - q0));
+  if (q0 >= seq.n) return;  // a block past a packed sequence's end (the whole block leaves)
+  const int valid_q = static_cast<int>(min64(L::kBlockM, seq.n - q0));
   const int head_dim = static_cast<int>(p.head_dim);
-  const BwdScalars sc{{p.n, p.m, p.m - p.n, p.window_left, p.window_right},
-                      Dropout::make(p.dropout_p, p.rng),
+  const BwdScalars sc{{seq.n, seq.m, seq.m - seq.n, p.window_left, p.window_right},
+                      Dropout::make(p.dropout_p, p.rng, p.m),
                       p.scale,
                       p.softcap};
-  const float* cos = p.cos != nullptr ? p.cos + b * p.rope_batch_stride : nullptr;
-  const float* sin = p.sin != nullptr ? p.sin + b * p.rope_batch_stride : nullptr;
-  const int64_t row_head = (b * p.hq + h) * p.n;
-  const uint64_t drop_head = static_cast<uint64_t>(row_head * p.m);
+  const float* cos = rope_rows(p, p.cos, seq, b);
+  const float* sin = rope_rows(p, p.sin, seq, b);
+  const int64_t row_head = stats_row(p, seq, b, h);
+  const uint64_t drop_head = static_cast<uint64_t>((b * p.hq + h) * p.n * p.m);
 
   load_tile<T, L::kBlockM, DP, L::kThreads>(
       q_s, L::kLdT,
-      static_cast<const T*>(p.q) + b * p.q_batch_stride + q0 * p.q_row_stride + h * p.q_head_stride,
+      static_cast<const T*>(p.q) + b * p.q_batch_stride + (seq.q_start + q0) * p.q_row_stride +
+          h * p.q_head_stride,
       p.q_row_stride, valid_q, head_dim, flags.q_vec);
   load_tile<T, L::kBlockM, DP, L::kThreads>(
       do_s, L::kLdT,
-      static_cast<const T*>(p.dout) + b * p.dout_batch_stride + q0 * p.dout_row_stride + h * p.dout_head_stride,
+      static_cast<const T*>(p.dout) + b * p.dout_batch_stride + (seq.q_start + q0) * p.dout_row_stride +
+          h * p.dout_head_stride,
       p.dout_row_stride, valid_q, head_dim, flags.do_vec);
-  load_row_stats<L::kBlockM>(p, row_head, q0, lse2_s, delta_s);
+  load_row_stats<L::kBlockM>(p, row_head, seq.n, q0, lse2_s, delta_s);
   cp_async_wait_all();
   __syncthreads();
   if (cos != nullptr) {  // read only after the barriers of the key loop (or of the epilogue)
@@ -979,12 +1029,14 @@ __global__ void __launch_bounds__(DqTiles<DP>::kThreads, DqTiles<DP>::kMinBlocks
 #pragma unroll
   for (int ct = 0; ct < L::kColTiles; ++ct) wmma::fill_fragment(dq_acc[ct], 0.0f);
 
-  const T* k_g = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
-  const T* v_g = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
+  const T* k_g = static_cast<const T*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride +
+                 kvh * p.k_head_stride;
+  const T* v_g = static_cast<const T*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride +
+                 kvh * p.v_head_stride;
   int64_t k_lo, k_hi;
   sc.geo.key_range(q0, q0 + valid_q - 1, k_lo, k_hi);
   for (int64_t k0 = k_lo; k0 < k_hi; k0 += L::kBlockN) {
-    const int valid_k = static_cast<int>(min64(L::kBlockN, p.m - k0));
+    const int valid_k = static_cast<int>(min64(L::kBlockN, seq.m - k0));
     __syncthreads();  // the previous tile is done with k, v, dS (first pass: q, dout, stats loaded)
     load_tile<T, L::kBlockN, DP, L::kThreads>(k_s, L::kLdT, k_g + k0 * p.k_row_stride, p.k_row_stride, valid_k,
                                               head_dim, flags.k_vec);
@@ -1027,18 +1079,31 @@ __global__ void __launch_bounds__(DqTiles<DP>::kThreads, DqTiles<DP>::kMinBlocks
   }
   __syncthreads();
   store_rows<T, L::kBlockM, DP, L::kThreads>(stage, L::kLdO,
-                                             static_cast<T*>(p.dq) + ((b * p.n + q0) * p.hq + h) * p.head_dim,
+                                             static_cast<T*>(p.dq) + ((seq.q_out + q0) * p.hq + h) * p.head_dim,
                                              p.hq * p.head_dim, valid_q, head_dim, cos, sin, q0 + sc.geo.shift);
 #endif
 }
 
+// The packed sequence that holds query row t (the last s with cu_seqlens_q[s] <= t: sequences
+// without queries share their start with the next one and are passed over).
+__device__ __forceinline__ int64_t sequence_of_row(const AttentionBwdParams& p, int64_t t) {
+  int64_t lo = 0, hi = p.batch;  // cu_seqlens_q[lo] <= t < cu_seqlens_q[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (p.cu_seqlens_q[mid] <= t) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
 // Non-deterministic mode's last step: dq = rope_rotate_grad(dq_accum) at the query positions
-// (identity without rope), rounded to T. dq_accum and dq are contiguous [B, N, Hq, D].
+// (identity without rope), rounded to T. dq_accum and dq are contiguous [B, N, Hq, D] ([total_q,
+// Hq, D] for packed sequences, whose rows find their sequence by a binary search of the offsets).
 template <typename T>
 __global__ void __launch_bounds__(kSmallThreads) attention_bwd_dq_convert_kernel(const AttentionBwdParams p) {
   const bool rope = p.cos != nullptr;
+  const bool packed = p.cu_seqlens_q != nullptr;
   const int64_t per_row = rope ? p.head_dim / 2 : p.head_dim;
-  const int64_t total = p.batch * p.n * p.hq * per_row;
+  const int64_t total = (packed ? p.total_q : p.batch * p.n) * p.hq * per_row;
   T* dq = static_cast<T*>(p.dq);
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kSmallThreads + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * kSmallThreads) {
@@ -1050,8 +1115,11 @@ __global__ void __launch_bounds__(kSmallThreads) attention_bwd_dq_convert_kernel
       continue;
     }
     const int64_t half = per_row;
-    const int64_t i = (row / p.hq) % p.n, b = row / (p.hq * p.n);
-    const int64_t at = b * p.rope_batch_stride + (i + p.m - p.n) * half + d;
+    const int64_t token = row / p.hq;
+    const int64_t b = packed ? sequence_of_row(p, token) : token / p.n;
+    const SequenceRows seq = sequence_rows(p, b);
+    const int64_t i = token - seq.q_out;
+    const int64_t at = b * p.rope_batch_stride + seq.k_start * p.rope_token_stride + (i + seq.m - seq.n) * half + d;
     float dx1, dx2;
     rope_rotate_grad(src[d], src[d + half], p.cos[at], p.sin[at], dx1, dx2);
     dst[d] = from_float<T>(dx1);

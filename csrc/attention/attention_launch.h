@@ -114,8 +114,9 @@ cudaError_t attention_bwd(const AttentionBwdParams& p, ScalarKind kind, const La
   flags.out_vec = false;  // the backward epilogues store element by element
 
   return dispatch(kind, p.head_dim, [&]<typename T, int DP>() -> cudaError_t {
-    // 1. Delta = rowsum(dout * o), a warp per row.
-    const int64_t delta_blocks = ceil_div(p.batch * p.hq * p.n, kSmallThreads / 32);
+    // 1. Delta = rowsum(dout * o), a warp per row (packed sequences: their total_q rows).
+    const int64_t query_rows = p.cu_seqlens_q != nullptr ? p.total_q : p.batch * p.n;
+    const int64_t delta_blocks = ceil_div(query_rows * p.hq, kSmallThreads / 32);
     if (delta_blocks > INT_MAX) return cudaErrorInvalidValue;
     cudaError_t err = launcher(attn_detail::attention_bwd_delta_kernel<T>, dim3(static_cast<unsigned>(delta_blocks)),
                                kSmallThreads, 0, p);
@@ -139,7 +140,7 @@ cudaError_t attention_bwd(const AttentionBwdParams& p, ScalarKind kind, const La
     }
     // 3b. dq = inverse rope of dq_accum, cast (grid-stride; the cap only bounds the grid).
     const int64_t per_row = p.cos != nullptr ? p.head_dim / 2 : p.head_dim;
-    const int64_t items = p.batch * p.n * p.hq * per_row;
+    const int64_t items = query_rows * p.hq * per_row;
     const int64_t blocks = std::min<int64_t>(ceil_div(items, kSmallThreads), Launcher::kMaxGridStrideBlocks);
     return launcher(attn_detail::attention_bwd_dq_convert_kernel<T>, dim3(static_cast<unsigned>(blocks)),
                     kSmallThreads, 0, p);

@@ -13,8 +13,9 @@ position i + M - N (bottom-right alignment) and sees key j iff (left < 0 or j >=
 
 Rounding points are those of an unfused PyTorch computation in the input dtype; fp32 inputs skip
 every rounding (dots use IEEE fp32 products). Each module states the ones it implements:
-- launch.py: the host launchers attention_fwd, attention_bwd (argument checks, outputs, grids)
-  and aot_specs, the specs of the ahead-of-time compile check;
+- launch.py: the host launchers attention_fwd, attention_bwd, their packed (variable-length)
+  variants attention_varlen_fwd, attention_varlen_bwd (argument checks, outputs, grids) and
+  aot_specs, the specs of the ahead-of-time compile check;
 - forward.py: the forward kernel and its key-tile step (the online softmax, o and lse);
 - backward.py: the preprocess, dK/dV, dQ and postprocess kernels, deterministic and fast modes;
 - logits.py: the logit (scale, softcap), the recomputed probabilities and the logit gradient;
@@ -25,7 +26,7 @@ every rounding (dots use IEEE fp32 products). Each module states the ones it imp
 """
 
 from .launch import _MAX_HEAD_DIM as _MAX_HEAD_DIM
-from .launch import aot_specs, attention_bwd, attention_fwd
+from .launch import aot_specs, attention_bwd, attention_fwd, attention_varlen_bwd, attention_varlen_fwd
 
 # Reachable from the package as before the split, for reading: the launchers use tuning.py's own
 # names, so assigning these here changes nothing.
@@ -34,4 +35,4 @@ from .tuning import _CONFIGS as _CONFIGS
 from .tuning import _INTERPRETER_BLOCK as _INTERPRETER_BLOCK
 from .tuning import _configs_for as _configs_for
 
-__all__ = ["aot_specs", "attention_bwd", "attention_fwd"]
+__all__ = ["aot_specs", "attention_bwd", "attention_fwd", "attention_varlen_bwd", "attention_varlen_fwd"]

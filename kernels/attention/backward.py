@@ -25,8 +25,12 @@ from .masks import (
     _dropout_rows,
     _key_range,
     _offset_bounds,
+    _operand_base,
     _query_block,
     _query_range,
+    _rope_base,
+    _sequence,
+    _stats_base,
     _visible,
 )
 from .rope import _load_rotated, _load_rows, _scores, _store_unrotated
@@ -56,7 +60,7 @@ def _bwd_kv_tile(
     dv, dk1, dk2, k1, k2, v, keys, key_pos, start_m, q_ptr, do_ptr, q_base, do_base,
     stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base, dq_row_stride,
     cos_ptr, sin_ptr, cs_base, N, M, lo_d, hi_d,
-    scale, cap_scale, softcap, seed, rng_base, dropout_p, inv_keep,
+    scale, cap_scale, softcap, seed, rng_base, drop_cols, dropout_p, inv_keep,
     MASKED, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, ROPE: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -65,7 +69,8 @@ def _bwd_kv_tile(
 
     Works on the transposed [keys, queries] tiles, so dv and dk accumulate as plain dots.
     MASKED (a runtime scalar) applies the window and the row/key bounds; the caller clears it
-    only for tiles inside the band.
+    only for tiles inside the band. N, M: the (sequence's) lengths; drop_cols: the dropout
+    counter's keys per row (M, or max_seqlen_k for packed sequences).
     """
     rows = start_m + tl.arange(0, BLOCK_M)
     row_mask = rows < N
@@ -85,7 +90,7 @@ def _bwd_kv_tile(
     dp = _dot(v, tl.trans(do), tl.zeros([v.shape[0], BLOCK_M], dtype=tl.float32), INTERPRETED)
     if DROPOUT:
         keep = _dropout_keep(
-            seed, rng_base + rows.to(tl.int64)[None, :] * M + keys[:, None], dropout_p)
+            seed, rng_base + rows.to(tl.int64)[None, :] * drop_cols + keys[:, None], dropout_p)
         dv = _dot(_round(tl.where(keep, p * inv_keep, 0.0), dtype, INTERPRETED), do, dv,
                   INTERPRETED)
         dp = tl.where(keep, dp * inv_keep, 0.0)
@@ -118,33 +123,36 @@ def _bwd_kv_tile(
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
-    cos_ptr, sin_ptr, rng_ptr,
+    cos_ptr, sin_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh, cs_stride_b,
     N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """dk, dv of one key block x (kv head, batch), summed over the GROUP query heads of the kv
     head and their visible query blocks in a fixed order. Grid (key blocks, Hkv, B).
 
     ATOMIC_DQ (the fast mode): also adds each tile's dq (of the rotated q) into dq_ptr, an fp32
     [B, N, Hq, D] buffer the caller zeroed, with atomics; otherwise dq_ptr is not touched.
+    VARLEN: batch entries are the packed sequences (masks.py); blocks past a sequence's end do
+    nothing.
     """
     start_n = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    q_row0, k_row0, n, m, total_q = _sequence(cu_q_ptr, cu_k_ptr, b, N, M, VARLEN)
     num_kv_heads = tl.num_programs(1)
     num_heads = num_kv_heads * GROUP
     keys = start_n + tl.arange(0, BLOCK_N)
-    key_mask = keys < M
-    cs_base = b * cs_stride_b
-    k1, k2 = _load_rotated(k_ptr, b * stride_kb + kv_head * stride_kh, keys, stride_kn,
-                           key_mask, cos_ptr, sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, ROPE,
+    key_mask = keys < m
+    cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
+    k1, k2 = _load_rotated(k_ptr, _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN),
+                           keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, ROPE,
                            INTERPRETED)
-    v = _load_rows(v_ptr, b * stride_vb + kv_head * stride_vh, keys, stride_vn, key_mask,
-                   HEAD_DIM, BLOCK_D)
+    v = _load_rows(v_ptr, _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN), keys,
+                   stride_vn, key_mask, HEAD_DIM, BLOCK_D)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dk1 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
     if ROPE:
@@ -157,26 +165,27 @@ def _attn_bwd_dkdv_kernel(
     else:
         seed = 0
         rng_offset = 0
-    lo, hi, int_start, int_end = _query_range(start_n, N, M, left, right, BLOCK_M, BLOCK_N)
+    lo, hi, int_start, int_end = _query_range(start_n, n, m, left, right, BLOCK_M, BLOCK_N)
+    hi = tl.where(start_n < m, hi, lo)
     lo_d, hi_d = _offset_bounds(left, right)
     key_pos = tl.where(key_mask, keys, _OUT)
     for head_in_group in range(GROUP):
         h = kv_head * GROUP + head_in_group
-        q_base = b * stride_qb + h * stride_qh
-        do_base = b * stride_dob + h * stride_doh
-        row_base = (b * num_heads + h) * N
-        rng_base = rng_offset + row_base * M
-        dq_base = (b * N * num_heads + h) * HEAD_DIM
+        q_base = _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN)
+        do_base = _operand_base(b, q_row0, stride_dob, stride_don, h, stride_doh, VARLEN)
+        row_base = _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN)
+        rng_base = rng_offset + (b * num_heads + h) * N * M
+        dq_base = (q_row0 * num_heads + h) * HEAD_DIM
         for start_m in range(lo, hi, BLOCK_M):
             dv, dk1, dk2 = _bwd_kv_tile(
                 dv, dk1, dk2, k1, k2, v, keys, key_pos, start_m, q_ptr, do_ptr, q_base,
                 do_base, stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base,
-                num_heads * HEAD_DIM, cos_ptr, sin_ptr, cs_base, N, M, lo_d, hi_d,
-                scale, cap_scale, softcap, seed, rng_base, dropout_p, inv_keep,
+                num_heads * HEAD_DIM, cos_ptr, sin_ptr, cs_base, n, m, lo_d, hi_d,
+                scale, cap_scale, softcap, seed, rng_base, M, dropout_p, inv_keep,
                 (start_m < int_start) | (start_m >= int_end), ATOMIC_DQ, HEAD_DIM, BLOCK_D,
                 BLOCK_H, BLOCK_M, ROPE, SOFTCAP, DROPOUT, INTERPRETED)
-    # dk, dv are contiguous [B, M, Hkv, D].
-    out_base = (b * M * num_kv_heads + kv_head) * HEAD_DIM
+    # dk, dv are contiguous [B, M, Hkv, D] ([total_k, Hkv, D] with VARLEN).
+    out_base = (k_row0 * num_kv_heads + kv_head) * HEAD_DIM
     out_row_stride = num_kv_heads * HEAD_DIM
     _store_unrotated(dk_ptr, out_base, keys, out_row_stride, key_mask, dk1, dk2, cos_ptr,
                      sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
@@ -220,64 +229,69 @@ def _bwd_q_tile(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cos_ptr, sin_ptr, rng_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cos_ptr, sin_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh, cs_stride_b,
     N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """dq of one query block x (query head, batch), over its visible key tiles in order (the
-    deterministic mode). Grid (query blocks, Hq, B), query blocks last-first."""
+    deterministic mode). Grid (query blocks, Hq, B), query blocks last-first. VARLEN: batch
+    entries are the packed sequences (masks.py)."""
+    q_row0, k_row0, n, m, total_q = _sequence(cu_q_ptr, cu_k_ptr, tl.program_id(2).to(tl.int64), N, M, VARLEN)
     start_m, rows, row_mask, positions, h, kv_head, b, num_heads = _query_block(
-        N, M, GROUP, BLOCK_M)
-    cs_base = b * cs_stride_b
-    q1, q2 = _load_rotated(q_ptr, b * stride_qb + h * stride_qh, rows, stride_qn, row_mask,
-                           cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, ROPE,
+        n, m, GROUP, BLOCK_M)
+    cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
+    q1, q2 = _load_rotated(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN), rows,
+                           stride_qn, row_mask, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, ROPE,
                            INTERPRETED)
-    do = _load_rows(do_ptr, b * stride_dob + h * stride_doh, rows, stride_don, row_mask,
-                    HEAD_DIM, BLOCK_D)
-    row_ids = (b * num_heads + h) * N + rows
-    lse = tl.load(lse_ptr + row_ids, mask=row_mask, other=0.0)
-    delta = tl.load(delta_ptr + row_ids, mask=row_mask, other=0.0)
-    k_base = b * stride_kb + kv_head * stride_kh
-    v_base = b * stride_vb + kv_head * stride_vh
-    seed, rng_rows = _dropout_rows(rng_ptr, row_ids, M, DROPOUT)
+    do = _load_rows(do_ptr, _operand_base(b, q_row0, stride_dob, stride_don, h, stride_doh, VARLEN), rows,
+                    stride_don, row_mask, HEAD_DIM, BLOCK_D)
+    stats = _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN) + rows
+    lse = tl.load(lse_ptr + stats, mask=row_mask, other=0.0)
+    delta = tl.load(delta_ptr + stats, mask=row_mask, other=0.0)
+    k_base = _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN)
+    v_base = _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN)
+    seed, rng_rows = _dropout_rows(rng_ptr, (b * num_heads + h) * N + rows, M, DROPOUT)
     dq1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     if ROPE:
         dq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     else:
         dq2 = tl.zeros([1, 1], dtype=tl.float32)
-    lo, hi, int_start, int_end = _key_range(start_m, N, M, left, right, BLOCK_M, BLOCK_N)
+    lo, hi, int_start, int_end = _key_range(start_m, n, m, left, right, BLOCK_M, BLOCK_N)
+    hi = tl.where(start_m < n, hi, lo)
     lo_d, hi_d = _offset_bounds(left, right)
     for start_n in range(lo, hi, BLOCK_N):
         dq1, dq2 = _bwd_q_tile(
             dq1, dq2, q1, q2, do, lse, delta, positions, start_n,
             k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
-            M, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p, inv_keep,
+            m, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p, inv_keep,
             (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
             ROPE, SOFTCAP, DROPOUT, INTERPRETED)
-    # dq is contiguous [B, N, Hq, D].
-    _store_unrotated(dq_ptr, (b * N * num_heads + h) * HEAD_DIM, rows, num_heads * HEAD_DIM,
+    # dq is contiguous [B, N, Hq, D] ([total_q, Hq, D] with VARLEN).
+    _store_unrotated(dq_ptr, (q_row0 * num_heads + h) * HEAD_DIM, rows, num_heads * HEAD_DIM,
                      row_mask, dq1, dq2, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
                      BLOCK_H, ROPE, INTERPRETED)
 
 
 @triton.jit
 def _attn_bwd_dq_postprocess_kernel(
-    dq_acc_ptr, dq_ptr, cos_ptr, sin_ptr, cs_stride_b, N, M,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr,
+    dq_acc_ptr, dq_ptr, cos_ptr, sin_ptr, cu_q_ptr, cu_k_ptr, cs_stride_b, N, M,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """dq = rope_rotate_grad(dq_acc) rounded to dq's dtype, for one row block x (head, batch);
-    both [B, N, Hq, D] contiguous, dq_acc fp32 (the fast mode's atomic buffer)."""
+    both [B, N, Hq, D] contiguous ([total_q, Hq, D] with VARLEN: batch entries are the packed
+    sequences), dq_acc fp32 (the fast mode's atomic buffer)."""
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    q_row0, k_row0, n, m, _ = _sequence(cu_q_ptr, cu_k_ptr, b, N, M, VARLEN)
     num_heads = tl.num_programs(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < N
-    base = (b * N * num_heads + h) * HEAD_DIM
+    row_mask = rows < n
+    base = (q_row0 * num_heads + h) * HEAD_DIM
     row_stride = num_heads * HEAD_DIM
     cols = tl.arange(0, BLOCK_H)
     offsets = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
@@ -291,4 +305,5 @@ def _attn_bwd_dq_postprocess_kernel(
                      mask=row_mask[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)
         g2 = g1
     _store_unrotated(dq_ptr, base, rows, row_stride, row_mask, g1, g2, cos_ptr, sin_ptr,
-                     b * cs_stride_b, rows + (M - N), HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
+                     _rope_base(b, k_row0, cs_stride_b, VARLEN), rows + (m - n), HEAD_DIM, BLOCK_H, ROPE,
+                     INTERPRETED)

@@ -33,7 +33,11 @@ from .masks import (
     _dropout_rows,
     _key_range,
     _offset_bounds,
+    _operand_base,
     _query_block,
+    _rope_base,
+    _sequence,
+    _stats_base,
     _visible,
 )
 from .rope import _load_rotated, _load_rows, _scores
@@ -82,47 +86,50 @@ def _fwd_tile(
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, rng_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, cs_stride_b,
     N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """o and lse of one query block x (query head, batch). Grid (query blocks, Hq, B); the
-    query blocks run last-first, so under a causal mask the longest rows start first."""
+    query blocks run last-first, so under a causal mask the longest rows start first. VARLEN:
+    batch entries are the packed sequences (masks.py), blocks past a sequence's end do nothing."""
+    q_row0, k_row0, n, m_len, total_q = _sequence(cu_q_ptr, cu_k_ptr, tl.program_id(2).to(tl.int64),
+                                                  N, M, VARLEN)
     start_m, rows, row_mask, positions, h, kv_head, b, num_heads = _query_block(
-        N, M, GROUP, BLOCK_M)
-    cs_base = b * cs_stride_b
-    q1, q2 = _load_rotated(q_ptr, b * stride_qb + h * stride_qh, rows, stride_qn, row_mask,
-                           cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, ROPE,
-                           INTERPRETED)
-    k_base = b * stride_kb + kv_head * stride_kh
-    v_base = b * stride_vb + kv_head * stride_vh
-    # Row index into [B, Hq, N]; the dropout counters continue it over the M keys.
-    row_ids = (b * num_heads + h) * N + rows
-    seed, rng_rows = _dropout_rows(rng_ptr, row_ids, M, DROPOUT)
+        n, m_len, GROUP, BLOCK_M)
+    cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
+    q1, q2 = _load_rotated(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN),
+                           rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
+                           BLOCK_H, ROPE, INTERPRETED)
+    k_base = _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN)
+    v_base = _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN)
+    # The dropout counters: row index into [B, Hq, N], continued over the M keys.
+    seed, rng_rows = _dropout_rows(rng_ptr, (b * num_heads + h) * N + rows, M, DROPOUT)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    lo, hi, int_start, int_end = _key_range(start_m, N, M, left, right, BLOCK_M, BLOCK_N)
+    lo, hi, int_start, int_end = _key_range(start_m, n, m_len, left, right, BLOCK_M, BLOCK_N)
+    hi = tl.where(start_m < n, hi, lo)
     lo_d, hi_d = _offset_bounds(left, right)
     for start_n in range(lo, hi, BLOCK_N):
         acc, m, row_sum = _fwd_tile(
             acc, m, row_sum, q1, q2, positions, rng_rows, start_n,
             k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
-            M, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
+            m_len, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
             (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
             ROPE, SOFTCAP, DROPOUT, INTERPRETED)
     seen = row_sum > 0.0
     o = tl.math.div_rn(acc, tl.where(seen, row_sum, 1.0)[:, None])
     o = tl.where(seen[:, None], o, 0.0)
     lse = tl.where(seen, m + tl.math.log2(tl.where(seen, row_sum, 1.0)) * _LN2, float("inf"))
-    # o is contiguous [B, N, Hq, D].
-    o_base = (b * N * num_heads + h) * HEAD_DIM
+    # o is contiguous [B, N, Hq, D] ([total_q, Hq, D] with VARLEN).
+    o_base = (q_row0 * num_heads + h) * HEAD_DIM
     cols = tl.arange(0, BLOCK_D)
     o_offsets = o_base + rows.to(tl.int64)[:, None] * (num_heads * HEAD_DIM) + cols[None, :]
     tl.store(o_ptr + o_offsets, _round(o, o_ptr.dtype.element_ty, INTERPRETED),
              mask=row_mask[:, None] & (cols < HEAD_DIM)[None, :])
-    tl.store(lse_ptr + row_ids, lse, mask=row_mask)
+    tl.store(lse_ptr + _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN) + rows, lse, mask=row_mask)

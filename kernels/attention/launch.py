@@ -99,6 +99,14 @@ def _prepare(q, k, v, cos, sin, rng, scale, softcap, dropout_p):
                              f"{_describe(sin)}")
         if cos.shape[0] > 1:
             cs_stride_b = cos.stride(0)
+    tables, scalars, constexprs = _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p)
+    return (batch, n, m, num_heads, num_kv_heads), cs_stride_b, tables, scalars, constexprs
+
+
+def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
+    """Checks the scalar options and rng (the tables are checked by the caller); returns the
+    kernels' table arguments (placeholders where absent), scalars and constexprs."""
+    rope = cos is not None
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
     dropout = dropout_p > 0.0
@@ -120,7 +128,7 @@ def _prepare(q, k, v, cos, sin, rng, scale, softcap, dropout_p):
     )
     # Placeholders for absent tensors: the constexpr flags keep the kernels from reading them.
     tables = (cos if rope else q, sin if rope else q, rng.reshape(2) if dropout else q)
-    return (batch, n, m, num_heads, num_kv_heads), cs_stride_b, tables, scalars, constexprs
+    return tables, scalars, constexprs
 
 
 def _window(extent):
@@ -153,12 +161,12 @@ def attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_ri
     batch, n, m, num_heads, num_kv_heads = sizes
     o = torch.empty((batch, n, num_heads, q.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, num_heads, n), dtype=torch.float32, device=q.device)
-    args = (q, k, v, o, lse, *tables, *_strides(q), *_strides(k), *_strides(v), cs_stride_b,
+    args = (q, k, v, o, lse, *tables, q, q, *_strides(q), *_strides(k), *_strides(v), cs_stride_b,
             n, m, num_heads // num_kv_heads, float(scale), scalars["cap_scale"], float(softcap),
             _window(window_left), _window(window_right), scalars["dropout_p"], scalars["inv_keep"])
     _launch(_attn_fwd_kernel, _FWD_TUNED, "fwd",
             lambda block_m, block_n: (triton.cdiv(n, block_m), num_heads, batch),
-            args, constexprs, q.dtype)
+            args, dict(constexprs, VARLEN=False), q.dtype)
     return o, lse
 
 
@@ -201,7 +209,7 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
         HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_M=rows,
         num_warps=_ELEMENTWISE_WARPS)
     group = num_heads // num_kv_heads
-    common = (*tables, *_strides(q), *_strides(k), *_strides(v), *_strides(dout), cs_stride_b,
+    common = (*tables, q, q, *_strides(q), *_strides(k), *_strides(v), *_strides(dout), cs_stride_b,
               n, m, group, float(scale), scalars["cap_scale"], float(softcap),
               _window(window_left), _window(window_right),
               scalars["dropout_p"], scalars["inv_keep"])
@@ -209,18 +217,154 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
     if deterministic:
         _launch(_attn_bwd_dkdv_kernel, _DKDV_TUNED, "dkdv", kv_grid,
                 (q, k, v, dout, lse, delta, dk, dv, dk, *common),
-                dict(constexprs, ATOMIC_DQ=False), q.dtype)
+                dict(constexprs, VARLEN=False, ATOMIC_DQ=False), q.dtype)
         _launch(_attn_bwd_dq_kernel, _DQ_TUNED, "dq",
                 lambda block_m, block_n: (triton.cdiv(n, block_m), num_heads, batch),
-                (q, k, v, dout, lse, delta, dq, *common), constexprs, q.dtype)
+                (q, k, v, dout, lse, delta, dq, *common), dict(constexprs, VARLEN=False), q.dtype)
     else:
         dq_acc = torch.zeros((batch, n, num_heads, head_dim), dtype=torch.float32, device=device)
         _launch(_attn_bwd_dkdv_kernel, _DKDV_ATOMIC_TUNED, "dkdv",
                 kv_grid, (q, k, v, dout, lse, delta, dk, dv, dq_acc, *common),
-                dict(constexprs, ATOMIC_DQ=True), q.dtype)
+                dict(constexprs, VARLEN=False, ATOMIC_DQ=True), q.dtype)
         _attn_bwd_dq_postprocess_kernel[elementwise_grid](
-            dq_acc, dq, tables[0], tables[1], cs_stride_b, n, m,
-            HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], ROPE=constexprs["ROPE"],
+            dq_acc, dq, tables[0], tables[1], q, q, cs_stride_b, n, m,
+            HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], ROPE=constexprs["ROPE"], VARLEN=False,
+            BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
+    return dq, dk, dv
+
+
+def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale,
+                    softcap, dropout_p):
+    """Checks a packed call's arguments (the offsets' values are the caller's: remat.checks reads
+    them once before the first kernel). Returns ((Hq, Hkv), the rotary tables' stride per packed
+    key token (D/2 for per-token tables [1, T, D/2], 0 for tables [S_rows, D/2] that restart at
+    every sequence), the kernels' tables, scalars and constexprs, and the number of sequences)."""
+    _check_operand("q", q[None], None, None)
+    _check_operand("k", k[None], q.dtype, q.device)
+    _check_operand("v", v[None], q.dtype, q.device)
+    _, num_heads, head_dim = q.shape
+    _, num_kv_heads, k_dim = k.shape
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim {head_dim} unsupported, expected 1 to {_MAX_HEAD_DIM}")
+    if k_dim != head_dim or num_kv_heads < 1 or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"k, v: expected [total_k, Hkv, {head_dim}], got {_describe(k)} and {_describe(v)}")
+    if num_heads % num_kv_heads or num_heads > _MAX_GRID_YZ:
+        raise ValueError(f"k: {num_kv_heads} kv heads must divide the {num_heads} query heads (at most "
+                         f"{_MAX_GRID_YZ})")
+    for name, offsets in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.dim() != 1
+                or offsets.numel() < 2 or not offsets.is_contiguous() or offsets.device != q.device):
+            raise ValueError(f"{name}: expected a contiguous int32 tensor [S + 1] on {q.device}")
+    sequences = cu_seqlens_q.numel() - 1
+    if cu_seqlens_k.numel() != sequences + 1 or sequences > _MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_k: expected {sequences + 1} offsets like cu_seqlens_q, and at most "
+                         f"{_MAX_GRID_YZ} sequences (grid axis 2)")
+    lengths_ok = 0 <= max_seqlen_q < _MAX_LENGTH and 0 <= max_seqlen_k < _MAX_LENGTH
+    if max(q.shape[0], k.shape[0]) >= 2**31 or not lengths_ok:
+        raise ValueError(f"max_seqlen_q, max_seqlen_k: expected 0 <= length < 2^28 (and totals < 2^31), got "
+                         f"{max_seqlen_q}, {max_seqlen_k}")
+    if (cos is None) != (sin is None):
+        raise ValueError("cos, sin: give both or neither")
+    per_token = cos is not None and cos.dim() == 3
+    if cos is not None:
+        if head_dim % 2:
+            raise ValueError(f"q: RoPE needs an even head dim, got {head_dim}")
+        for name, table in (("cos", cos), ("sin", sin)):
+            restart = table.dim() == 2 and table.shape[0] >= max_seqlen_k
+            token = table.dim() == 3 and table.shape[0] == 1 and table.shape[1] >= k.shape[0]
+            if (not (restart or token) or table.dtype != torch.float32 or table.shape[-1] != head_dim // 2
+                    or not table.is_contiguous() or table.device != q.device or table.shape != cos.shape):
+                raise ValueError(f"{name}: expected contiguous float32 [S >= max_seqlen_k = {max_seqlen_k}, "
+                                 f"{head_dim // 2}] or [1, T >= total_k = {k.shape[0]}, {head_dim // 2}] tables on "
+                                 f"{q.device} of one shape, got {_describe(table)}")
+    tables, scalars, constexprs = _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p)
+    cs_stride = head_dim // 2 if per_token else 0
+    return (num_heads, num_kv_heads), cs_stride, tables, scalars, constexprs, sequences
+
+
+def _packed_strides(tensor):
+    """(batch, row, head) strides of a packed [total, H, D] operand: no batch stride (VARLEN
+    kernels place each sequence by its first row)."""
+    return 0, tensor.stride(0), tensor.stride(1)
+
+
+def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale,
+                         softcap, window_left, window_right, dropout_p):
+    """Packed (variable-length) flash-attention forward: the forward kernel with VARLEN, a
+    program per (query block of max_seqlen_q, query head, sequence). Returns (o, lse).
+
+    q [total_q, Hq, D]; k, v [total_k, Hkv, D] (unit last stride); cu_seqlens_q / _k: int32
+    [S + 1] offsets on q's device, checked by the caller; max_seqlen_q / _k: upper bounds of the
+    lengths (the grid; the dropout counter grid). cos, sin: None, fp32 contiguous [S_rows, D/2]
+    (positions restart per sequence) or [1, T, D/2] (per packed key token). The rest as
+    attention_fwd. o: new contiguous [total_q, Hq, D]; lse: new contiguous fp32 [Hq, total_q].
+    """
+    (num_heads, num_kv_heads), cs_stride, tables, scalars, constexprs, sequences = _prepare_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale, softcap, dropout_p)
+    total_q = q.shape[0]
+    o = torch.empty((total_q, num_heads, q.shape[2]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_heads, total_q), dtype=torch.float32, device=q.device)
+    if total_q == 0:
+        return o, lse
+    args = (q, k, v, o, lse, *tables, cu_seqlens_q, cu_seqlens_k, *_packed_strides(q), *_packed_strides(k),
+            *_packed_strides(v), cs_stride, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads, float(scale),
+            scalars["cap_scale"], float(softcap), _window(window_left), _window(window_right),
+            scalars["dropout_p"], scalars["inv_keep"])
+    _launch(_attn_fwd_kernel, _FWD_TUNED, "fwd",
+            lambda block_m, block_n: (triton.cdiv(max(max_seqlen_q, 1), block_m), num_heads, sequences),
+            args, dict(constexprs, VARLEN=True), q.dtype)
+    return o, lse
+
+
+def attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin,
+                         rng, scale, softcap, window_left, window_right, dropout_p, deterministic):
+    """Backward of attention_varlen_fwd, recomputing P (and the dropout mask and RoPE) from q, k,
+    lse: the backward kernels with VARLEN, grids over (block, head, sequence). Returns (dq, dk,
+    dv), new contiguous [total, H, D] in q's dtype; keys of a sequence without queries get 0."""
+    (num_heads, num_kv_heads), cs_stride, tables, scalars, constexprs, sequences = _prepare_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale, softcap, dropout_p)
+    total_q, head_dim = q.shape[0], q.shape[2]
+    for name, tensor in (("dout", dout), ("o", o)):
+        if (not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(q.shape) or tensor.dtype != q.dtype
+                or tensor.device != q.device or (tensor.stride(-1) != 1 and head_dim > 1)):
+            raise ValueError(f"{name}: expected q's shape {tuple(q.shape)}, dtype and device, unit last stride")
+    if (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
+            or tuple(lse.shape) != (num_heads, total_q) or lse.device != q.device):
+        raise ValueError(f"lse: expected float32 [{num_heads}, {total_q}] on {q.device}")
+    lse = lse.contiguous()
+    device = q.device
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty((k.shape[0], num_kv_heads, head_dim), dtype=q.dtype, device=device)
+    dv = torch.empty_like(dk)
+    if total_q == 0 or k.shape[0] == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = torch.empty((num_heads, total_q), dtype=torch.float32, device=device)
+    rows = _INTERPRETER_BLOCK if _INTERPRETED else _ROWS_PER_PROGRAM
+    # Delta = rowsum(dout * o) needs no sequence boundaries: the packed rows as one batch entry.
+    _attn_bwd_preprocess_kernel[(triton.cdiv(total_q, rows), num_heads, 1)](
+        o[None], dout[None], delta, *_strides(o[None]), *_strides(dout[None]), total_q,
+        HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_M=rows,
+        num_warps=_ELEMENTWISE_WARPS)
+    common = (*tables, cu_seqlens_q, cu_seqlens_k, *_packed_strides(q), *_packed_strides(k), *_packed_strides(v),
+              *_packed_strides(dout), cs_stride, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads,
+              float(scale), scalars["cap_scale"], float(softcap), _window(window_left), _window(window_right),
+              scalars["dropout_p"], scalars["inv_keep"])
+    kv_grid = lambda block_m, block_n: (triton.cdiv(max(max_seqlen_k, 1), block_n), num_kv_heads,  # noqa: E731
+                                        sequences)
+    constexprs = dict(constexprs, VARLEN=True)
+    if deterministic:
+        _launch(_attn_bwd_dkdv_kernel, _DKDV_TUNED, "dkdv", kv_grid,
+                (q, k, v, dout, lse, delta, dk, dv, dk, *common), dict(constexprs, ATOMIC_DQ=False), q.dtype)
+        _launch(_attn_bwd_dq_kernel, _DQ_TUNED, "dq",
+                lambda block_m, block_n: (triton.cdiv(max(max_seqlen_q, 1), block_m), num_heads, sequences),
+                (q, k, v, dout, lse, delta, dq, *common), constexprs, q.dtype)
+    else:
+        dq_acc = torch.zeros((total_q, num_heads, head_dim), dtype=torch.float32, device=device)
+        _launch(_attn_bwd_dkdv_kernel, _DKDV_ATOMIC_TUNED, "dkdv", kv_grid,
+                (q, k, v, dout, lse, delta, dk, dv, dq_acc, *common), dict(constexprs, ATOMIC_DQ=True), q.dtype)
+        _attn_bwd_dq_postprocess_kernel[(triton.cdiv(max(max_seqlen_q, 1), rows), num_heads, sequences)](
+            dq_acc, dq, tables[0], tables[1], cu_seqlens_q, cu_seqlens_k, cs_stride, max_seqlen_q, max_seqlen_k,
+            HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], ROPE=constexprs["ROPE"], VARLEN=True,
             BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
     return dq, dk, dv
 
@@ -235,7 +379,10 @@ def aot_specs():
     causal or not, is a runtime argument). fp32 at head dim 64: the forward, dK/dV and dQ
     kernels (FMA dots). bf16 at head dim 80 (padded to 128) with RoPE, softcap and dropout:
     the forward, the dQ kernel, the atomic dK/dV kernel and the postprocess. bf16 at head dim
-    8 (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Each main kernel
+    8 (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Packed sequences
+    (VARLEN, names '-varlen'): bf16 at head dim 64, the forward and the deterministic dK/dV and dQ
+    kernels; bf16 at head dim 80 with RoPE, softcap and dropout, the forward, the atomic dK/dV
+    kernel and the postprocess. Each main kernel
     takes its default configuration (`_configs_for`); the compile check passes num_warps only,
     so num_stages is Triton's default 3. Sizes are 32-bit and strides 64-bit (a launch gets i64
     for a stride past 2^31 - 1). About 35 s of compiling for both archs on 2 CPU cores, and
@@ -243,12 +390,14 @@ def aot_specs():
     """
     main_kinds = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic",
                   "bwd_dq_postprocess")
-    cases = [(kind, type_name, head_dim, False) for type_name in ("bf16", "fp16")
+    cases = [(kind, type_name, head_dim, False, False) for type_name in ("bf16", "fp16")
              for head_dim in (64, 128) for kind in main_kinds]
-    cases += [(kind, "fp32", 64, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
-    cases += [(kind, "bf16", 80, True) for kind in
+    cases += [(kind, "fp32", 64, False, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
+    cases += [(kind, "bf16", 80, True, False) for kind in
               ("fwd", "bwd_dq", "bwd_dkdv_atomic", "bwd_dq_postprocess")]
-    cases += [(kind, "bf16", 8, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
+    cases += [(kind, "bf16", 8, False, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
+    cases += [(kind, "bf16", 64, False, True) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
+    cases += [(kind, "bf16", 80, True, True) for kind in ("fwd", "bwd_dkdv_atomic", "bwd_dq_postprocess")]
     torch_types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     scalars = {"scale": "fp32", "cap_scale": "fp32", "softcap": "fp32", "left": "i32",
                "right": "i32", "dropout_p": "fp32", "inv_keep": "fp32"}
@@ -257,17 +406,18 @@ def aot_specs():
          "stride_vb", "stride_vn", "stride_vh"), "i64")
     do_strides = dict.fromkeys(("stride_dob", "stride_don", "stride_doh"), "i64")
     tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-    for kind, type_name, head_dim, features in cases:
+    offsets = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+    for kind, type_name, head_dim, features, varlen in cases:
         element = f"*{type_name}"
         block_d = max(16, triton.next_power_of_2(head_dim))
         block_h = max(16, triton.next_power_of_2(head_dim // 2)) if features else block_d
-        flags = dict(ROPE=features, SOFTCAP=features, DROPOUT=features)
+        flags = dict(ROPE=features, SOFTCAP=features, DROPOUT=features, VARLEN=varlen)
         constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, **flags)
         config_name = None
         if kind == "fwd":
             kernel, config_name = _attn_fwd_kernel, "fwd"
             signature = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "o_ptr": element,
-                         "lse_ptr": "*fp32", **tables, "rng_ptr": "*i64", **strides,
+                         "lse_ptr": "*fp32", **tables, "rng_ptr": "*i64", **offsets, **strides,
                          "cs_stride_b": "i64", "N": "i32", "M": "i32", "GROUP": "i32",
                          **scalars}
         elif kind == "bwd_preprocess":
@@ -278,12 +428,12 @@ def aot_specs():
             constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=_ROWS_PER_PROGRAM)
         elif kind == "bwd_dq_postprocess":
             kernel = _attn_bwd_dq_postprocess_kernel
-            signature = {"dq_acc_ptr": "*fp32", "dq_ptr": element, **tables,
+            signature = {"dq_acc_ptr": "*fp32", "dq_ptr": element, **tables, **offsets,
                          "cs_stride_b": "i64", "N": "i32", "M": "i32"}
-            constexprs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, ROPE=features,
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, ROPE=features, VARLEN=varlen,
                               BLOCK_M=_ROWS_PER_PROGRAM, INTERPRETED=False)
         else:
-            common = {**tables, "rng_ptr": "*i64", **strides, **do_strides,
+            common = {**tables, "rng_ptr": "*i64", **offsets, **strides, **do_strides,
                       "cs_stride_b": "i64", "N": "i32", "M": "i32", "GROUP": "i32", **scalars}
             inputs = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "do_ptr": element,
                       "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
@@ -303,6 +453,6 @@ def aot_specs():
         else:
             num_warps = _ELEMENTWISE_WARPS
         signature.update(dict.fromkeys(constexprs, "constexpr"))
-        suffix = "-rope-softcap-dropout" if features else ""
+        suffix = ("-rope-softcap-dropout" if features else "") + ("-varlen" if varlen else "")
         yield (f"attn_{kind}-{type_name}-d{head_dim}{suffix}", kernel, signature, constexprs,
                num_warps)

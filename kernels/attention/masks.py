@@ -18,6 +18,12 @@ tl.rand(seed, offset + ((b * Hq + h) * N + i) * M + j) with an int64 counter and
 draw is >= dropout_p (`_dropout_keep`): remat.reference.attention_dropout_keep and
 csrc/common/philox.h produce the same mask. The seed and offset are read on the device from
 rng = int64 [seed, offset].
+
+Packed (variable-length) sequences (VARLEN): grid axis 2 runs over the S sequences instead of the
+batch, the kernels' N, M are the max_seqlen bounds, and `_sequence` reads each sequence's first
+rows and lengths from the int32 offsets cu_seqlens_q / cu_seqlens_k; masks, positions and tile
+ranges use the sequence's own lengths, while the dropout counter keeps N, M: sequence s draws the
+counters of batch entry s of the zero-padded [S, max_seqlen_q] x [S, max_seqlen_k] batch.
 """
 
 import triton
@@ -121,3 +127,61 @@ def _dropout_rows(rng_ptr, row_ids, M, DROPOUT: tl.constexpr):
         seed = 0
         rng_rows = row_ids
     return seed, rng_rows
+
+
+@triton.jit
+def _sequence(cu_q_ptr, cu_k_ptr, b, N, M, VARLEN: tl.constexpr):
+    """Batch entry b's rows: (q_row0, k_row0, n, m, total_q). q_row0 / k_row0 (int64): its first
+    row in the [B * N] / [B * M] rows of the contiguous outputs; n, m (int32): its lengths;
+    total_q: the query rows of all entries. VARLEN: sequence b of the packed rows (offsets
+    cu_q_ptr[b], cu_k_ptr[b], lengths their differences, total_q = cu_q_ptr[S], S the grid's
+    axis 2); else b * N, b * M, N, M and B * N."""
+    if VARLEN:
+        q_start = tl.load(cu_q_ptr + b)
+        k_start = tl.load(cu_k_ptr + b)
+        n = tl.load(cu_q_ptr + b + 1) - q_start
+        m = tl.load(cu_k_ptr + b + 1) - k_start
+        total_q = tl.load(cu_q_ptr + tl.num_programs(2)).to(tl.int64)
+        q_row0 = q_start.to(tl.int64)
+        k_row0 = k_start.to(tl.int64)
+    else:
+        q_row0 = b * N
+        k_row0 = b * M
+        n = N
+        m = M
+        total_q = tl.num_programs(2).to(tl.int64) * N
+    return q_row0, k_row0, n, m, total_q
+
+
+@triton.jit
+def _operand_base(b, row0, stride_b, stride_n, head, stride_h, VARLEN: tl.constexpr):
+    """Element offset of row 0 of batch entry b, head `head`, in a strided q/k/v/o/dout operand:
+    b * stride_b (batched), or row0 * stride_n (VARLEN: a packed [total, H, D] operand)."""
+    if VARLEN:
+        base = row0 * stride_n + head * stride_h
+    else:
+        base = b * stride_b + head * stride_h
+    return base
+
+
+@triton.jit
+def _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN: tl.constexpr):
+    """Index of row 0 of (b, h) in lse / Delta: fp32 [B, Hq, N], or [Hq, total_q] (VARLEN)."""
+    if VARLEN:
+        base = h * total_q + q_row0
+    else:
+        base = (b * num_heads + h) * N
+    return base
+
+
+@triton.jit
+def _rope_base(b, k_row0, cs_stride, VARLEN: tl.constexpr):
+    """Element offset of row 0 of the rotary tables for batch entry b: b * cs_stride (cs_stride
+    the tables' batch stride, 0 for shared tables), or with VARLEN k_row0 * cs_stride (cs_stride
+    D/2 for per-token tables [1, T, D/2], whose rows follow the packed keys; 0 for tables that
+    restart at every sequence)."""
+    if VARLEN:
+        base = k_row0 * cs_stride
+    else:
+        base = b * cs_stride
+    return base

@@ -137,7 +137,7 @@ def _autotuned(kernel, kernel_name, **options):
 
     return triton.autotune(
         configs=candidates,
-        key=["HEAD_DIM", "BLOCK_D", "ROPE", "SOFTCAP", "DROPOUT"]
+        key=["HEAD_DIM", "BLOCK_D", "ROPE", "SOFTCAP", "DROPOUT", "VARLEN"]
             + (["ATOMIC_DQ"] if kernel_name == "dkdv" else []),
         prune_configs_by={"early_config_prune": prune},
         **options,

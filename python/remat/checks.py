@@ -353,8 +353,8 @@ def check_varlen_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
     if torch.compiler.is_compiling():
         if max_seqlen_q is None or max_seqlen_k is None:
-            raise ValueError("under torch.compile, pass max_seqlen_q and max_seqlen_k (computing them reads the "
-                             "offsets on the host)")
+            raise ValueError("under torch.compile, pass max_seqlen_q and max_seqlen_k (norm_attention: max_seqlen); "
+                             "computing them reads the offsets on the host")
         for name, cu, total, bound in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
                                        ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
             lengths = cu.diff()

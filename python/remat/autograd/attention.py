@@ -55,13 +55,16 @@ def varlen_rope_tables(cos, sin, head_dim):
 class VarlenAttentionFunction(torch.autograd.Function):
     """Packed (variable-length) attention: q [total_q, Hq, D], k, v [total_k, Hkv, D] holding the
     sequences the int32 offsets cu_seqlens_q / cu_seqlens_k delimit, each attending only within
-    itself. Saves what AttentionFunction saves (o, fp32 lse [Hq, total_q]) plus the two offsets."""
+    itself. Saves what AttentionFunction saves (o, fp32 lse [Hq, total_q]) plus the offsets.
+    cu_seqlens_k None means cu_seqlens_q's (one tensor, saved once: torch.compile cannot trace
+    an autograd.Function given one tensor twice)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, options, backend):
         rng = draw_rng_state(q.device) if options.dropout_p > 0 else None
         cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
-        o, lse = ops_for("attention", backend).attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        offsets_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+        o, lse = ops_for("attention", backend).attention_varlen_fwd(q, k, v, cu_seqlens_q, offsets_k, max_seqlen_q,
                                                                     max_seqlen_k, cos32, sin32, rng, *options[:5])
         ctx.save_for_backward(q, k, v, o, lse, rng, cos, sin, cu_seqlens_q, cu_seqlens_k)
         ctx.options, ctx.backend, ctx.max_seqlens = options, backend, (max_seqlen_q, max_seqlen_k)
@@ -73,6 +76,8 @@ class VarlenAttentionFunction(torch.autograd.Function):
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
+        if cu_seqlens_k is None:
+            cu_seqlens_k = cu_seqlens_q
         dq, dk, dv = ops_for("attention", ctx.backend).attention_varlen_bwd(
             dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, cos32, sin32, rng, *ctx.options)
         return dq, dk, dv, None, None, None, None, None, None, None, None

@@ -14,9 +14,6 @@ from remat.ops import ops_for
 from remat.ops.attention import aten_unsupported_reason
 from remat.options import AttentionOptions, NormAttentionOptions
 
-# The default backend of packed (cu_seqlens) attention on CPU tensors.
-VARLEN_CPU_DEFAULT = "torch"
-
 
 def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, window=None, softcap=None,
               deterministic=True, layout="bnhd", backend=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -116,17 +113,18 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     options = _respect_deterministic_mode(options, name)
     checks.check_attention_dtype(name, q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # One offsets tensor for both (self-attention) is passed once: see VarlenAttentionFunction.
+    distinct_k = None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k
     with autocast_off:
-        return VarlenAttentionFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos,
-                                             sin, options, name)
+        return VarlenAttentionFunction.apply(q, k, v, cu_seqlens_q, distinct_k, max_seqlen_q, max_seqlen_k, cos, sin,
+                                             options, name)
 
 
 def _varlen_attention_backend(explicit, t):
     """The backend of a packed attention call on tensors like ``t``: the one asked for, which must
-    have packed kernels, else the default. On CPU tensors the default is remat's torch backend:
-    PyTorch's CPU flash core (the dense CPU default) has no variable-length entry point."""
-    if requested_backend(explicit) is None and t.device.type == "cpu":
-        return VARLEN_CPU_DEFAULT
+    have packed kernels, else the general default (remat.backend: on CPU tensors remat's C++
+    kernels, where built). Unlike dense calls, the CPU default is never the aten core: PyTorch's CPU
+    flash kernel has no variable-length entry point."""
     name = resolve_backend(explicit, t)
     if name == "aten":
         raise BackendUnavailableError("remat backend 'aten' has no packed (cu_seqlens) attention: PyTorch's CPU "

@@ -6,6 +6,8 @@ Every backend implements the same two functions (the recompute contract of DESIG
   -> (o, lse)``
 - ``attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right,
   dropout_p, deterministic) -> (dq, dk, dv)``
+- ``attention_varlen_fwd`` / ``attention_varlen_bwd``: packed (variable-length) sequences, every
+  backend but aten (the contract is stated above torch_attention_varlen_fwd below).
 
 Shapes: q, o, dout ``[B, N, Hq, D]``; k, v ``[B, M, Hkv, D]`` with Hq a multiple of Hkv (query head
 h reads kv head h // (Hq // Hkv)); any strides with unit stride in the last dim. o, dq, dk, dv are
@@ -435,11 +437,25 @@ def _fake_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, wi
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _fake_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale,
+                               softcap, window_left, window_right, dropout_p):
+    total_q, hq, head_dim = q.shape
+    return q.new_empty(total_q, hq, head_dim), q.new_empty(hq, total_q, dtype=torch.float32)
+
+
+def _fake_attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin,
+                               rng, scale, softcap, window_left, window_right, dropout_p, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 EXTENSION_OPS = None
 if _extension.LOADED:
     torch.library.register_fake("remat::attention_fwd")(_fake_attention_fwd)
     torch.library.register_fake("remat::attention_bwd")(_fake_attention_bwd)
-    EXTENSION_OPS = AttentionOps(torch.ops.remat.attention_fwd, torch.ops.remat.attention_bwd)
+    torch.library.register_fake("remat::attention_varlen_fwd")(_fake_attention_varlen_fwd)
+    torch.library.register_fake("remat::attention_varlen_bwd")(_fake_attention_varlen_bwd)
+    EXTENSION_OPS = AttentionOps(torch.ops.remat.attention_fwd, torch.ops.remat.attention_bwd,
+                                 torch.ops.remat.attention_varlen_fwd, torch.ops.remat.attention_varlen_bwd)
 
 
 @torch.library.custom_op("remat_triton::attention_fwd", mutates_args=())
@@ -464,10 +480,39 @@ def triton_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tenso
                                    dropout_p, deterministic)
 
 
+@torch.library.custom_op("remat_triton::attention_varlen_fwd", mutates_args=())
+@on_tensor_device
+def triton_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                max_seqlen_q: int, max_seqlen_k: int, cos: Optional[Tensor], sin: Optional[Tensor],
+                                rng: Optional[Tensor], scale: float, softcap: float, window_left: int,
+                                window_right: int, dropout_p: float) -> tuple[Tensor, Tensor]:
+    from remat.kernels import attention
+
+    return attention.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin,
+                                          rng, scale, softcap, window_left, window_right, dropout_p)
+
+
+@torch.library.custom_op("remat_triton::attention_varlen_bwd", mutates_args=())
+@on_tensor_device
+def triton_attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                cos: Optional[Tensor], sin: Optional[Tensor], rng: Optional[Tensor], scale: float,
+                                softcap: float, window_left: int, window_right: int, dropout_p: float,
+                                deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from remat.kernels import attention
+
+    return attention.attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, cos, sin, rng, scale, softcap, window_left, window_right,
+                                          dropout_p, deterministic)
+
+
 triton_attention_fwd.register_fake(_fake_attention_fwd)
 triton_attention_bwd.register_fake(_fake_attention_bwd)
+triton_attention_varlen_fwd.register_fake(_fake_attention_varlen_fwd)
+triton_attention_varlen_bwd.register_fake(_fake_attention_varlen_bwd)
 
-TRITON_OPS = AttentionOps(triton_attention_fwd, triton_attention_bwd)
+TRITON_OPS = AttentionOps(triton_attention_fwd, triton_attention_bwd, triton_attention_varlen_fwd,
+                          triton_attention_varlen_bwd)
 
 
 # Read by remat.ops.ops_for; None where the extension is not built.
