@@ -173,9 +173,9 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def lora_rows(device, quick, tags):
-    """LoRA fine-tuning of Llama decoder layers (PEFT LoRA, rank 16, alpha 32, dropout 0.05, on
-    every projection; base weights frozen, as PEFT leaves them): stock layers with PEFT ("peft",
-    the baseline), the same under per-layer torch.utils.checkpoint (what Hugging Face's
+    """LoRA fine-tuning of Llama decoder layers (PEFT LoRA, rank 16, alpha 32, lora_dropout 0 and
+    0.05, on every projection; base weights frozen, as PEFT leaves them): stock layers with PEFT
+    ("peft", the baseline), the same under per-layer torch.utils.checkpoint (what Hugging Face's
     gradient_checkpointing=True runs, "peft+checkpoint"), remat.nn.LlamaLayer built from the
     adapted layers with each policy ("remat-<policy>", the adapters inside the fused blocks), and
     the balanced layer with its own gradient checkpointing ("remat-balanced+checkpoint"). One full
@@ -194,10 +194,11 @@ def lora_rows(device, quick, tags):
         depths, dtype = ([1] if quick else [1, 4]), torch.float32
     rank = 16
     config = _config(shape["hidden"], shape["inter"], shape["heads"], shape["kv_heads"])
-    lora_config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.05, target_modules=LORA_TARGETS)
     rows = []
-    progress = Progress(len(depths), "layers+lora")
-    for depth in depths:
+    cases = [(depth, dropout) for depth in depths for dropout in (0.0, 0.05)]
+    progress = Progress(len(cases), "layers+lora")
+    for depth, dropout in cases:
+        lora_config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=LORA_TARGETS)
         torch.manual_seed(0)
         stock_layers = torch.nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(depth)).to(device, dtype)
         inject_adapter_in_model(lora_config, stock_layers)
@@ -227,12 +228,12 @@ def lora_rows(device, quick, tags):
         for name, model in models.items():
             saved = saved_bytes(model, x, rope)
             median, q20, q80 = ratios[name]
-            rows.append({"block": "llama_layer_lora", "depth": depth, **shape, "rank": rank,
+            rows.append({"block": "llama_layer_lora", "depth": depth, **shape, "rank": rank, "lora_dropout": dropout,
                          "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": "full",
                          "time_vs_eager": median, "ratio_q20": q20, "ratio_q80": q80, "saved_bytes": saved,
                          "saved_bytes_per_token_per_layer": saved / (tokens * depth),
                          "saved_vs_eager": saved / baseline, **tags})
-        progress.step(f"layers+lora depth {depth}")
+        progress.step(f"layers+lora depth {depth} lora_dropout {dropout}")
     return rows
 
 
