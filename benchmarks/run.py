@@ -18,6 +18,7 @@ from benchmarks import (
     bench_layers,
     bench_mlp,
     bench_norm,
+    bench_packing,
 )
 from benchmarks.common import RESULTS_DIR, print_table, write_csv
 
@@ -62,7 +63,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help=f"output folder (default {RESULTS_DIR})")
     parser.add_argument("--no-plots", action="store_true", help="write CSVs only")
     parser.add_argument("--only", choices=["norm", "mlp", "attention", "layers", "checkpoint", "cross_entropy",
-                                           "frontier"],
+                                           "frontier", "packing"],
                         default=None, help="run one benchmark")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -76,7 +77,7 @@ def main(argv=None):
         print(f"device: {rows[0]['device']}; measured copy bandwidth {rows[0]['copy_gbps']:.1f} GB/s; "
               f"commit {rows[0]['commit']}\n")
     for name, bench in (("mlp", bench_mlp), ("attention", bench_attention), ("layers", bench_layers),
-                        ("cross_entropy", bench_cross_entropy)):
+                        ("cross_entropy", bench_cross_entropy), ("packing", bench_packing)):
         if args.only in (None, name):
             rows = bench.run(device, quick=args.quick)
             print_table(rows, bench.summary_columns)
