@@ -169,3 +169,38 @@ def test_reentrant_checkpointing_with_a_left_padded_batch():
         results.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, g in results[0].items():
         assert torch.equal(results[1][name], g), name
+
+
+def checkpoint_flags(model):
+    return [layer.gradient_checkpointing for layer in model.model.layers]
+
+
+def test_every_n_layers_counts_remat_layers_as_hugging_face_counts_its_own():
+    """gradient_checkpointing_enable(every_n_layers=2) flags layers 0 and 2 of four, patched or not;
+    with the planner's per-layer mix (a stock layer among remat ones) the count runs over both."""
+    stock, patched, mixed = build("llama", 4), build("llama", 4), build("llama", 4)
+    remat.patch(patched)
+    remat.patch(mixed, policy={"model.layers.1": "stock", "model.layers.0": "balanced", "model.layers.2": "memory",
+                               "model.layers.3": "speed"})
+    assert type(mixed.model.layers[1]).__name__ == "LlamaDecoderLayer"
+    for model in (stock, patched, mixed):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(every_n_layers=2)
+        assert checkpoint_flags(model) == [True, False, True, False], type(model.model.layers[0]).__name__
+        disable(model)
+        assert checkpoint_flags(model) == [False] * 4
+
+
+def test_unpatch_hands_mode_and_checkpointing_to_the_restored_layers():
+    """model.eval() and gradient_checkpointing_enable() called while patched hold after unpatch."""
+    model = build("llama", 2)
+    model.train()
+    remat.patch(model)
+    model.eval()
+    enable(model)
+    remat.unpatch(model)
+    assert not any(module.training for module in model.modules())
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"
+    assert "_set_gradient_checkpointing" not in model.__dict__

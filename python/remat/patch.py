@@ -43,13 +43,15 @@ from remat.checkpoint import model_plan
 from remat.models import causal_lm, outputs, registry
 from remat.models.hf import ATTENTION_IMPLEMENTATION, check_attention_mask, register_attention
 from remat.nn.adapters import carry_wrappers
-from remat.nn.layers import LAYER_POLICIES
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
 
 # "loss": a causal LM's training loss through remat.linear_cross_entropy (remat.models.causal_lm).
 MODULE_KINDS = (*registry.PART_KINDS, "loss")
 _ORIGINAL = "_remat_original"
 _HOOK = "_remat_patched"
 _CONFIGS = "_remat_saved_configs"
+_CHECKPOINT_SETTER = "_set_gradient_checkpointing"
+_COUNTING = "_remat_counts_checkpointed_layers"
 _PREVIOUS_FORWARD = "_remat_previous_forward"
 _MASK_CHECK = "_remat_mask_check"
 _KEPT_INSIDE_WRAPPER = "_remat_mask_check_inside_wrapper"
@@ -145,6 +147,8 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     if not report.replaced:
         return report
     setattr(model, _HOOK, True)
+    if layers_replaced:
+        _install_checkpoint_counting(model)
     if layers_replaced and _attention_replaced(model):
         # Training forwards build no cache (generate still does); the model builds 2-D padding
         # masks for remat's layers and runs stock attention modules (with a cache) through remat's.
@@ -285,6 +289,7 @@ def unpatch(model):
         config._attn_implementation = attn_implementation
     for module in model.modules():
         causal_lm.uninstall(module)
+    _remove_checkpoint_counting(model)
     _unpatch_children(model)
 
 
@@ -296,6 +301,58 @@ def _unpatch_children(parent):
             # Adapters added after patching (patch, then get_peft_model) wrap the projections the
             # fused layer shares with the original: move them there, or unpatch would drop them.
             carry_wrappers(child, original)
+            _carry_mode(child, original)
             setattr(parent, name, original)
         else:
             _unpatch_children(child)
+
+
+def _carry_mode(replacement, original):
+    """What was set on ``replacement`` while patched and must hold for ``original`` once restored:
+    train/eval mode (model.eval() after patching) and Hugging Face's gradient-checkpointing flag and
+    function (model.gradient_checkpointing_enable() after patching)."""
+    original.train(replacement.training)
+    if hasattr(original, "gradient_checkpointing"):
+        original.gradient_checkpointing = replacement.__dict__.get("gradient_checkpointing", False)
+        function = replacement.__dict__.get("_gradient_checkpointing_func")
+        if function is not None:
+            original._gradient_checkpointing_func = function
+
+
+def _install_checkpoint_counting(model):
+    """Makes Hugging Face's ``gradient_checkpointing_enable(every_n_layers=k)`` count remat's layers.
+    Hugging Face flags every k-th GradientCheckpointingLayer and gives every other module with a
+    ``gradient_checkpointing`` attribute the flag outright, which would checkpoint every remat layer;
+    the wrapper re-flags the decoder layers (remat's and any left stock) in module order, as Hugging
+    Face counts them in a stock model. Installed on each module of ``model`` that has the setter
+    (new format only), removed by unpatch."""
+    for module in model.modules():
+        setter = getattr(module, _CHECKPOINT_SETTER, None)
+        if setter is None or _CHECKPOINT_SETTER in module.__dict__:
+            continue
+        signature = inspect.signature(setter)
+        if "every_n_layers" not in signature.parameters:
+            continue
+
+        @functools.wraps(setter)
+        def counting_setter(*args, _setter=setter, _signature=signature, _module=module, **kwargs):
+            _setter(*args, **kwargs)
+            bound = _signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            enable, every_n_layers = bound.arguments["enable"], bound.arguments["every_n_layers"]
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            index = 0
+            for layer in _module.modules():
+                if isinstance(layer, (PreNormDecoderLayer, GradientCheckpointingLayer)) and enable:
+                    layer.gradient_checkpointing = index % every_n_layers == 0
+                    index += 1
+
+        setattr(module, _CHECKPOINT_SETTER, counting_setter)
+        setattr(module, _COUNTING, True)
+
+
+def _remove_checkpoint_counting(model):
+    for module in model.modules():
+        if module.__dict__.pop(_COUNTING, False):
+            delattr(module, _CHECKPOINT_SETTER)

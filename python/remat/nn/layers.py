@@ -205,8 +205,7 @@ class PreNormDecoderLayer(nn.Module):
     fused forward in backward, under ``layer._gradient_checkpointing_func`` (default
     ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which restores the RNG state, so
     dropout masks and gradients are bitwise those of the run without it). Hugging Face's
-    ``every_n_layers`` is not honoured: its loop counts GradientCheckpointingLayer instances only, so
-    every remat layer gets the flag.
+    ``every_n_layers`` counts remat's layers once remat.patch has replaced them (see there).
     """
 
     resid_dropout = 0.0
