@@ -2,6 +2,9 @@
 with PEFT's arithmetic (peft 0.21 ``lora.Linear.forward``): x is cast to each adapter's dtype, each
 branch is computed in that dtype, the branches are added to the base output (type promotion: an
 fp32 adapter on a bf16 model adds in fp32) and the sum is rounded once to the base output's dtype.
+One difference: PEFT reassigns x to each adapter's cast in its loop, so with several active
+adapters of different dtypes on one projection a later adapter sees x already rounded by an
+earlier, lower-precision one; here each adapter casts the original x (the same or more accurate).
 
 Recompute contract (DESIGN.md section 2, "projection with LoRA"): a branch keeps nothing per token.
 Its rank-r intermediate ``A(drop(x))`` is recomputed in backward from x (which the enclosing
