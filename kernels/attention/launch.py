@@ -14,13 +14,10 @@ from .backward import (
 from .forward import _attn_fwd_kernel
 from .masks import _FAR
 from .tuning import (
-    _DKDV_ATOMIC_TUNED,
-    _DKDV_TUNED,
-    _DQ_TUNED,
     _ELEMENTWISE_WARPS,
-    _FWD_TUNED,
     _INTERPRETER_BLOCK,
     _ROWS_PER_PROGRAM,
+    LaunchShape,
     _configs_for,
     _launch,
 )
@@ -138,6 +135,14 @@ def _window(extent):
     return -1 if extent < 0 else min(extent, _FAR.value)
 
 
+def _launch_shape(q, n, m, group, window_left, window_right):
+    """The tuner's LaunchShape of a launch (windows as given by the caller, -1 = unbounded)."""
+    device_index = q.device.index if q.device.type == "cuda" else -1
+    if device_index is None:
+        device_index = torch.cuda.current_device()
+    return LaunchShape(int(n), int(m), int(group), _window(window_left), _window(window_right), device_index)
+
+
 def _strides(tensor):
     return tensor.stride(0), tensor.stride(1), tensor.stride(2)
 
@@ -164,9 +169,10 @@ def attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_ri
     args = (q, k, v, o, lse, *tables, q, q, *_strides(q), *_strides(k), *_strides(v), cs_stride_b,
             n, m, num_heads // num_kv_heads, float(scale), scalars["cap_scale"], float(softcap),
             _window(window_left), _window(window_right), scalars["dropout_p"], scalars["inv_keep"])
-    _launch(_attn_fwd_kernel, _FWD_TUNED, "fwd",
+    _launch(_attn_fwd_kernel, "fwd",
             lambda block_m, block_n: (triton.cdiv(n, block_m), num_heads, batch),
-            args, dict(constexprs, VARLEN=False), q.dtype)
+            args, dict(constexprs, VARLEN=False), q.dtype,
+            _launch_shape(q, n, m, num_heads // num_kv_heads, window_left, window_right))
     return o, lse
 
 
@@ -214,18 +220,19 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
               _window(window_left), _window(window_right),
               scalars["dropout_p"], scalars["inv_keep"])
     kv_grid = lambda block_m, block_n: (triton.cdiv(m, block_n), num_kv_heads, batch)  # noqa: E731
+    shape = _launch_shape(q, n, m, group, window_left, window_right)
     if deterministic:
-        _launch(_attn_bwd_dkdv_kernel, _DKDV_TUNED, "dkdv", kv_grid,
+        _launch(_attn_bwd_dkdv_kernel, "dkdv", kv_grid,
                 (q, k, v, dout, lse, delta, dk, dv, dk, *common),
-                dict(constexprs, VARLEN=False, ATOMIC_DQ=False), q.dtype)
-        _launch(_attn_bwd_dq_kernel, _DQ_TUNED, "dq",
+                dict(constexprs, VARLEN=False, ATOMIC_DQ=False), q.dtype, shape)
+        _launch(_attn_bwd_dq_kernel, "dq",
                 lambda block_m, block_n: (triton.cdiv(n, block_m), num_heads, batch),
-                (q, k, v, dout, lse, delta, dq, *common), dict(constexprs, VARLEN=False), q.dtype)
+                (q, k, v, dout, lse, delta, dq, *common), dict(constexprs, VARLEN=False), q.dtype, shape)
     else:
         dq_acc = torch.zeros((batch, n, num_heads, head_dim), dtype=torch.float32, device=device)
-        _launch(_attn_bwd_dkdv_kernel, _DKDV_ATOMIC_TUNED, "dkdv",
+        _launch(_attn_bwd_dkdv_kernel, "dkdv",
                 kv_grid, (q, k, v, dout, lse, delta, dk, dv, dq_acc, *common),
-                dict(constexprs, VARLEN=False, ATOMIC_DQ=True), q.dtype)
+                dict(constexprs, VARLEN=False, ATOMIC_DQ=True), q.dtype, shape, accumulator=dq_acc)
         _attn_bwd_dq_postprocess_kernel[elementwise_grid](
             dq_acc, dq, tables[0], tables[1], q, q, cs_stride_b, n, m,
             HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], ROPE=constexprs["ROPE"], VARLEN=False,
@@ -310,9 +317,10 @@ def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
             *_packed_strides(v), cs_stride, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads, float(scale),
             scalars["cap_scale"], float(softcap), _window(window_left), _window(window_right),
             scalars["dropout_p"], scalars["inv_keep"])
-    _launch(_attn_fwd_kernel, _FWD_TUNED, "fwd",
+    _launch(_attn_fwd_kernel, "fwd",
             lambda block_m, block_n: (triton.cdiv(max(max_seqlen_q, 1), block_m), num_heads, sequences),
-            args, dict(constexprs, VARLEN=True), q.dtype)
+            args, dict(constexprs, VARLEN=True), q.dtype,
+            _launch_shape(q, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads, window_left, window_right))
     return o, lse
 
 
@@ -352,16 +360,18 @@ def attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_
     kv_grid = lambda block_m, block_n: (triton.cdiv(max(max_seqlen_k, 1), block_n), num_kv_heads,  # noqa: E731
                                         sequences)
     constexprs = dict(constexprs, VARLEN=True)
+    shape = _launch_shape(q, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads, window_left, window_right)
     if deterministic:
-        _launch(_attn_bwd_dkdv_kernel, _DKDV_TUNED, "dkdv", kv_grid,
-                (q, k, v, dout, lse, delta, dk, dv, dk, *common), dict(constexprs, ATOMIC_DQ=False), q.dtype)
-        _launch(_attn_bwd_dq_kernel, _DQ_TUNED, "dq",
+        _launch(_attn_bwd_dkdv_kernel, "dkdv", kv_grid,
+                (q, k, v, dout, lse, delta, dk, dv, dk, *common), dict(constexprs, ATOMIC_DQ=False), q.dtype, shape)
+        _launch(_attn_bwd_dq_kernel, "dq",
                 lambda block_m, block_n: (triton.cdiv(max(max_seqlen_q, 1), block_m), num_heads, sequences),
-                (q, k, v, dout, lse, delta, dq, *common), constexprs, q.dtype)
+                (q, k, v, dout, lse, delta, dq, *common), constexprs, q.dtype, shape)
     else:
         dq_acc = torch.zeros((total_q, num_heads, head_dim), dtype=torch.float32, device=device)
-        _launch(_attn_bwd_dkdv_kernel, _DKDV_ATOMIC_TUNED, "dkdv", kv_grid,
-                (q, k, v, dout, lse, delta, dk, dv, dq_acc, *common), dict(constexprs, ATOMIC_DQ=True), q.dtype)
+        _launch(_attn_bwd_dkdv_kernel, "dkdv", kv_grid,
+                (q, k, v, dout, lse, delta, dk, dv, dq_acc, *common), dict(constexprs, ATOMIC_DQ=True), q.dtype,
+                shape, accumulator=dq_acc)
         _attn_bwd_dq_postprocess_kernel[(triton.cdiv(max(max_seqlen_q, 1), rows), num_heads, sequences)](
             dq_acc, dq, tables[0], tables[1], cu_seqlens_q, cu_seqlens_k, cs_stride, max_seqlen_q, max_seqlen_k,
             HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], ROPE=constexprs["ROPE"], VARLEN=True,

@@ -1,21 +1,36 @@
 """Block sizes of the attention kernels, their autotuning, and the one launch helper.
 
-`triton.autotune` over a few configurations per kernel, padded head dim, dtype class and
-feature weight (`_CONFIGS`, `_configs_for`) when compiled; a fixed 16 x 16 tile under the
-interpreter. REMAT_ATTENTION_AUTOTUNE=0 (read at import) launches the first configuration of
-each list without benchmarking, so every process picks the same tiles: the deterministic
-backward is then bitwise reproducible across processes too, not only within one (the autotuner
-caches its choice per process, and another choice changes the summation order).
+Compiled, each launch takes a configuration from `_configs_for`'s short list (per kernel, padded
+head dim, dtype class and feature weight) through `Tuner`, remat's own small tuner; under the
+interpreter, a fixed 16 x 16 tile. The tuner's key holds the kernel, the device, the dtype, the
+head dim, the feature flags, the query-group size, the window sides (unbounded, 0 = causal, or a
+bucketed extent) and the sequence lengths (N and M, or the packed maxima) bucketed to the next
+power of two in [64, 65536], so a shape in another bucket is tuned again instead of inheriting
+the first call's tiles. Candidates whose compiled kernel needs more shared memory per block than
+the device grants (e.g. 99 KiB on sm_86/89/120) are dropped before any launch.
+
+On a miss the tuner times each remaining candidate with CUDA events on the real launch
+arguments (one warm-up and `_TIMED_RUNS` timed runs each, the median kept), writing only the
+outputs the launcher already allocated (the atomic dK/dV kernel's fp32 dq accumulator is zeroed
+before each run and before the real launch). It allocates no buffer of its own: no L2 flush
+buffer (triton.testing.do_bench allocates 256 MB), only CUDA events. Inside CUDA graph capture
+it times nothing: a cached choice is used, else the first candidate that fits, uncached (a
+later tuned choice outside capture may differ). REMAT_ATTENTION_AUTOTUNE=0 (read at import)
+takes the first candidate that fits the device without timing, so every process on the same
+device type picks the same tiles: the deterministic backward is then bitwise reproducible
+across processes too, not only within one (another tile changes the summation order).
 """
 
+import functools
 import os
+import statistics
+from typing import NamedTuple
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from .._common import _INTERPRETED
-from .backward import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
-from .forward import _attn_fwd_kernel
 
 _AUTOTUNE = os.environ.get("REMAT_ATTENTION_AUTOTUNE", "1") != "0"
 
@@ -53,7 +68,8 @@ def _configs(*entries):
 # the atomic dK/dV kernel at D 256 (32 bytes per thread); heavy, the dK/dV kernels at D 64
 # (64-160 bytes) and D 256 (24-120), the dQ kernel at D 64 with dropout (72); every candidate
 # tried there spilled at least as much. The other entries are autotuning candidates, some fit
-# only sm_90 (the autotuner drops a config that fails to launch). What costs registers: the
+# only sm_90 (the tuner drops a config whose shared memory exceeds the device's, e.g. 99 KiB
+# on sm_86/89/120, or that fails to launch). What costs registers: the
 # dK/dV kernel keeps k, v and the fp32 dk, dv accumulators of its key block for the whole loop,
 # so its tiles stay at 16-32 rows for D >= 128; the forward and dQ kernels keep a [BLOCK_M, D]
 # fp32 accumulator. Measured and dropped: e.g. the dK/dV kernel at D 64 with a 64 x 64 tile, or
@@ -123,51 +139,187 @@ def _configs_for(kernel_name, constexprs, dtype):
     return _CONFIGS[(kernel_name, size, kind, heavy)]
 
 
-def _autotuned(kernel, kernel_name, **options):
-    """kernel under triton.autotune over the candidates of its kernel name, pruned per launch
-    to `_configs_for`'s list. Keyed on the head dim (padded and exact) and the feature flags;
-    the autotuner adds the tensors' dtypes to the key itself."""
-    names = (kernel_name, "dkdv_atomic") if kernel_name == "dkdv" else (kernel_name,)
-    candidates = [config for key, entries in _CONFIGS.items() if key[0] in names
-                  for config in entries]
-
-    def prune(configs, named_args, **kwargs):
-        del configs
-        return _configs_for(kernel_name, kwargs, named_args["q_ptr"].dtype)
-
-    return triton.autotune(
-        configs=candidates,
-        key=["HEAD_DIM", "BLOCK_D", "ROPE", "SOFTCAP", "DROPOUT", "VARLEN"]
-            + (["ATOMIC_DQ"] if kernel_name == "dkdv" else []),
-        prune_configs_by={"early_config_prune": prune},
-        **options,
-    )(kernel)
+# Sequence-length buckets of the tuning key: the next power of two within these bounds.
+_MIN_LENGTH_BUCKET = 64
+_MAX_LENGTH_BUCKET = 1 << 16
+# Timed runs per candidate on a tuning miss (after one warm-up run), the median kept.
+_TIMED_RUNS = 5
 
 
-if not _INTERPRETED:
-    _FWD_TUNED = _autotuned(_attn_fwd_kernel, "fwd")
-    _DKDV_TUNED = _autotuned(_attn_bwd_dkdv_kernel, "dkdv")
-    # The fast mode's dq buffer accumulates with atomics: zero it before every benchmarked run
-    # (the autotuner zeroes it again before the real launch).
-    _DKDV_ATOMIC_TUNED = _autotuned(_attn_bwd_dkdv_kernel, "dkdv", reset_to_zero=["dq_ptr"])
-    _DQ_TUNED = _autotuned(_attn_bwd_dq_kernel, "dq")
-else:
-    # The interpreter launches the plain kernels with _INTERPRETER_BLOCK tiles (`_launch`).
-    _FWD_TUNED = _DKDV_TUNED = _DKDV_ATOMIC_TUNED = _DQ_TUNED = None
+def _length_bucket(length):
+    """The tuning bucket of a sequence length or window extent: 0 for 0 (empty), else the next
+    power of two clamped to [_MIN_LENGTH_BUCKET, _MAX_LENGTH_BUCKET]."""
+    length = int(length)
+    if length <= 0:
+        return 0
+    return min(max(triton.next_power_of_2(length), _MIN_LENGTH_BUCKET), _MAX_LENGTH_BUCKET)
 
 
-def _launch(kernel, tuned, kernel_name, grid_of, args, constexprs, dtype):
-    """Launch with the autotuner when compiled (and enabled), else with one fixed config:
-    the interpreter's 16 x 16 tile, or the launch's default config."""
+def _window_class(extent):
+    """-1 for an unbounded window side, 0 for a side of 0 (causal: right = 0), else the bucket
+    of the extent."""
+    extent = int(extent)
+    return extent if extent <= 0 else _length_bucket(extent)
+
+
+class LaunchShape(NamedTuple):
+    """What a launch's best tile depends on besides the constexprs: the query and key lengths
+    (packed launches: the maxima), the query-group size Hq / Hkv, the window sides as passed to
+    the kernels (-1 = unbounded) and the device index of the operands (-1: not a CUDA device)."""
+
+    n: int
+    m: int
+    group: int
+    window_left: int
+    window_right: int
+    device_index: int
+
+
+def tuning_key(kernel_name, dtype, constexprs, shape):
+    """The tuner's cache key of a launch: kernel ("dkdv_atomic" for the fast mode's dK/dV),
+    device, dtype, head dim, feature flags, group size, window classes, length buckets."""
+    flags = tuple((name, constexprs[name]) for name in sorted(constexprs)
+                  if name in ("HEAD_DIM", "BLOCK_D", "ROPE", "SOFTCAP", "DROPOUT", "VARLEN"))
+    return (kernel_name, shape.device_index, dtype, flags, shape.group,
+            _window_class(shape.window_left), _window_class(shape.window_right),
+            _length_bucket(shape.n), _length_bucket(shape.m))
+
+
+def _capturing():
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _device_shared_memory(device_index):
+    """Bytes of shared memory one block may opt into on the device: the limit Triton itself
+    checks before a launch (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def _timing_event():
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _time_with_events(run, reset, make_event=_timing_event):
+    """Median milliseconds of `_TIMED_RUNS` runs of `run` on the current stream after one
+    warm-up run, `reset` (or nothing) before each run and outside the timed span. make_event:
+    a CUDA timing event factory (tests pass fakes)."""
+    events = [(make_event(), make_event()) for _ in range(_TIMED_RUNS)]
+    if reset is not None:
+        reset()
+    run()
+    for start, end in events:
+        if reset is not None:
+            reset()
+        start.record()
+        run()
+        end.record()
+    events[-1][1].synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+class Tuner:
+    """Process cache of tile choices per `tuning_key`, and the launch through it.
+
+    autotune: time the candidates on a miss (False: take the first that fits, untimed).
+    shared_memory_limit(device_index) -> bytes per block; capturing() -> whether the current
+    stream is capturing a CUDA graph; time_candidate(run, reset) -> milliseconds. The defaults
+    read the device; tests inject fakes.
+    """
+
+    def __init__(self, autotune, shared_memory_limit=_device_shared_memory, capturing=_capturing,
+                 time_candidate=_time_with_events):
+        self.autotune = autotune
+        self.shared_memory_limit = shared_memory_limit
+        self.capturing = capturing
+        self.time_candidate = time_candidate
+        self.choices = {}
+
+    def _fitting(self, candidates, shared_memory_of, device_index, first_only):
+        limit = self.shared_memory_limit(device_index)
+        fitting = []
+        for config in candidates:
+            try:
+                needed = shared_memory_of(config)
+            except OutOfResources:
+                continue
+            if needed <= limit:
+                fitting.append(config)
+                if first_only:
+                    break
+        if not fitting:
+            raise RuntimeError(
+                f"remat attention: no tile configuration fits the device's {limit} bytes of shared "
+                f"memory per block (candidates {[str(config) for config in candidates]})")
+        return fitting
+
+    def launch(self, key, candidates, shared_memory_of, run, reset=None):
+        """Launch `run(config)` once with the configuration chosen for `key`; returns it.
+
+        candidates: triton.Config list in preference order; shared_memory_of(config) -> bytes
+        per block of its compiled kernel (compiles it); reset: None, or a callable that restores
+        the outputs a run accumulates into (called before every timed run and before the real
+        launch when timing ran). A cached choice launches directly. A miss inside CUDA graph
+        capture launches the first fitting candidate and caches nothing; a miss with autotune
+        off caches the first fitting candidate; otherwise each fitting candidate is timed (one
+        that fails to launch for lack of resources is dropped) and the fastest cached.
+        """
+        device_index = key[1]
+        config = self.choices.get(key)
+        if config is not None:
+            run(config)
+            return config
+        if self.capturing() or not self.autotune:
+            config = self._fitting(candidates, shared_memory_of, device_index, first_only=True)[0]
+            if not self.autotune:
+                self.choices[key] = config
+            run(config)
+            return config
+        timings = []
+        for candidate in self._fitting(candidates, shared_memory_of, device_index, first_only=False):
+            try:
+                milliseconds = self.time_candidate(functools.partial(run, candidate), reset)
+            except OutOfResources:
+                continue
+            timings.append((milliseconds, candidate))
+        if not timings:
+            raise RuntimeError(f"remat attention: no tile configuration of {[str(c) for c in candidates]} "
+                               "could launch on this device")
+        config = min(timings, key=lambda timing: timing[0])[1]
+        self.choices[key] = config
+        if reset is not None:
+            reset()
+        run(config)
+        return config
+
+
+_TUNER = Tuner(_AUTOTUNE)
+
+
+def _launch(kernel, kernel_name, grid_of, args, constexprs, dtype, shape, accumulator=None):
+    """Launch kernel over grid_of(BLOCK_M, BLOCK_N): the interpreter's fixed tile, else the
+    configuration `_TUNER` chooses among `_configs_for`'s list. shape: the launch's LaunchShape;
+    accumulator: None, or the tensor the kernel accumulates into (the fast mode's fp32 dq,
+    zero on entry), zeroed again before each timed run and before the real launch after timing."""
     if _INTERPRETED:
         block_m, block_n = INTERPRETER_TILE
         kernel[grid_of(block_m, block_n)](
             *args, **constexprs, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=True)
-    elif _AUTOTUNE:
-        tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](
-            *args, **constexprs, INTERPRETED=False)
-    else:
-        config = _configs_for(kernel_name, constexprs, dtype)[0]
-        kernel[grid_of(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])](
-            *args, **constexprs, **config.kwargs, INTERPRETED=False,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        return
+
+    def options(config):
+        return dict(constexprs, **config.kwargs, INTERPRETED=False, num_warps=config.num_warps,
+                    num_stages=config.num_stages)
+
+    def grid(config):
+        return grid_of(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])
+
+    def shared_memory_of(config):
+        return kernel.warmup(*args, grid=grid(config), **options(config)).metadata.shared
+
+    def run(config):
+        kernel[grid(config)](*args, **options(config))
+
+    name = "dkdv_atomic" if kernel_name == "dkdv" and constexprs.get("ATOMIC_DQ") else kernel_name
+    _TUNER.launch(tuning_key(name, dtype, constexprs, shape), _configs_for(kernel_name, constexprs, dtype),
+                  shared_memory_of, run, None if accumulator is None else accumulator.zero_)
