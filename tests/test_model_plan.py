@@ -11,6 +11,7 @@ heterogeneous costs) and is never above a uniform policy or uniform layer checkp
 Infeasible budgets raise with the floor; a budget at or above stock keeps every layer stock.
 """
 
+import dataclasses
 import itertools
 import random
 
@@ -23,7 +24,7 @@ from remat.checkpoint.model_plan import LayerCosts, ModelCosts, Span, Taped
 from remat.memory import PeakSavedBytes
 
 from _checks import assert_within_2x_of_stock
-from helpers import HEADS, HIDDEN, batch, causal_lm, logits_and_grads
+from helpers import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, batch, causal_lm, logits_and_grads
 
 transformers = pytest.importorskip("transformers")
 
@@ -91,6 +92,13 @@ def test_budgets_from_stock_to_floor_hold_and_match_stock(kind):
     assert seen_choices & {"Tapedspeed", "Tapedbalanced", "Tapedmemory"}
 
 
+def may_span(costs, start, end):
+    """Whether layers [start, end) may form a span: each fusable and allowed in spans, each after
+    the first called with the same arguments as the one before it."""
+    return all(costs.layers[i].span_cost and costs.layers[i].may_span
+               and (i == start or costs.layers[i].same_arguments_as_previous) for i in range(start, end))
+
+
 def exhaustive(costs, budget):
     """The least predicted cost over every plan of the choice set, by enumeration, with the peak
     and cost computed here (independently of the planner's code). The all-stock plan is priced
@@ -112,8 +120,7 @@ def exhaustive(costs, budget):
         for kinds in itertools.product(("taped", "span"), repeat=len(groups)):
             if any(k == "taped" and e - s > 1 for k, (s, e) in zip(kinds, groups)):
                 continue
-            if any(k == "span" and not all(costs.layers[i].span_cost for i in range(s, e))
-                   for k, (s, e) in zip(kinds, groups)):
+            if any(k == "span" and not may_span(costs, s, e) for k, (s, e) in zip(kinds, groups)):
                 continue
             options = []
             for k, (s, e) in zip(kinds, groups):
@@ -148,8 +155,9 @@ def uniform_plans(costs):
             continue
         yield [Taped(i, policy) for i in range(n)]
         for k in range(1, n + 1):  # checkpoint every k layers, inner layers under the policy
-            if policy != "stock":
-                yield [Span(s, min(s + k, n), (policy,) * (min(s + k, n) - s)) for s in range(0, n, k)]
+            spans = [Span(s, min(s + k, n), (policy,) * (min(s + k, n) - s)) for s in range(0, n, k)]
+            if policy != "stock" and all(may_span(costs, span.start, span.end) for span in spans):
+                yield spans
 
 
 def check_optimal(costs):
@@ -186,7 +194,10 @@ def test_plan_is_optimal_on_random_heterogeneous_costs(seed):
             cost.update(speed=rng.uniform(1, 5), balanced=rng.uniform(5, 20), memory=rng.uniform(20, 40))
             forward = rng.uniform(50, 100)
             span_cost = {p: forward + cost[p] for p in ("speed", "balanced", "memory")}
-        layers.append(LayerCosts(f"layer{i}", kept, cost, span_cost, rng.randint(20, 60)))
+        # Seeds 2 and 3: layer 3 never in a span (MoE router logits), layer 1 called with other
+        # arguments than layer 0 (Gemma 3's layer types).
+        layers.append(LayerCosts(f"layer{i}", kept, cost, span_cost, rng.randint(20, 60),
+                                 may_span=seed < 2 or i != 3, same_arguments_as_previous=seed < 2 or i != 1))
     # Odd seeds: the all-stock plan measured on its own (as when patching reroutes stock attention).
     all_stock = None
     if seed % 2:
@@ -337,3 +348,164 @@ def test_lora_model_plans_within_budget_and_matches_stock_peft():
                                   torch.float32)
         for name in reference[1]:
             assert_within_2x_of_stock(name, got[1][name], stock[1][name], reference[1][name], torch.float32)
+
+
+def mixtral(dtype=torch.float32, seed=0):
+    """A tiny two-layer MixtralForCausalLM (4 experts, top-2, aux loss coefficient 1 so the
+    load-balancing loss's router gradient is visible); the float64 one runs the eager experts."""
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=40, num_hidden_layers=2,
+                                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=1.0,
+                                        max_position_embeddings=64, use_cache=False, attn_implementation="eager")
+    model = transformers.MixtralForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    if dtype == torch.float64:
+        model.set_experts_implementation("eager")
+    return model
+
+
+GEMMA3_LAYER_TYPES = ["sliding_attention"] * 3 + ["full_attention"] * 3
+
+
+def gemma3(dtype=torch.float32, seed=0):
+    """A tiny six-layer Gemma3ForCausalLM: layers 0-2 sliding (window 4, local rope base 1e4), 3-5
+    full (rope base 1e6), so the decoder loop passes layers 2 and 3 different rope tables and masks."""
+    torch.manual_seed(seed)
+    config = transformers.Gemma3TextConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=INTER,
+                                           num_hidden_layers=len(GEMMA3_LAYER_TYPES), num_attention_heads=HEADS,
+                                           num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                           max_position_embeddings=64, sliding_window=4,
+                                           layer_types=GEMMA3_LAYER_TYPES, use_cache=False,
+                                           attn_implementation="eager")
+    model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model.to(dtype)
+
+
+def loss_and_grads(model, inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    losses = [out.loss.detach().reshape(1)]
+    if getattr(out, "aux_loss", None) is not None:
+        losses.append(out.aux_loss.detach().reshape(1))
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def check_planned_against_stock(build_model, inputs, budgets):
+    """For each budget (a function of the measured costs): remat.patch(policy="auto") keeps at most
+    the budget in a real step, and the losses and every gradient match the stock model under the 2x
+    rule against float64. Returns the plans."""
+    reference, stock = loss_and_grads(build_model(torch.float64), inputs), loss_and_grads(build_model(), inputs)
+    costs = model_plan.measure_model_costs(build_model(), inputs)
+    plans = []
+    for budget in budgets(costs):
+        model = build_model()
+        plan = remat.patch(model, policy="auto", budget_bytes=budget, example_inputs=inputs).plan
+        assert measured_peak(model, inputs) <= plan.predicted_peak_bytes <= budget
+        got = loss_and_grads(model, inputs)
+        assert len(got[0]) == len(stock[0]) and got[1].keys() == stock[1].keys() == reference[1].keys()
+        for i, loss in enumerate(got[0]):
+            assert_within_2x_of_stock(f"loss {i}", loss, stock[0][i], reference[0][i], torch.float32)
+        for name in reference[1]:
+            assert_within_2x_of_stock(name, got[1][name], stock[1][name], reference[1][name], torch.float32)
+        plans.append(plan)
+    return costs, plans
+
+
+def test_mixtral_plans_with_flops_and_router_logits_keep_the_load_balancing_gradient():
+    """MoE layers get FLOP costs (router and experts) and are never put in a span: a span's first
+    forward runs without autograd, so router logits Hugging Face records there would carry no
+    gradient and the load-balancing loss would not train the router."""
+    ids, mask, labels = batch()
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+
+    def budgets(costs):
+        # 64 bytes over the floor: the bytes the aux loss saves vary by up to 16 between measurements.
+        floor = model_plan.smallest_feasible_budget(costs) + 64
+        return floor, (floor + model_plan.peak_and_cost(costs, all_stock(costs))[0]) // 2
+
+    costs, plans = check_planned_against_stock(mixtral, inputs, budgets)
+    assert not any(layer.may_span for layer in costs.layers)
+    tokens, hidden, inter = ids.numel(), HIDDEN, 40
+    router, experts_up = 2 * tokens * hidden * 4, 4 * tokens * 2 * hidden * inter
+    scores = ids.shape[0] * HEADS * HEAD_DIM * ids.shape[1] * (ids.shape[1] + 1)
+    assert costs.layers[0].cost["speed"] == scores + router
+    assert costs.layers[0].cost["balanced"] == scores + router + experts_up
+    assert all(not plan.spans() for plan in plans)
+    assert any(choice != "stock" for plan in plans for choice in plan.layer_policies().values())
+
+
+def test_gemma3_spans_only_layers_called_with_the_same_arguments():
+    """Gemma 3's sliding and full layers get different rope tables and masks: the planner never spans
+    them together, and a span forced across them refuses at run time instead of running the second
+    layer with the first one's arguments."""
+    ids, mask, labels = batch()
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+    def assume_same_arguments(costs):
+        return ModelCosts(tuple(dataclasses.replace(x, same_arguments_as_previous=True) for x in costs.layers),
+                          costs.pre_bytes, costs.shared_bytes, costs.post_bytes, costs.shape, costs.unit,
+                          costs.all_stock)
+
+    def crosses_the_types(plan):
+        return any(start <= 2 < 3 < end for start, end in plan.spans())
+
+    def budgets(costs):
+        # The least budget (in 500-byte steps from the floor) at which a planner taking all the
+        # layers' arguments as equal spans layers 2 and 3 together.
+        stock_peak = model_plan.peak_and_cost(costs, all_stock(costs))[0]
+        return next(budget for budget in range(model_plan.smallest_feasible_budget(costs), stock_peak, 500)
+                    if crosses_the_types(model_plan.plan_for_costs(assume_same_arguments(costs), budget))),
+
+    costs, (plan,) = check_planned_against_stock(gemma3, inputs, budgets)
+    assert all(layer.may_span for layer in costs.layers)
+    assert [layer.same_arguments_as_previous for layer in costs.layers] == [False, True, True, False, True, True]
+    assert plan.spans() and not crosses_the_types(plan)
+    model = gemma3()
+    remat.patch(model, policy="auto", budget_bytes=plan.budget_bytes, example_inputs=inputs)
+    forced = model_plan.ModelPlan(costs, (*(Taped(i, "memory") for i in range(2)), Span(2, 4, ("memory",) * 2),
+                                          *(Taped(i, "memory") for i in range(4, 6))), plan.budget_bytes)
+    model_plan.install(forced, list(model.model.layers))
+    with pytest.raises(ValueError, match="different ones"):
+        model(**inputs)
+
+
+def test_per_token_plan_replans_a_batch_twice_as_long_within_its_budget():
+    """A plan given per token, made on a length-N example, re-plans a length-2N batch: the real
+    step keeps at most budget_bytes_per_token times its tokens and matches stock; a longer batch
+    than 2N, or one with more rows, raises."""
+    inputs = example()
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    other_ids = batch(seed=2)[0]
+    long_ids, long_mask = torch.cat([other_ids, ids], 1), torch.cat([torch.ones_like(mask), mask], 1)
+    long_labels = long_ids.masked_fill(long_mask == 0, -100)
+    long_inputs = dict(input_ids=long_ids, attention_mask=long_mask, labels=long_labels)
+    reference = logits_and_grads(build("llama", torch.float64), long_ids, long_mask, long_labels)
+    stock = logits_and_grads(build("llama"), long_ids, long_mask, long_labels)
+    costs = model_plan.measure_model_costs(build("llama"), inputs)
+    floor, stock_peak = model_plan.smallest_feasible_budget(costs), model_plan.peak_and_cost(costs, all_stock(costs))[0]
+    for per_token in (floor / ids.numel(), (floor + stock_peak) / 2 / ids.numel()):
+        model = build("llama")
+        plan = remat.patch(model, policy="auto", budget_bytes_per_token=per_token, example_inputs=inputs).plan
+        assert plan.doubled_costs.shape == (ids.shape[0], 2 * ids.shape[1])
+        peak = measured_peak(model, long_inputs)
+        assert plan.budget_bytes < peak <= per_token * long_ids.numel()
+        got = logits_and_grads(model, long_ids, long_mask, long_labels)
+        assert_within_2x_of_stock("loss", got[1].reshape(1), stock[1].reshape(1), reference[1].reshape(1),
+                                  torch.float32)
+        for name in reference[2]:
+            assert_within_2x_of_stock(name, got[2][name], stock[2][name], reference[2][name], torch.float32)
+        too_long = {k: torch.cat([v, v[:, :1]], 1) for k, v in long_inputs.items()}
+        with pytest.raises(ValueError, match="outside that range"):
+            model(**too_long)
+        with pytest.raises(ValueError, match="outside that range"):
+            model(**{k: torch.cat([v, v], 0) for k, v in inputs.items()})

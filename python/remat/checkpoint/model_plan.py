@@ -29,8 +29,19 @@ attention over the causal half):
   probabilities.
 - balanced: speed + the MLP's up GEMM(s), ``2 T h I g``.
 - memory: balanced + the q/k/v projections, ``2 T h (Hq D + 2 Hkv D)``.
+- MoE layers (Mixtral, Qwen3-MoE; E experts, top-k, expert width I): the router GEMM ``2 T h E``
+  under every policy (remat.autograd.moe re-runs it), and under balanced and memory the routed
+  tokens' expert gate/up GEMMs ``4 T k h I`` in place of the dense MLP's up GEMMs.
 - a layer in a checkpointed span: its policy's cost + its whole forward
   (q/k/v, attention, o_proj, MLP).
+
+Spans: a span runs every member with its first layer's call arguments, so it only joins layers
+the decoder loop called with the same ones on the example (checked again at run time); layers
+from which Hugging Face records outputs besides hidden states (router logits) are never in a
+span (its first forward runs without autograd).
+
+Per-token budgets: the example is measured again at twice its length, and a longer batch (up to
+2N) is re-planned at run time on costs interpolated between the two (:func:`predicted_costs`).
 
 With ``cost="time"`` each choice's cost is the measured median seconds of the layer's forward
 plus backward on its inputs of the example batch (a span's layers: plus one forward), so the plan
@@ -38,6 +49,7 @@ minimises predicted step time instead.
 """
 
 import bisect
+import dataclasses
 import itertools
 import statistics
 import time
@@ -52,6 +64,7 @@ from remat.checkpoint.schedule import Segment
 from remat.memory import _span, _storage_key, _union_bytes
 from remat.models import registry
 from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
+from remat.nn.moe import SparseMoE
 
 COSTS = ("flops", "time")
 STOCK = "stock"
@@ -71,6 +84,14 @@ class LayerCosts:
         cost: {choice: recompute cost when taped with that choice}.
         span_cost: {policy: cost when re-run inside a checkpointed span under that policy}.
         input_bytes: bytes of the layer's input hidden states (what a span starting here keeps).
+        may_span: False when Hugging Face records an output from inside the layer beyond its
+            hidden states (MoE router logits): a span's first forward runs without autograd, so
+            such a recording would carry no gradient (the load-balancing loss would not train the
+            router); the layer is then never put in a span.
+        same_arguments_as_previous: whether the decoder loop passed this layer the same arguments
+            (the same objects: rope tables, masks) as the layer before it; a span runs every member
+            with its first layer's arguments, so it only continues across layers where this holds
+            (Gemma 3's sliding and full layers get different rope tables and masks).
     """
 
     name: str
@@ -78,10 +99,16 @@ class LayerCosts:
     cost: dict
     span_cost: dict
     input_bytes: int
+    may_span: bool = True
+    same_arguments_as_previous: bool = True
 
     @property
     def fusable(self):
         return bool(self.span_cost)
+
+    @property
+    def spannable(self):
+        return self.fusable and self.may_span
 
 
 @dataclass(frozen=True)
@@ -155,11 +182,17 @@ class ModelPlan:
         budget_bytes: the budget it was planned for.
         predicted_peak_bytes: the memory model's peak of saved bytes over forward and backward.
         predicted_cost: total recompute cost (FLOPs, or seconds with cost="time").
+        budget_bytes_per_token: the budget per token when it was given so, else None; longer
+            batches are then re-planned (see :func:`predicted_costs`).
+        doubled_costs: with a per-token budget, the :class:`ModelCosts` measured on the example
+            lengthened to twice its length.
     """
 
     costs: ModelCosts
     decisions: tuple
     budget_bytes: int
+    budget_bytes_per_token: float = None
+    doubled_costs: ModelCosts = field(default=None, repr=False)
     predicted_peak_bytes: int = field(init=False)
     predicted_cost: float = field(init=False)
 
@@ -232,12 +265,18 @@ def _span_options(costs):
         current = [(0, 0.0, ())]
         for b in range(a + 1, n + 1):
             layer = costs.layers[b - 1]
-            if not layer.fusable:
+            if not _continues_span(costs, a, b - 1):
                 break
             current = _pareto([(s + layer.kept[p], r + layer.span_cost[p], chosen + (p,))
                                for s, r, chosen in current for p in layer.span_cost])
             options[a, b] = current
     return options
+
+
+def _continues_span(costs, start, index):
+    """Whether a span starting at layer ``start`` may hold layer ``index`` (>= start)."""
+    layer = costs.layers[index]
+    return layer.spannable and (index == start or layer.same_arguments_as_previous)
 
 
 def _all_stock(costs):
@@ -253,7 +292,7 @@ def smallest_feasible_budget(costs):
     states = [{False: [], True: []} for _ in range(n + 1)]
     states[0][False] = [(0, 0, None)]
     least = {(a, b): sum(min(layer.kept[p] for p in layer.span_cost) for layer in costs.layers[a:b])
-             for a in range(n) for b in range(a + 1, n + 1) if all(x.fusable for x in costs.layers[a:b])}
+             for a in range(n) for b in range(a + 1, n + 1) if all(_continues_span(costs, a, i) for i in range(a, b))}
     for i in range(n):
         layer = costs.layers[i]
         for fused, points in states[i].items():
@@ -265,7 +304,9 @@ def smallest_feasible_budget(costs):
                         break
                     states[b][True].append((held + layer.input_bytes, max(peak, base + held + least[i, b]), None))
     peaks = [max(peak, base + costs.post_bytes + held) for held, peak, _ in states[n][True]]
-    return min([*peaks, peak_and_cost(costs, _all_stock(costs))[0]])
+    if all(STOCK in layer.kept for layer in costs.layers):
+        peaks.append(peak_and_cost(costs, _all_stock(costs))[0])
+    return min(peaks)
 
 
 def plan_for_costs(costs, budget_bytes, *, max_span=None):
@@ -306,9 +347,10 @@ def plan_for_costs(costs, budget_bytes, *, max_span=None):
                         (held + layer.input_bytes, cost + span_cost, chosen + (Span(i, b, policies),)))
     final = [(cost, held, chosen) for held, cost, chosen in states[n][True]
              if base + costs.post_bytes + held <= budget_bytes]
-    stock_peak, stock_cost = peak_and_cost(costs, _all_stock(costs))
-    if stock_peak <= budget_bytes:
-        final.append((stock_cost, stock_peak, tuple(_all_stock(costs))))
+    if all(STOCK in layer.kept for layer in costs.layers):
+        stock_peak, stock_cost = peak_and_cost(costs, _all_stock(costs))
+        if stock_peak <= budget_bytes:
+            final.append((stock_cost, stock_peak, tuple(_all_stock(costs))))
     if not final:
         floor = smallest_feasible_budget(costs)
         raise ValueError(f"budget_bytes={budget_bytes} is infeasible for this model at shape {costs.shape}: "
@@ -387,33 +429,57 @@ def _measure_saved(model, layers, example_inputs):
     return totals, log.inputs
 
 
-def _shapes(layer):
-    """(hidden, q width, kv width, heads, head dim, MLP width, MLP up GEMMs) of a fused layer."""
+def _mlp_flops(layer, tokens):
+    """(forward FLOPs, {policy: recompute FLOPs}) of fused ``layer``'s MLP block on ``tokens``.
+
+    Dense (gated: 2 up GEMMs; GPT-2: 1): up ``2 T h I g``, down ``2 T I h``; "balanced" and
+    "memory" recompute the up GEMM(s). Sparse MoE (remat.nn.SparseMoE; top-k of E experts, each a
+    gated MLP of width I): router ``2 T h E``, per routed token-expert pair up ``4 h I`` and down
+    ``2 I h``; every policy recomputes the router (remat.autograd.moe), "balanced" and "memory"
+    (expert recompute "block") also the experts' gate/up GEMMs, ``4 T k h I``."""
     if hasattr(layer, "ln_1"):  # GPT2Layer: Conv1D [in, out] weights
-        hidden, intermediate = layer.attn.c_attn.weight.shape[0], layer.mlp.c_fc.weight.shape[1]
-        return hidden, hidden, hidden, layer.num_heads, hidden // layer.num_heads, intermediate, 1
-    attn, mlp = layer.self_attn, layer.mlp
-    hidden = layer.input_layernorm.weight.shape[0]
-    if hasattr(mlp, "gate_proj"):
-        intermediate = mlp.gate_proj.out_features
-    elif hasattr(mlp, "intermediate"):
-        intermediate = mlp.intermediate
+        hidden, intermediate, up_gemms = layer.attn.c_attn.weight.shape[0], layer.mlp.c_fc.weight.shape[1], 1
     else:
-        raise ValueError(f"no FLOP formula for {type(layer).__name__}; use cost='time'")
-    q_width, kv_width = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-    return hidden, q_width, kv_width, attn.num_heads, attn.head_dim, intermediate, 2
+        mlp, hidden = layer.mlp, layer.input_layernorm.weight.shape[0]
+        if isinstance(mlp, SparseMoE):
+            experts, top_k = mlp.gate.num_experts, mlp.gate.top_k
+            intermediate = mlp.experts.down_proj.shape[2]
+            router, up = 2 * tokens * hidden * experts, 4 * tokens * top_k * hidden * intermediate
+            forward = router + up + 2 * tokens * top_k * intermediate * hidden
+            return forward, {"speed": router, "balanced": router + up, "memory": router + up}
+        if hasattr(mlp, "gate_proj"):
+            intermediate = mlp.gate_proj.out_features
+        elif hasattr(mlp, "intermediate"):
+            intermediate = mlp.intermediate
+        else:
+            raise ValueError(f"no FLOP formula for {type(layer).__name__}'s MLP ({type(mlp).__name__}); "
+                             "use cost='time'")
+        up_gemms = 2
+    up = 2 * tokens * hidden * intermediate * up_gemms
+    return up + 2 * tokens * intermediate * hidden, {"speed": 0, "balanced": up, "memory": up}
+
+
+def _attention_shapes(layer):
+    """(hidden, q width, kv width, heads, head dim) of a fused layer's attention."""
+    if hasattr(layer, "ln_1"):  # GPT2Layer
+        hidden = layer.attn.c_attn.weight.shape[0]
+        return hidden, hidden, hidden, layer.num_heads, hidden // layer.num_heads
+    attn = layer.self_attn
+    hidden = layer.input_layernorm.weight.shape[0]
+    return hidden, attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim, attn.num_heads, attn.head_dim
 
 
 def layer_flops(layer, batch, length):
     """(forward FLOPs, {policy: recompute FLOPs}) of fused ``layer`` on [batch, length] (the
     formulas of the module docstring)."""
-    hidden, q_width, kv_width, heads, head_dim, intermediate, up_gemms = _shapes(layer)
+    hidden, q_width, kv_width, heads, head_dim = _attention_shapes(layer)
     tokens = batch * length
     scores = batch * heads * head_dim * length * (length + 1)  # one causal Q K^T
     qkv = 2 * tokens * hidden * (q_width + 2 * kv_width)
-    mlp_up = 2 * tokens * hidden * intermediate * up_gemms
-    forward = qkv + 2 * scores + 2 * tokens * q_width * hidden + mlp_up + 2 * tokens * intermediate * hidden
-    recompute = {"speed": scores, "balanced": scores + mlp_up, "memory": scores + mlp_up + qkv}
+    mlp_forward, mlp_recompute = _mlp_flops(layer, tokens)
+    forward = qkv + 2 * scores + 2 * tokens * q_width * hidden + mlp_forward
+    recompute = {"speed": scores + mlp_recompute["speed"], "balanced": scores + mlp_recompute["balanced"],
+                 "memory": scores + mlp_recompute["memory"] + qkv}
     return forward, recompute
 
 
@@ -444,6 +510,52 @@ def _step_seconds(layer, args, kwargs, *, backward=True):
     return _median_seconds(step)
 
 
+def _output_recorders(model):
+    """The (output key, class or None, class-name suffix or None) of every output Hugging Face's
+    ``_can_record_outputs`` records in ``model`` besides the hidden states."""
+    found = []
+    for module in model.modules():
+        for key, specs in (getattr(type(module), "_can_record_outputs", None) or {}).items():
+            if key == "hidden_states":
+                continue
+            for spec in specs if isinstance(specs, list) else [specs]:
+                if isinstance(spec, str):
+                    found.append((key, None, spec))
+                elif isinstance(spec, type):
+                    found.append((key, spec, None))
+                else:  # an OutputRecorder
+                    found.append((key, spec.target_class, spec.class_name))
+    return found
+
+
+def _recorded_inside(layer, recorders):
+    """The output keys (router_logits, ...) Hugging Face would record from modules inside ``layer``."""
+    keys = set()
+    for name, module in layer.named_modules():
+        for key, target, suffix in recorders:
+            if (target is not None and isinstance(module, target)) or (suffix and name.endswith(suffix)):
+                keys.add(key)
+    return frozenset(keys)
+
+
+def _same_arguments(first, second):
+    """Whether two layers' call arguments ``(args, kwargs)`` (the hidden states excluded) are the
+    same: tensors the same objects, other values equal."""
+    (args_a, kwargs_a), (args_b, kwargs_b) = first, second
+    return (_same_value(args_a[1:], args_b[1:]) and kwargs_a.keys() == kwargs_b.keys()
+            and all(_same_value(kwargs_a[k], kwargs_b[k]) for k in kwargs_a))
+
+
+def _same_value(a, b):
+    if a is b:
+        return True
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, bool | int | float | str) and type(a) is type(b):
+        return a == b
+    return False
+
+
 class _Configuration:
     """One measured configuration of the model: remat.patch applied with ``policy`` (a fused
     policy, or a dict of per-layer choices), one forward on the example with saved bytes
@@ -461,6 +573,8 @@ class _Configuration:
             self.layers = [named[name] for name in names]
             self.attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
             self.totals, self.inputs = _measure_saved(model, self.layers, example_inputs)
+            recorders = _output_recorders(model)
+            self.recorded = [_recorded_inside(layer, recorders) for layer in self.layers]
             self.seconds = {i: (_step_seconds(self.layers[i], *self.inputs[i]),
                                 _step_seconds(self.layers[i], *self.inputs[i], backward=False)) for i in time_layers}
         finally:
@@ -522,7 +636,10 @@ def measure_model_costs(model, example_inputs, *, cost="flops", backend=None, mo
                 span_cost = {p: sum(fused[p].seconds[index]) for p in LAYER_POLICIES}
         if cost == "time":
             taped_cost[STOCK] = in_patched.seconds[index][0]
-        per_layer.append(LayerCosts(name, kept, taped_cost, span_cost, x.numel() * x.element_size()))
+        same_arguments = index > 0 and _same_arguments(fused["memory"].inputs[index - 1], fused["memory"].inputs[index])
+        per_layer.append(LayerCosts(name, kept, taped_cost, span_cost, x.numel() * x.element_size(),
+                                    may_span=not fused["memory"].recorded[index],
+                                    same_arguments_as_previous=same_arguments))
     all_stock = None
     if any(fusable):
         all_stock = (tuple(alone.totals.get(i, 0) for i in range(len(names))),
@@ -561,11 +678,14 @@ def plan_model(model, example_inputs, *, budget_bytes=None, budget_bytes_per_tok
 
     Args:
         model: an unpatched ``nn.Module`` with decoder layers remat's families take (Hugging Face
-            Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, GPT-2), in training mode as it will train.
+            Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, GPT-2, Mixtral, Qwen3-MoE), in training
+            mode as it will train.
         example_inputs: dict of forward keyword arguments of one training batch (``input_ids``,
             ``attention_mask``, ``labels``...), its shape the one the plan holds for.
         budget_bytes: cap on the peak of saved bytes over forward and backward (parameters excluded).
-        budget_bytes_per_token: or the cap per token of the example (``input_ids``' B x N).
+        budget_bytes_per_token: or the cap per token (``input_ids``' B x N); the model is then also
+            measured on the example lengthened to 2N, and batches up to that length are re-planned
+            when first seen (see :func:`predicted_costs`).
         cost: ``"flops"`` (default: recompute FLOPs from the layer shapes) or ``"time"`` (measured
             seconds of each layer's step under each choice).
         backend: remat backend of the fused layers. modules: as for remat.patch (whole layers
@@ -590,7 +710,37 @@ def plan_model(model, example_inputs, *, budget_bytes=None, budget_bytes_per_tok
     resolve_budget(budget_bytes, budget_bytes_per_token, 1)  # argument checks before measuring
     costs = measure_model_costs(model, example_inputs, cost=cost, backend=backend, modules=modules)
     budget = resolve_budget(budget_bytes, budget_bytes_per_token, costs.tokens)
-    return plan_for_costs(costs, budget, max_span=max_span)
+    plan = plan_for_costs(costs, budget, max_span=max_span)
+    if budget_bytes_per_token is not None:
+        plan.budget_bytes_per_token = budget_bytes_per_token
+        plan.doubled_costs = measure_model_costs(model, lengthened_example(example_inputs), cost=cost,
+                                                 backend=backend, modules=modules)
+    return plan
+
+
+def lengthened_example(example_inputs):
+    """The example batch at twice its length N: every row gets N more real tokens (its own ids
+    again, attention mask 1, labelled), before its tokens, or after them when the batch is left
+    padded, so each row's padding stays where it was and its size is unchanged. Takes the
+    ``input_ids`` / ``attention_mask`` / ``labels`` of a [B, N] example; other [B, N] tensors are
+    refused."""
+    ids = example_inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("budget_bytes_per_token needs example_inputs with input_ids of shape [batch, length]")
+    mask = example_inputs.get("attention_mask")
+    left_padded = isinstance(mask, torch.Tensor) and bool((mask[:, 0] == 0).any())
+    added = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids) if mask is None else
+             torch.ones_like(mask)}
+    out = {}
+    for key, value in example_inputs.items():
+        if isinstance(value, torch.Tensor) and value.shape[:2] == ids.shape:
+            if key not in added:
+                raise ValueError(f"budget_bytes_per_token lengthens the example to re-plan longer batches and cannot "
+                                 f"lengthen its {key!r}; give input_ids, attention_mask and labels only")
+            out[key] = torch.cat([value, added[key]] if left_padded else [added[key], value], dim=1)
+        else:
+            out[key] = value
+    return out
 
 
 # --- running a plan --------------------------------------------------------------------------
@@ -619,47 +769,145 @@ def _hidden_states_requested():
     return collected is not None and "hidden_states" in collected
 
 
-def _check_shape(layer, hidden_states):
+def _refuse_gradient_checkpointing(layer):
     if getattr(layer, "gradient_checkpointing", False):
         raise ValueError("this model runs a remat plan (policy='auto'), which decides what is re-run; Hugging Face "
                          "gradient checkpointing on top would re-run layers again: call "
                          "model.gradient_checkpointing_disable() or patch with a fixed policy")
-    planned = layer.__dict__[_PLANNED]["shape"]
-    batch, length = hidden_states.shape[:2]
-    if batch > planned[0] or length > planned[1]:
-        raise ValueError(f"this model's remat plan was made for batches of shape {planned}; a [{batch}, {length}] "
-                         "batch may not fit its budget: re-plan (remat.unpatch(model), then remat.patch(model, "
-                         "policy='auto', example_inputs=<a batch of this shape>, ...))")
 
 
-def _taped_forward(self, hidden_states, *args, **kwargs):
-    _check_shape(self, hidden_states)
-    return type(self).forward(self, hidden_states, *args, **kwargs)
+def _roles(decisions):
+    """{layer index: ("taped", policy) | ("span", end, policies) | ("member", start)} of a plan's
+    decisions (fused layers only)."""
+    roles = {}
+    for item in decisions:
+        if isinstance(item, Taped):
+            roles[item.index] = ("taped", item.choice)
+        else:
+            roles[item.start] = ("span", item.end, item.policies)
+            roles.update({i: ("member", item.start) for i in range(item.start + 1, item.end)})
+    return roles
 
 
-def _span_forward(self, hidden_states, *args, **kwargs):
-    _check_shape(self, hidden_states)
-    state = self.__dict__[_PLANNED]
+def _interpolate(at_example, at_double, fraction):
+    """``at_example + fraction (at_double - at_example)``, rounded up for bytes (ints)."""
+    value = at_example + fraction * (at_double - at_example)
+    return -int(-value // 1) if isinstance(at_example, int) else value
+
+
+def predicted_costs(plan, length, layer_kinds):
+    """The :class:`ModelCosts` of the planned model on batches of the example's rows and ``length``
+    (between the example's length N and 2N), for a per-token plan (``plan.doubled_costs`` measured
+    on the example lengthened to 2N): every entry on the chord between its values at N and 2N. A
+    byte count that is a sum of terms linear and quadratic in the length (activations, attention
+    probabilities, masks) is convex in it, so the chord is an upper bound on [N, 2N], exact for the
+    linear terms. Each layer keeps only the choices of its kind in the patched model
+    (``layer_kinds[i]``: "stock" or "fused"): a re-plan changes the fused layers' policies and the
+    spans, not which layers are fused."""
+    base, double = plan.costs, plan.doubled_costs
+    fraction = (length - base.shape[1]) / base.shape[1]
+
+    def chord(a, b):
+        return {key: _interpolate(a[key], b[key], fraction) for key in a}
+
+    layers = []
+    for layer, doubled, kind in zip(base.layers, double.layers, layer_kinds, strict=True):
+        choices = [STOCK] if kind == STOCK else list(layer.span_cost)
+        kept = chord({c: layer.kept[c] for c in choices}, doubled.kept)
+        cost = chord({c: layer.cost[c] for c in choices}, doubled.cost)
+        span_cost = chord(layer.span_cost, doubled.span_cost) if kind != STOCK else {}
+        layers.append(dataclasses.replace(layer, kept=kept, cost=cost, span_cost=span_cost,
+                                          input_bytes=_interpolate(layer.input_bytes, doubled.input_bytes, fraction)))
+    outside = [_interpolate(getattr(base, f), getattr(double, f), fraction)
+               for f in ("pre_bytes", "shared_bytes", "post_bytes")]
+    return ModelCosts(tuple(layers), *outside, (base.shape[0], length), base.unit)
+
+
+class _PlanRuntime:
+    """What the planned fused layers of one model share: the plan, the layers, the roles per batch
+    shape (re-planned and cached per length for per-token budgets), and the span in progress."""
+
+    def __init__(self, plan, layer_modules):
+        self.plan, self.layers = plan, layer_modules
+        self.kinds = [STOCK if choice == STOCK else "fused" for _, choice in sorted(plan.layer_policies().items())]
+        self.planned_roles = _roles(plan.decisions)
+        self.replanned = {}  # length -> roles
+        self.pending, self.bound = 0, None
+
+    def roles(self, shape):
+        planned = self.plan.costs.shape
+        batch, length = shape
+        if batch <= planned[0] and length <= planned[1]:
+            return self.planned_roles
+        per_token = self.plan.budget_bytes_per_token
+        if per_token is None:
+            raise ValueError(f"this model's remat plan was made for batches of shape {planned}; a [{batch}, {length}] "
+                             "batch may not fit its budget: re-plan (remat.unpatch(model), then remat.patch(model, "
+                             "policy='auto', example_inputs=<a batch of this shape>, ...)) or give the budget per "
+                             "token (budget_bytes_per_token=)")
+        if batch > planned[0] or length > 2 * planned[1]:
+            raise ValueError(f"this model's per-token remat plan was measured on batches of {planned[0]} rows and "
+                             f"lengths {planned[1]} and {2 * planned[1]}; a [{batch}, {length}] batch is outside "
+                             "that range: re-plan with an example of at least this many rows and half this length")
+        if length not in self.replanned:
+            costs = predicted_costs(self.plan, length, self.kinds)
+            budget = int(per_token * planned[0] * length)
+            try:
+                plan = plan_for_costs(costs, budget)
+            except ValueError as error:
+                raise ValueError(f"budget_bytes_per_token={per_token} cannot hold a [{planned[0]}, {length}] batch "
+                                 f"with this model's layers fused as planned ({error}); re-plan on an example of "
+                                 "this length") from None
+            self.replanned[length] = _roles(plan.decisions)
+        return self.replanned[length]
+
+
+def _set_policy(layer, policy):
+    if layer.policy != policy:
+        layer.policy = policy
+
+
+def _planned_forward(self, hidden_states, *args, **kwargs):
+    index = self.__dict__[_PLANNED]["index"]
+    runtime = self.__dict__[_PLANNED]["runtime"]
+    _refuse_gradient_checkpointing(self)
+    role = runtime.roles(tuple(hidden_states.shape[:2]))[index]
+    if role[0] == "taped":
+        _set_policy(self, role[1])
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    if role[0] == "member":
+        return _pass_through(self, runtime, hidden_states, args, kwargs)
+    _, end, policies = role
+    members = runtime.layers[index:end]
     for value in itertools.chain(args, kwargs.values()):
         for t in value if isinstance(value, tuple | list) else (value,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 raise ValueError("a checkpointed span passes the decoder loop's arguments to every layer and "
                                  "differentiates only the hidden states and parameters; an argument requires grad")
-    if len(state["members"]) > 1 and _hidden_states_requested():
+    if len(members) > 1 and _hidden_states_requested():
         raise ValueError("a remat plan with multi-layer checkpointed spans cannot return per-layer hidden states "
                          "(output_hidden_states=True); plan with max_span=1")
-    blocks = [_BoundLayer(layer, args, kwargs) for layer in state["members"]]
+    for layer, policy in zip(members, policies, strict=True):
+        _set_policy(layer, policy)
+    blocks = [_BoundLayer(layer, args, kwargs) for layer in members]
     out = run_chain(blocks, hidden_states, Segment(0, len(blocks), recompute=True))
-    state["pending"] = len(blocks) - 1
+    runtime.pending = len(blocks) - 1
+    runtime.bound = (args, kwargs) if len(blocks) > 1 else None
     return out
 
 
-def _pass_through_forward(self, hidden_states, *args, **kwargs):
-    owner = self.__dict__[_PLANNED]["owner"].__dict__[_PLANNED]
-    if owner["pending"] <= 0:
-        raise ValueError(f"{type(self).__name__} runs inside a checkpointed span started by an earlier layer and "
+def _pass_through(layer, runtime, hidden_states, args, kwargs):
+    if runtime.pending <= 0:
+        raise ValueError(f"{type(layer).__name__} runs inside a checkpointed span started by an earlier layer and "
                          "cannot run on its own; call the whole model (or remat.unpatch it)")
-    owner["pending"] -= 1
+    runtime.pending -= 1
+    bound_args, bound_kwargs = runtime.bound
+    if runtime.pending == 0:
+        runtime.bound = None  # the span's arguments are not kept alive past the forward
+    if not _same_arguments(((None, *bound_args), bound_kwargs), ((hidden_states, *args), kwargs)):
+        raise ValueError(f"{type(layer).__name__} ran inside a checkpointed span with the span's first layer's "
+                         "arguments, but the decoder loop passes it different ones (rope tables, masks): the "
+                         "span's output is wrong for it; plan with max_span=1 or patch with a fixed policy")
     return hidden_states
 
 
@@ -667,18 +915,10 @@ def install(plan, layer_modules):
     """Makes the patched ``layer_modules`` (one per planned layer, in order) run ``plan``: a
     span's first layer runs the whole span under remat's chain executor (its input kept, the span
     re-run in backward), the span's other layers pass the hidden states through; every fused
-    layer checks the batch shape against the plan's."""
-    for item in plan.decisions:
-        if isinstance(item, Taped):
-            layer = layer_modules[item.index]
-            if isinstance(layer, PreNormDecoderLayer):
-                object.__setattr__(layer, _PLANNED, {"shape": plan.costs.shape})
-                layer.forward = types.MethodType(_taped_forward, layer)
-            continue
-        members = layer_modules[item.start:item.end]
-        first = members[0]
-        object.__setattr__(first, _PLANNED, {"shape": plan.costs.shape, "members": members, "pending": 0})
-        first.forward = types.MethodType(_span_forward, first)
-        for layer in members[1:]:
-            object.__setattr__(layer, _PLANNED, {"owner": first})
-            layer.forward = types.MethodType(_pass_through_forward, layer)
+    layer checks the batch shape against the plan's (a per-token plan re-plans longer batches,
+    see :class:`_PlanRuntime`)."""
+    runtime = _PlanRuntime(plan, list(layer_modules))
+    for index, layer in enumerate(layer_modules):
+        if isinstance(layer, PreNormDecoderLayer):
+            object.__setattr__(layer, _PLANNED, {"index": index, "runtime": runtime})
+            layer.forward = types.MethodType(_planned_forward, layer)
