@@ -31,6 +31,25 @@ def greedy(model, ids, mask, new_tokens=6):
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
 
 
+def greedy_with_logits(model, ids, mask, new_tokens=6):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+
+
+# Per-step logits, patched vs stock, both float32, |logit| < 1 here: the two implementations order
+# their float32 sums differently, a few ulps (float32 eps 1.2e-7) through 2 layers; measured at most
+# 3.2e-7 over the eight families (CPU), so 2e-6 absolute bounds it with 6x margin, while a wrong
+# mask, window or cache position moves logits by 1e-2 and more.
+LOGIT_TOLERANCE = dict(rtol=0, atol=2e-6)
+
+
+def assert_same_generation(got, want, steps):
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.logits) == len(want.logits) == steps
+    for step, (got_step, want_step) in enumerate(zip(got.logits, want.logits, strict=True)):
+        torch.testing.assert_close(got_step, want_step, **LOGIT_TOLERANCE, msg=lambda m, s=step: f"step {s}: {m}")
+
+
 class CountingAttention:
     """Wraps the registered "remat" attention function, counting calls and the query lengths."""
 
@@ -57,11 +76,13 @@ def test_greedy_generate_returns_the_stock_tokens(kind):
     remat.patch(patched)
     ids, mask, _ = batch()
     left = mask.flip(1)  # batched prompts padded on the left, as generate expects
-    want_single, want_batched = greedy(stock, ids[:1], mask[:1]), greedy(stock, ids, left)
+    want_single, want_batched = greedy_with_logits(stock, ids[:1], mask[:1]), greedy_with_logits(stock, ids, left)
     with CountingAttention() as counter:
-        got_single, got_batched = greedy(patched, ids[:1], mask[:1]), greedy(patched, ids, left)
-    assert torch.equal(got_single, want_single)
-    assert torch.equal(got_batched, want_batched)
+        got_single = greedy_with_logits(patched, ids[:1], mask[:1])
+        got_batched = greedy_with_logits(patched, ids, left)
+    # Mistral's window (4) is shorter than the prompt (11): every decode step runs on a full window.
+    assert_same_generation(got_single, want_single, 6)
+    assert_same_generation(got_batched, want_batched, 6)
     # Every step of every layer attended through remat: the prompt, then one query per new token.
     layers = 2
     assert counter.query_lengths == ([LENGTH] * layers + [1] * layers * 5) * 2
@@ -182,6 +203,21 @@ def test_other_families_generate_the_stock_tokens(kind):
     ids, mask, _ = batch()
     left = mask.flip(1)
     with CountingAttention() as counter:
-        got = greedy(patched, ids, left, new_tokens=4)
-    assert torch.equal(got, greedy(stock, ids, left, new_tokens=4))
+        got = greedy_with_logits(patched, ids, left, new_tokens=4)
+    assert_same_generation(got, greedy_with_logits(stock, ids, left, new_tokens=4), 4)
     assert len(counter.query_lengths) == 2 * 4
+
+
+def test_a_cache_in_a_training_forward_raises():
+    """Training mode with grad enabled and a KV cache would run the stock layers (keeping every
+    activation) in silence: it raises, naming use_cache=False; without grad it generates."""
+    model = build("llama")
+    remat.patch(model)
+    model.train()
+    ids, mask, labels = batch()
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=True)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids, attention_mask=mask, cache=transformers.DynamicCache())
+    with torch.no_grad():
+        assert model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values is not None

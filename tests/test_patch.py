@@ -74,7 +74,8 @@ def test_non_padding_masks_raise_and_padding_masks_and_caches_run():
     with pytest.raises(ValueError, match="2-D"):
         model(input_ids=ids, attention_mask=four_d_mask(mask))
     model(input_ids=ids, attention_mask=mask.flip(1))
-    out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    with torch.no_grad():  # a cache in a training forward with grad raises (tests/test_generation.py)
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
     assert out.past_key_values.get_seq_length() == ids.shape[1]
     assert model.config._attn_implementation == "remat" and model.config.use_cache is False
     remat.unpatch(model)

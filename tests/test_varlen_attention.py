@@ -44,6 +44,9 @@ CASES = [
     vcase("cross-causal-mqa-zero-keys", [3, 1, 20, 2], [7, 4, 33, 0], 4, 1, 16, causal=True),
     vcase("window-softcap", [17, 40, 2], [17, 40, 2], 2, 1, 64, causal=True, window=(6, None), softcap=5.0),
     vcase("window-both-sides", [13, 30], [13, 30], 2, 2, 16, window=(4, 3)),
+    # A causal window with fewer queries than keys in every sequence (bottom-right alignment: the
+    # window is counted from each query's aligned key, as in cached decoding).
+    vcase("cross-window", [1, 3, 1, 5], [6, 9, 2, 5], 4, 2, 16, causal=True, window=(3, None)),
     vcase("rope-restart-causal", [1, 33, 6, 0], [4, 33, 6, 0], 4, 2, 32, causal=True, rope="restart"),
     vcase("rope-per-token-gqa", [9, 2, 23], [9, 5, 23], 4, 2, 32, causal=True, rope="per_token"),
     vcase("dropout-rope-softcap", [7, 0, 19], [7, 3, 19], 2, 1, 16, causal=True, dropout=0.2, softcap=8.0,

@@ -19,7 +19,9 @@ Cohere's LayerNorm, non-causal vision attention) are left as they are. Replaceme
 originals' train/eval mode.
 
 Hugging Face masks, packing and generation (when attention is replaced: whole layers or attention
-modules): the model's ``config._attn_implementation`` becomes ``"remat"`` (restored by unpatch),
+modules): the model's ``config._attn_implementation`` becomes ``"remat"`` on a private copy of its
+config (the model's modules hold the copy until unpatch puts the original back; other models built
+from the same config object are not changed),
 registered with transformers (remat.models.hf.register_attention), so the model gives its layers
 the 2-D padding mask, or None without padding. A 2-D ``attention_mask`` may pad anywhere (right,
 left, holes): each row's real tokens run as one packed variable-length sequence; rows whose
@@ -28,10 +30,11 @@ each document as its own sequence (remat.nn.layers.sequence_layout). The model c
 is called with: other masks (4-D, custom) raise ValueError. With a KV cache (``generate``), each
 fused layer runs the Hugging Face layer it replaced, which appends to the cache and attends through
 remat's attention (remat.models.hf.hf_attention), in no_grad saving nothing. ``config.use_cache``
-is set False (restored by unpatch) so training forwards build no cache; ``generate`` still uses
+is set False (on the copy) so training forwards build no cache; ``generate`` still uses
 one (its generation config's ``use_cache``).
 """
 
+import copy
 import functools
 import inspect
 import types
@@ -152,8 +155,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     if layers_replaced and _attention_replaced(model):
         # Training forwards build no cache (generate still does); the model builds 2-D padding
         # masks for remat's layers and runs stock attention modules (with a cache) through remat's.
-        configs = _hf_configs(model)
-        setattr(model, _CONFIGS, [(config, config.use_cache, config._attn_implementation) for config in configs])
+        # On private copies of the configs: Hugging Face shares one config object among the
+        # models built from it (Cls(config), from_config(model.config)), which must not change.
+        configs = _give_private_configs(model)
         if configs:
             register_attention()
         for config in configs:
@@ -163,15 +167,59 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     return report
 
 
-def _hf_configs(model):
-    """The distinct Hugging Face configs (with ``_attn_implementation``) of model's modules: the
-    model's own, or those of the models it wraps."""
-    configs = {}
-    for module in model.modules():
+def _is_hf_config(config):
+    return config is not None and hasattr(config, "_attn_implementation") and hasattr(config, "sub_configs")
+
+
+def _modules_with_originals(model):
+    """model's modules and those of the Hugging Face modules patch replaced (kept aside, run for
+    generation: their attention modules read their config's ``_attn_implementation``)."""
+    seen = {}
+    stack = [model]
+    while stack:
+        for module in stack.pop().modules():
+            if id(module) not in seen:
+                seen[id(module)] = module
+                original = module.__dict__.get(_ORIGINAL)
+                if original is not None:
+                    stack.append(original)
+    return list(seen.values())
+
+
+def _give_private_configs(model):
+    """Gives model's modules (and the replaced originals') shallow copies of the Hugging Face
+    configs they hold, one copy per distinct config, with sub-configs (``text_config``, ...)
+    pointing at the copies of those too (a multimodal model builds its text mask from its own
+    config's ``text_config``, which must be the copy its language model holds); records
+    ``(module, original config)`` for unpatch and returns the copies of the decoder configs
+    modules hold (those with ``use_cache``; a vision tower's config keeps its attention)."""
+    modules = _modules_with_originals(model)
+    held = {}
+    for module in modules:
         config = module.__dict__.get("config")
-        if config is not None and hasattr(config, "_attn_implementation") and hasattr(config, "use_cache"):
-            configs.setdefault(id(config), config)
-    return list(configs.values())
+        if _is_hf_config(config):
+            held.setdefault(id(config), config)
+    copies = {}
+    pending = list(held.values())
+    while pending:
+        config = pending.pop()
+        if id(config) in copies:
+            continue
+        copies[id(config)] = (config, copy.copy(config))
+        pending += [sub for key in type(config).sub_configs if _is_hf_config(sub := getattr(config, key, None))]
+    for _, private in copies.values():
+        for key in type(private).sub_configs:
+            sub = private.__dict__.get(key)
+            if sub is not None and id(sub) in copies:
+                private.__dict__[key] = copies[id(sub)][1]
+    swapped = []
+    for module in modules:
+        config = module.__dict__.get("config")
+        if _is_hf_config(config):
+            swapped.append((module, config))
+            module.__dict__["config"] = copies[id(config)][1]
+    setattr(model, _CONFIGS, swapped)
+    return [copies[key][1] for key, config in held.items() if hasattr(config, "use_cache")]
 
 
 def _attention_replaced(model):
@@ -284,9 +332,8 @@ def unpatch(model):
             # LM head around the mask check) stays the model's forward; the mask check inside it
             # passes everything through now that the model is unpatched.
             setattr(model, _KEPT_INSIDE_WRAPPER, True)
-    for config, use_cache, attn_implementation in model.__dict__.pop(_CONFIGS, ()):
-        config.use_cache = use_cache
-        config._attn_implementation = attn_implementation
+    for module, config in model.__dict__.pop(_CONFIGS, ()):
+        module.__dict__["config"] = config
     for module in model.modules():
         causal_lm.uninstall(module)
     _remove_checkpoint_counting(model)

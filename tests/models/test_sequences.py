@@ -180,8 +180,8 @@ def test_packed_rows_in_bf16():
 
 @pytest.mark.parametrize("layout", ["left", "holes"])
 def test_compile_with_a_padded_batch_is_one_graph(layout):
-    """Under torch.compile the padding layout has fixed shapes (every pad a one-token sequence of
-    its own), so a padded batch compiles to one graph (fullgraph) and matches the eager model."""
+    """Under torch.compile the padding layout has fixed shapes (two sequences per row: its real tokens, then
+    its pads), so a padded batch compiles to one graph (fullgraph) and matches the eager model."""
     torch._dynamo.reset()
     ids, mask = padded_batch(layout)
     inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
@@ -214,6 +214,10 @@ def test_attention_modules_alone_take_padding_and_packing():
     want = per_document_reference(stock, ids, labels, starts)
     got = step(patched, input_ids=ids, position_ids=positions, labels=labels)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    assert got[2].keys() == want[2].keys()
+    for name, g in want[2].items():
+        torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-6)
 
 
 def test_gradient_checkpointing_with_padding_keeps_the_gradients():
@@ -264,3 +268,150 @@ def test_hugging_face_flattening_collator(flash_kwargs):
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
     for name, g in want[2].items():
         torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-6)
+
+
+def test_static_padding_layout_has_two_sequences_per_row():
+    """The fixed-shape layout (torch.compile) of a [3, 5] batch: per row its real tokens then its
+    pads, 2B sequences (not one per pad: kernels' grids have a sequence limit), all tokens once."""
+    from remat.nn.layers import _padding_layout_static
+
+    real = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    layout = _padding_layout_static(real)
+    assert layout.cu_seqlens.tolist() == [0, 3, 5, 10, 10, 10, 15]
+    assert layout.tokens.tolist() == [1, 2, 4, 0, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert layout.max_seqlen == 5
+
+
+def mask_config(kind):
+    config = build(kind).config
+    config._attn_implementation = "remat"
+    return config
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_mask_rules_other_than_causal_raise(kind):
+    """transformers' mask builders hand the mask interface the model's rule: the causal and sliding
+    rules (and packed rows) pass; a prefix-LM / image block (block_sequence_ids, PaliGemma and
+    Gemma 3's token_type_ids) or an or/and mask function would be dropped by remat's causal layers,
+    so they raise."""
+    from transformers import masking_utils
+
+    from remat.models.hf import register_attention
+
+    register_attention()
+    config = mask_config(kind)
+    builder = (masking_utils.create_sliding_window_causal_mask if kind == "mistral"
+               else masking_utils.create_causal_mask)
+    embeds = torch.zeros(2, LENGTH, 8)
+    positions = torch.arange(LENGTH)[None]
+    ids, mask = padded_batch("left")
+    assert torch.equal(builder(config, embeds, mask, cache=None, position_ids=positions), mask.bool())
+    packed = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
+    assert builder(config, embeds[:1, : sum(DOCUMENTS)], None, cache=None, position_ids=packed) is None
+    blocks = torch.where(torch.arange(LENGTH) < 4, 0, -1)[None].expand(2, LENGTH)
+    with pytest.raises(ValueError, match="mask rule"):
+        builder(config, embeds, mask, cache=None, position_ids=positions, block_sequence_ids=blocks)
+    with pytest.raises(ValueError, match="mask rule"):
+        builder(config, embeds, None, cache=None, position_ids=positions,
+                or_mask_function=masking_utils.blockwise_overlay(blocks))
+    with pytest.raises(ValueError, match="mask rule"):
+        masking_utils.create_causal_mask(config, embeds, None, cache=None, position_ids=positions,
+                                         and_mask_function=masking_utils.padding_mask_function(mask.bool()))
+
+
+def test_patching_leaves_models_sharing_the_config_alone():
+    """Two models built from one config object: patching one changes neither the other's config
+    (attention implementation, use_cache) nor its outputs; unpatch gives the original back."""
+    first = build("llama")
+    config = first.config
+    second = type(first)(config)
+    second.load_state_dict(first.state_dict())
+    ids, mask = padded_batch("left")
+    with torch.no_grad():
+        before = second(input_ids=ids, attention_mask=mask).logits
+    settings = (config._attn_implementation, config.use_cache)
+    remat.patch(first)
+    assert first.config is not config and first.config._attn_implementation == "remat"
+    assert first.model.layers[0]._remat_original.self_attn.config is first.config
+    assert (second.config._attn_implementation, second.config.use_cache) == settings
+    assert second.config is config and second.model.layers[0].self_attn.config is config
+    with torch.no_grad():
+        assert torch.equal(second(input_ids=ids, attention_mask=mask).logits, before)
+    remat.unpatch(first)
+    assert first.config is config and first.model.layers[0].self_attn.config is config
+    assert (config._attn_implementation, config.use_cache) == settings
+
+
+def test_offsets_with_a_padding_mask_or_wrong_sums_raise(monkeypatch):
+    """cu_seq_lens_q/k describe a row without pads: with a mask that has a pad they raise, in the
+    fused layers and in the attention function stock modules call; offsets that do not run from 0
+    to the row length raise before the row is packed (GPT-2, no rope: positions are built from the
+    offsets there, by repeat_interleave with the row length as output size)."""
+    from remat.models.hf import hf_attention
+    from remat.nn import layers
+
+    _, _, _, offsets, _ = packed_row()
+    n = sum(DOCUMENTS)
+    mask = torch.ones(1, n, dtype=torch.long)
+    mask[0, -2:] = 0
+    model = build("llama")
+    remat.patch(model)
+    layer = model.model.layers[0]
+    x = torch.randn(1, n, 64)
+    flash = dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=6, max_length_k=6)
+    with pytest.raises(ValueError, match="padding"):
+        layer(x, attention_mask=mask, **flash)
+    layer(x, attention_mask=torch.ones_like(mask), **flash)
+    q = torch.randn(1, 2, n, 16)
+    with pytest.raises(ValueError, match="padding"):
+        hf_attention(layer, q, q, q, mask.bool(), **flash)
+    gpt2 = build("gpt2")
+    remat.patch(gpt2)
+    short = offsets.clone()
+    short[-1] -= 1
+
+    def packed_before_the_check(*args):
+        raise AssertionError("the row was packed before its offsets were checked")
+
+    monkeypatch.setattr(layers, "pack_sequences", packed_before_the_check)
+    for bad in (short, offsets + 1):
+        with pytest.raises(ValueError, match="run from 0 to the row length"):
+            gpt2(input_ids=torch.zeros(1, n, dtype=torch.long), cu_seq_lens_q=bad, cu_seq_lens_k=bad,
+                 max_length_q=6, max_length_k=6)
+
+
+def gemma3_multimodal():
+    """A tiny Gemma 3 image-text model (SigLIP tower of one layer, 4 image tokens, id 95)."""
+    text = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=95, boi_token_index=93, eoi_token_index=94)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
+def test_image_blocks_of_a_multimodal_model_raise():
+    """Gemma 3 lets image tokens attend to each other both ways (token_type_ids -> an or-mask rule):
+    a patched model raises instead of running plain causal attention over them; text alone (the
+    causal and sliding rules, built from the composite config's text_config, which is the patched
+    copy) matches the stock model, and the shared configs are left as they were."""
+    model = gemma3_multimodal()
+    config = model.config
+    ids = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids[0, 2:6] = 95
+    with torch.no_grad():
+        want = model(input_ids=ids[:, 6:]).logits
+    remat.patch(model)
+    assert model.model.language_model.config is model.config.text_config
+    assert model.config.text_config._attn_implementation == "remat"
+    assert config.text_config._attn_implementation == config.vision_config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="mask rule"):
+        model(input_ids=ids, pixel_values=torch.randn(1, 3, 16, 16), token_type_ids=(ids == 95).long())
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids[:, 6:]).logits, want, rtol=1e-5, atol=1e-5)
+    remat.unpatch(model)
+    assert model.config is config and model.model.language_model.config is config.text_config

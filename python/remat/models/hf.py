@@ -43,13 +43,97 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     last ``kv_length`` columns (a sliding-window cache keeps the last keys only). The causal and
     sliding-window structure is the layers' own; packed rows are found from ``position_ids`` by the
     layers (remat.nn.layers.sequence_layout). Under torch.compile the mask is returned whenever
-    one is given (testing it for padding would read it on the host)."""
+    one is given (testing it for padding would read it on the host).
+
+    ``mask_function`` is transformers' mask rule for the layer; remat's layers run causal
+    attention with the family's sliding window and split packed rows themselves, so only
+    transformers' causal rule, its sliding-window rule and (without ``attention_mask``) their
+    packed-sequence combination are accepted; any other rule (a prefix-LM or image block from
+    ``block_sequence_ids`` / ``token_type_ids``, an ``or_mask_function`` / ``and_mask_function``
+    of the model, a bidirectional or chunked mask) raises ValueError rather than being dropped."""
+    refuse_mask_rule(mask_function, packed_allowed=attention_mask is None)
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
     if torch.compiler.is_compiling() or attention_mask.shape[1] != kv_length or not bool(attention_mask.all()):
         return attention_mask
     return None
+
+
+def _closure(function):
+    """The free variables of a closure: ``{name: value}``."""
+    cells = getattr(function, "__closure__", None) or ()
+    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in cells), strict=True))
+
+
+def _rule_codes():
+    """The code objects of the closures transformers' mask-rule factories return (compared by
+    identity: under torch.compile a nested function's ``__qualname__`` reads as None, its
+    ``__code__`` does not)."""
+    from transformers import masking_utils as rules
+
+    return dict(and_masks=rules.and_masks(rules.causal_mask_function).__code__,
+                sliding=rules.sliding_window_overlay(1).__code__,
+                packed=rules.packed_sequence_mask_function(None).__code__,
+                remapped=rules.remap_positions_for_packed_sequence(rules.causal_mask_function, None).__code__)
+
+
+def _is_causal_rule(function, codes):
+    """Whether ``function`` is transformers' causal mask rule, or the causal rule and a
+    sliding-window overlay combined by ``and_masks`` (either order: transformers builds both,
+    create_sliding_window_causal_mask and create_causal_mask(and_mask_function=...))."""
+    from transformers import masking_utils
+
+    if function is masking_utils.causal_mask_function:
+        return True
+    if getattr(function, "__code__", None) is not codes["and_masks"]:
+        return False
+    parts = _closure(function).get("mask_functions", ())
+    overlays = [part for part in parts if getattr(part, "__code__", None) is codes["sliding"]]
+    return len(parts) == 2 and masking_utils.causal_mask_function in parts and len(overlays) == 1
+
+
+def _is_packed_rule(function, codes):
+    """transformers' packed-sequence combination of a causal rule: ``and_masks(remap_positions(causal
+    rule), packed_sequence_mask_function(...))``."""
+    if getattr(function, "__code__", None) is not codes["and_masks"]:
+        return False
+    parts = _closure(function).get("mask_functions", ())
+    if len(parts) != 2 or getattr(parts[1], "__code__", None) is not codes["packed"]:
+        return False
+    return (getattr(parts[0], "__code__", None) is codes["remapped"]
+            and _is_causal_rule(_closure(parts[0]).get("mask_function"), codes))
+
+
+def refuse_mask_rule(mask_function, packed_allowed):
+    """Raises ValueError unless ``mask_function`` (what transformers passes a mask interface) is
+    None, transformers' causal rule, its sliding-window causal rule, or (``packed_allowed``: no
+    padding mask) their packed-sequence combination; see :func:`padding_mask`."""
+    if mask_function is None:
+        return
+    codes = _rule_codes()
+    if _is_causal_rule(mask_function, codes) or (packed_allowed and _is_packed_rule(mask_function, codes)):
+        return
+    name = getattr(getattr(mask_function, "__code__", None), "co_name", type(mask_function).__name__)
+    raise ValueError("a remat-patched model runs causal attention (with the family's sliding window, and packed "
+                     "rows from position_ids or cu_seq_lens_q/k); the model asked for another mask rule "
+                     f"({name}: a prefix-LM or image block from "
+                     "token_type_ids / block_sequence_ids, an or_mask_function / and_mask_function, a bidirectional "
+                     "or chunked mask), which remat does not support; call remat.unpatch(model) for this model")
+
+
+def refuse_offsets_with_padding(attention_mask):
+    """Hugging Face's ``cu_seq_lens_q/k`` describe a packed row without pads: given with a 2-D
+    padding mask that has a pad (a 0), raises ValueError (in eager; under torch.compile an
+    in-graph assertion, as the mask cannot be read on the host). An all-ones mask is accepted."""
+    if attention_mask is None:
+        return
+    message = ("cu_seq_lens_q/k (packed rows) cannot be combined with an attention_mask that has padding: pass "
+               "the packed row without pads and without a mask (or an all-ones mask)")
+    if torch.compiler.is_compiling():
+        torch._assert_async(attention_mask.to(torch.bool).all(), message)
+    elif not bool(attention_mask.to(torch.bool).all()):
+        raise ValueError(message)
 
 
 def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -80,6 +164,8 @@ def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
         raise ValueError("remat's attention takes a 2-D [B, K] padding mask or None; got "
                          f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+    if any(kwargs.get(name) is not None for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        refuse_offsets_with_padding(attention_mask)
     options = dict(causal=bool(getattr(module, "is_causal", True)), scale=scaling, dropout_p=float(dropout or 0.0),
                    window=None if not sliding_window else (int(sliding_window) - 1, None), softcap=softcap or None)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, length, heads, D]
@@ -109,7 +195,8 @@ def run_stock_layer(layer, *args, **kwargs):
     """Runs the Hugging Face module that remat.patch replaced by ``layer`` (kept as
     ``layer._remat_original``, sharing its parameters) on the same arguments: what a patched layer
     does with a KV cache (generation), where the model's own code updates the cache and attends
-    through :func:`hf_attention`. The stock module is put in ``layer``'s train/eval mode first,
+    through :func:`hf_attention`; in a training forward (``layer.training`` with grad enabled) a
+    cache raises ValueError instead. The stock module is put in ``layer``'s train/eval mode first,
     and its forward runs without its module hooks (``layer``'s own hooks run around the call).
     Raises ValueError when ``layer`` has no original (built outside remat.patch) or holds
     parameters its original lacks (an adapter added after patching, which the stock module would
@@ -118,6 +205,11 @@ def run_stock_layer(layer, *args, **kwargs):
     if stock is None:
         raise ValueError(f"{type(layer).__name__} runs with a KV cache only inside a model patched by remat.patch "
                          "(it then runs the replaced Hugging Face module); this one was built on its own")
+    if layer.training and torch.is_grad_enabled():
+        raise ValueError("a KV cache in a training forward (training mode, grad enabled): remat's fused layers train "
+                         "without a cache (the stock layer would run instead, keeping all its activations); pass "
+                         "use_cache=False (or no past_key_values), or run the cached forward under torch.no_grad() "
+                         "or in eval mode")
     stock_parameters = {id(p) for p in stock.parameters()}
     missing = [name for name, p in layer.named_parameters() if id(p) not in stock_parameters]
     if missing:

@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from remat import checks, functional
-from remat.models.hf import refuse_static_cache, run_stock_layer
+from remat.models.hf import refuse_offsets_with_padding, refuse_static_cache, run_stock_layer
 
 LAYER_POLICIES = ("speed", "balanced", "memory")
 # Hugging Face's keyword arguments for packed rows (DataCollatorWithFlattening(return_flash_attn_kwargs=True),
@@ -35,7 +35,7 @@ class SequenceLayout(NamedTuple):
     """How a ``[B, N]`` batch runs as packed sequences (one row ``[1, T]``, variable-length attention).
 
     ``tokens``: int64 ``[T]`` flat indices into the ``B * N`` tokens, in packed order (the real
-    tokens, row by row; under torch.compile followed by every pad), or None when all ``B * N``
+    tokens, row by row; under torch.compile each row's real tokens then its pads), or None when all ``B * N``
     tokens run in order. ``cu_seqlens``: int32
     ``[S + 1]`` offsets of the sequences in the packed row. ``max_seqlen``: the longest sequence
     (an upper bound)."""
@@ -51,7 +51,8 @@ def sequence_layout(batch, n, attention_mask=None, position_ids=None, cu_seq_len
     sequence from its first token (the dense path). In order of precedence:
 
     - ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (Hugging Face's packed-row arguments; B must be 1, both
-      equal: self-attention): those sequences.
+      equal: self-attention, from 0 to N): those sequences. A padding mask with a pad besides them
+      raises ValueError (an all-ones mask is accepted).
     - a 2-D ``attention_mask`` ``[B, N]`` with a 0 before a 1 in some row (left padding, holes):
       each row's real tokens (1s) form one sequence; pads are left out, as FlashAttention-2's
       unpadding does (so a sliding window counts real tokens). ``position_ids`` only place the
@@ -64,10 +65,13 @@ def sequence_layout(batch, n, attention_mask=None, position_ids=None, cu_seq_len
     Finding the layout reads the mask or positions on the host (one sync per model forward: the
     result is reused while the same, unchanged tensors come back, as they do layer after layer).
     Under torch.compile nothing is read on the host (no graph break): a padding mask gives a layout
-    of fixed shape (every pad a one-token sequence of its own, computed and then dropped), and
+    of fixed shape (two sequences per row: its real tokens, then its pads, which attend only to the
+    row's pads; their outputs are computed and returned at the pad positions, see
+    :meth:`PreNormDecoderLayer.forward`), and
     positions are checked in the graph only: packed rows under compile need ``cu_seq_lens_q/k``
     (a restart without them fails an in-graph assertion)."""
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        refuse_offsets_with_padding(attention_mask)
         return _offsets_layout(batch, n, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, n):
@@ -142,14 +146,17 @@ def _padding_layout(real):
 
 def _padding_layout_static(real):
     """The padding layout with shapes that do not depend on the mask (for torch.compile: no host
-    read, no graph break): all B * N tokens, the real ones row by row first (a stable sort), then
-    every pad as a sequence of its own (one token attending to itself), so T = B * N and the
-    offsets hold B + 1 + B * N values."""
+    read, no graph break): all B * N tokens, 2 * B sequences: each row's real tokens in order (one
+    sequence), then that row's pads (another, possibly empty: the pads attend causally to the
+    row's earlier pads only, never to a real token, and no real token sees them). The token order
+    is a stable argsort of the pad flag within each row, so T = B * N and the offsets hold 2B + 1
+    values: ``b * N``, ``b * N + real tokens of row b``, ... ``B * N``."""
     batch, n = real.shape
-    tokens = torch.argsort((~real).flatten().to(torch.int8), stable=True)
-    row_offsets = nn.functional.pad(real.sum(1).cumsum(0), (1, 0))
-    pad_offsets = (row_offsets[-1] + torch.arange(1, batch * n + 1, device=real.device)).clamp(max=batch * n)
-    return SequenceLayout(tokens, torch.cat([row_offsets, pad_offsets]).to(torch.int32), n)
+    row_starts = torch.arange(batch, device=real.device) * n
+    tokens = (torch.argsort((~real).to(torch.int8), dim=1, stable=True) + row_starts[:, None]).flatten()
+    real_ends = row_starts + real.sum(1)
+    offsets = torch.stack([real_ends, row_starts + n], 1).flatten()
+    return SequenceLayout(tokens, nn.functional.pad(offsets, (1, 0)).to(torch.int32), n)
 
 
 def _offsets_layout(batch, n, cu_q, cu_k, max_q, max_k):
@@ -161,10 +168,17 @@ def _offsets_layout(batch, n, cu_q, cu_k, max_q, max_k):
     if cu_q.shape != cu_k.shape:
         raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be equal (self-attention over packed rows), got shapes "
                          f"{tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
+    if cu_q.dim() != 1 or cu_q.numel() < 2:
+        raise ValueError(f"cu_seq_lens_q/k must be 1-D offsets [S + 1] with S >= 1, got shape {tuple(cu_q.shape)}")
+    # Checked before anything indexes with them (positions from the offsets use N as output size).
+    spans = f"cu_seq_lens_q/k must run from 0 to the row length N = {n}"
     if torch.compiler.is_compiling():
         torch._assert_async((cu_q == cu_k).all(), "cu_seq_lens_q and cu_seq_lens_k must be equal")
+        torch._assert_async((cu_q[0] == 0) & (cu_q[-1] == n), spans)
     elif not torch.equal(cu_q, cu_k):
         raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be equal (self-attention over packed rows)")
+    elif int(cu_q[0]) != 0 or int(cu_q[-1]) != n:
+        raise ValueError(f"{spans}, got {int(cu_q[0])} to {int(cu_q[-1])}")
     longest = max_q if max_q is not None else max_k
     longest = n if longest is None else int(longest)
     return SequenceLayout(None, cu_q.to(torch.int32), longest)
@@ -269,8 +283,11 @@ class PreNormDecoderLayer(nn.Module):
         Args:
             attention_mask: None, or a 2-D ``[B, N]`` padding mask (1 real token, 0 pad, anywhere in
                 a row): the real tokens of each row then run as one packed sequence (see
-                :func:`sequence_layout`); pad positions return their input unchanged. Other masks
-                raise ValueError.
+                :func:`sequence_layout`). What pad positions return (nothing real reads them, and
+                their outputs reach no loss): in eager, their input unchanged when the row has a
+                pad before a real token (left padding, holes), and the dense causal layer's output
+                with right padding only; under torch.compile, the layer's output over the row's
+                pads attending only to the row's pads. Other masks raise ValueError.
             position_ids: ``[B or 1, N]`` positions for the built-in rope tables; positions that
                 restart (packed rows) split a row into sequences that attend only within
                 themselves.
@@ -279,7 +296,8 @@ class PreNormDecoderLayer(nn.Module):
             kwargs: Hugging Face's ``cu_seq_lens_q/k``, ``max_length_q/k`` (packed rows, B = 1); a
                 KV cache (``cache`` / ``past_key_values``): the layer then runs the Hugging Face
                 module remat.patch replaced (hf.run_stock_layer), which appends to the cache and
-                attends through remat's attention (generation). Other Hugging Face arguments
+                attends through remat's attention (generation); in training mode with grad enabled a
+                cache raises ValueError (pass ``use_cache=False``). Other Hugging Face arguments
                 (``use_cache``, ...) are ignored.
         """
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -302,7 +320,8 @@ class PreNormDecoderLayer(nn.Module):
             y = self._gradient_checkpointing_func(self._fused_forward, x, position_ids, position_embeddings, sequences)
         else:
             y = self._fused_forward(x, position_ids, position_embeddings, sequences)
-        # Pads keep their input: no real token reads them, and their outputs reach no loss.
+        # Pads left out of the layout (eager) keep their input; under compile the layout holds them
+        # (as sequences of pads) and they take those outputs. No real token reads them either way.
         return y if layout is None else unpack_sequences(y, layout, hidden_states)
 
     def _fused_forward(self, x, position_ids, position_embeddings, sequences=None):
