@@ -200,7 +200,7 @@ def test_modules_from_stock():
         torch.testing.assert_close(mine(x), stock(x))
         fresh.load_state_dict(stock.state_dict())
         torch.testing.assert_close(fresh(x), stock(x))
-    with pytest.raises(TypeError, match="nn.Linear gate_proj"):
+    with pytest.raises(TypeError, match="gate_proj must be a linear module"):
         remat.nn.SwiGLUMLP.from_module(nn.Linear(2, 2))
 
 

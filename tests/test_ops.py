@@ -72,9 +72,10 @@ def _fused_matmul_op_samples(dtype=torch.float16):
     }
 
 
-# Opchecked in tests/test_attention.py, tests/test_cross_entropy.py with their own samples.
-_OPCHECKED_ELSEWHERE = {"attention_fwd", "attention_bwd", "philox_dropout", "linear_cross_entropy_fwd",
-                        "linear_cross_entropy_bwd"}
+# Opchecked in tests/test_attention.py, tests/test_varlen_attention.py, tests/test_cross_entropy.py
+# with their own samples.
+_OPCHECKED_ELSEWHERE = {"attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd",
+                        "philox_dropout", "linear_cross_entropy_fwd", "linear_cross_entropy_bwd"}
 
 
 def _namespaces():
