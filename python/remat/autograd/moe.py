@@ -64,6 +64,21 @@ def expert_groups(indices, num_experts):
     return positions, counts
 
 
+def _expert_rows(indices, num_experts):
+    """For every expert with routed rows, in expert order: (expert, routed, pairs, rows), where
+    ``routed`` is the slice of its pairs in the expert-sorted order (rows of the kept gates/ups),
+    ``pairs`` the flat (token, choice) positions routed to it and ``rows`` their token rows."""
+    positions, counts = expert_groups(indices, num_experts)
+    top_k = indices.shape[1]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = positions[start:start + count]
+        yield expert, slice(start, start + count), pairs, pairs // top_k
+        start += count
+
+
 class MoEFunction(torch.autograd.Function):
     """(out [T, H], logits [T, E], weights [T, k], indices [T, k]) of the sparse MoE block; see the
     module docstring. gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I], w_router [E, H].
@@ -82,33 +97,26 @@ class MoEFunction(torch.autograd.Function):
         if renormalize:
             top = top / top.sum(dim=-1, keepdim=True)
         weights = top if fp32_weights else top.to(x.dtype)
-        positions, counts = expert_groups(indices, num_experts)
         flat_weights = weights.reshape(-1)
         fused = _fused_gate_up(ops, recompute, None, None) and recompute == "block"
         gates = ups = None
         if recompute == "activation":
             gates, ups = x.new_empty(tokens * top_k, inter), x.new_empty(tokens * top_k, inter)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = positions[start:start + count]
-            rows = pairs // top_k
+        for expert, routed, pairs, rows in _expert_rows(indices, num_experts):
             x_e = normed[rows]
             w_gate, w_up = gate_up[expert, :inter], gate_up[expert, inter:]
             if fused:
                 h, _, _ = ops.glu_matmul(x_e, w_gate, w_up, activation, False, "none", None, None, None, None)
             else:
                 if gates is not None:
-                    gate = torch.matmul(x_e, w_gate.t(), out=gates[start:start + count])
-                    up = torch.matmul(x_e, w_up.t(), out=ups[start:start + count])
+                    gate = torch.matmul(x_e, w_gate.t(), out=gates[routed])
+                    up = torch.matmul(x_e, w_up.t(), out=ups[routed])
                 else:
                     gate, up = F.linear(x_e, w_gate), F.linear(x_e, w_up)
                 h = ops.glu_fwd(gate, up, activation)
             y_e = F.linear(h, down[expert])
             out.index_add_(0, rows, y_e.float() * flat_weights[pairs, None].float())
-            start += count
         del normed
         ctx.mark_non_differentiable(weights, indices)
         ctx.save_for_backward(x, norm_weight, w_router, gate_up, down, rstd, weights, indices, gates, ups)
@@ -121,21 +129,14 @@ class MoEFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         ops = ops_for("mlp", ctx.backend)
         num_experts, inter = gate_up.shape[0], down.shape[2]
-        top_k = indices.shape[1]
         normed, _ = _normed(x, norm_weight, ctx.eps, ctx.backend)
-        positions, counts = expert_groups(indices, num_experts)
         flat_weights = weights.reshape(-1)
         dy = dy.contiguous()
         d_normed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         d_gate_up = torch.zeros_like(gate_up) if need[3] else None
         d_down = torch.zeros_like(down) if need[4] else None
         d_flat_weights = torch.zeros(flat_weights.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = positions[start:start + count]
-            rows = pairs // top_k
+        for expert, routed, pairs, rows in _expert_rows(indices, num_experts):
             x_e, dy_e = normed[rows], dy[rows]
             w_e = flat_weights[pairs, None].float()
             w_gate, w_up, w_down = gate_up[expert, :inter], gate_up[expert, inter:], down[expert]
@@ -147,7 +148,7 @@ class MoEFunction(torch.autograd.Function):
                                                    None, None)
             else:
                 if gates is not None:
-                    gate, up = gates[start:start + count], ups[start:start + count]
+                    gate, up = gates[routed], ups[routed]
                 else:
                     gate, up = F.linear(x_e, w_gate), F.linear(x_e, w_up)
                 dgate, dup, h = ops.glu_bwd(dh, gate, up, ctx.activation, True)
@@ -160,7 +161,6 @@ class MoEFunction(torch.autograd.Function):
                 torch.matmul(dup.t(), x_e, out=d_gate_up[expert, inter:])
             # One GEMM over [dgate | dup] and the expert's whole [2I, H] slice: one rounding, as stock.
             d_normed.index_add_(0, rows, (torch.cat((dgate, dup), dim=1) @ gate_up[expert]).float())
-            start += count
         # The router: weights -> (renormalized) top-k probabilities -> fp32 softmax -> logits, plus
         # the logits' own gradient (the load-balancing loss); the logits are recomputed.
         logits = F.linear(normed, w_router)
