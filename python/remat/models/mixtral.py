@@ -25,7 +25,6 @@ from remat.models.registry import Family, Part
 from remat.nn.attention import Attention
 from remat.nn.layers import LAYER_POLICIES
 from remat.nn.moe import MoELayerMixin, SparseMoE
-from remat.nn.norm import RMSNorm
 
 
 def _sparse_moe(stock, *, backend, recompute="block"):
@@ -63,26 +62,15 @@ class MixtralLayer(MoELayerMixin, LlamaLayer):
         self.self_attn = Attention(hidden, num_heads, num_kv_heads, head_dim, bias=False, o_bias=False,
                                    rope_theta=rope_theta, dropout=attention_dropout, causal=True, window=window,
                                    backend=backend, device=device, dtype=dtype)
-        self.mlp = SparseMoE(hidden, intermediate, num_experts, top_k, renormalize=True, fp32_weights=True,
-                             backend=backend, device=device, dtype=dtype)
-        self.input_layernorm = RMSNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
-        self.policy, self.backend = policy, backend
+        self._build_moe_parts(hidden, intermediate, num_experts, top_k, eps, renormalize=True, fp32_weights=True,
+                              policy=policy, backend=backend, device=device, dtype=dtype)
 
     @classmethod
     def from_module(cls, stock, *, policy="balanced", backend=None):
         """A MixtralLayer sharing every Parameter (no copy) of a Hugging Face ``MixtralDecoderLayer``;
         sizes, eps, rope, dropout and window from its config."""
-        for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
-            if not hasattr(stock, name):
-                raise TypeError(f"from_module expects a decoder layer with {name}, got {type(stock).__name__}")
-        module = cls._empty(policy, backend)
-        module.self_attn = attention_from_hf(stock.self_attn, backend=backend)
-        module.mlp = _sparse_moe(stock.mlp, backend=backend)
-        module.input_layernorm = _rms_norm(stock.input_layernorm, backend=backend)
-        module.post_attention_layernorm = _rms_norm(stock.post_attention_layernorm, backend=backend)
-        module.train(stock.training)
-        return module
+        return cls._from_hf_parts(stock, attention=attention_from_hf, sparse_moe=_sparse_moe, rms_norm=_rms_norm,
+                                  policy=policy, backend=backend)
 
 
 class HFMixtralLayer(MixtralLayer):

@@ -17,6 +17,8 @@ per-expert row counts are read on the host (one sync per layer call), so ``torch
 the graph there.
 """
 
+from functools import partial
+
 from torch import nn
 
 from remat import checks
@@ -27,7 +29,6 @@ from remat.models.registry import Family, Part
 from remat.nn.layers import LAYER_POLICIES
 from remat.nn.mlp import SwiGLUMLP
 from remat.nn.moe import MoELayerMixin, SparseMoE
-from remat.nn.norm import RMSNorm
 
 
 def _sparse_moe(stock, *, backend, recompute="block"):
@@ -68,26 +69,15 @@ class Qwen3MoeLayer(MoELayerMixin, Qwen3Layer):
         self.self_attn = QKNormAttention(hidden, num_heads, num_kv_heads, head_dim, bias=False, o_bias=False,
                                          rope_theta=rope_theta, dropout=attention_dropout, causal=True, window=window,
                                          qk_norm="rms", qk_eps=eps, backend=backend, device=device, dtype=dtype)
-        self.mlp = SparseMoE(hidden, intermediate, num_experts, top_k, renormalize=norm_topk_prob,
-                             fp32_weights=False, backend=backend, device=device, dtype=dtype)
-        self.input_layernorm = RMSNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
-        self.policy, self.backend = policy, backend
+        self._build_moe_parts(hidden, intermediate, num_experts, top_k, eps, renormalize=norm_topk_prob,
+                              fp32_weights=False, policy=policy, backend=backend, device=device, dtype=dtype)
 
     @classmethod
     def from_module(cls, stock, *, policy="balanced", backend=None):
         """A Qwen3MoeLayer sharing every Parameter (no copy) of a Hugging Face sparse
         ``Qwen3MoeDecoderLayer``; sizes, epsilons, rope, dropout and window from its config."""
-        for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
-            if not hasattr(stock, name):
-                raise TypeError(f"from_module expects a decoder layer with {name}, got {type(stock).__name__}")
-        module = cls._empty(policy, backend)
-        module.self_attn = attention_from_hf(stock.self_attn, qk_norm="rms", backend=backend)
-        module.mlp = _sparse_moe(stock.mlp, backend=backend)
-        module.input_layernorm = _rms_norm(stock.input_layernorm, backend=backend)
-        module.post_attention_layernorm = _rms_norm(stock.post_attention_layernorm, backend=backend)
-        module.train(stock.training)
-        return module
+        return cls._from_hf_parts(stock, attention=partial(attention_from_hf, qk_norm="rms"), sparse_moe=_sparse_moe,
+                                  rms_norm=_rms_norm, policy=policy, backend=backend)
 
 
 class HFQwen3MoeLayer(Qwen3MoeLayer):

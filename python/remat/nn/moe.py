@@ -20,6 +20,7 @@ from remat.autograd.moe import EXPERT_RECOMPUTE_MODES, MoEFunction, expert_group
 from remat.backend import resolve_backend
 from remat.nn.layers import OFFSET_ARGUMENTS, sequence_layout
 from remat.nn.mlp import activation_of
+from remat.nn.norm import RMSNorm
 from remat.ops.mlp import ACTIVATIONS, activate
 
 
@@ -328,6 +329,32 @@ class MoELayerMixin:
     - ``"balanced"``: ``s(2h + 2 Hq D + 2 Hkv D) + 4 Hq + 8 + k(8 + w)``;
     - ``"speed"``: balanced ``+ 2 I k s`` (every routed row's gate and up).
     """
+
+    def _build_moe_parts(self, hidden, intermediate, num_experts, top_k, eps, *, renormalize, fp32_weights, policy,
+                         backend, device, dtype):
+        """Sets ``mlp`` (a :class:`SparseMoE` with the family's routing), the two RMSNorms, policy and
+        backend; the layer's ``__init__`` builds ``self_attn`` first (the submodules' order)."""
+        self.mlp = SparseMoE(hidden, intermediate, num_experts, top_k, renormalize=renormalize,
+                             fp32_weights=fp32_weights, backend=backend, device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, device=device, dtype=dtype, backend=backend)
+        self.policy, self.backend = policy, backend
+
+    @classmethod
+    def _from_hf_parts(cls, stock, *, attention, sparse_moe, rms_norm, policy, backend):
+        """A layer sharing every Parameter (no copy) of the Hugging Face decoder layer ``stock``:
+        each of its sub-modules converted by the family's builder (``attention``, ``sparse_moe``,
+        ``rms_norm``; each called as ``builder(stock_part, backend=backend)``)."""
+        for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+            if not hasattr(stock, name):
+                raise TypeError(f"from_module expects a decoder layer with {name}, got {type(stock).__name__}")
+        module = cls._empty(policy, backend)
+        module.self_attn = attention(stock.self_attn, backend=backend)
+        module.mlp = sparse_moe(stock.mlp, backend=backend)
+        module.input_layernorm = rms_norm(stock.input_layernorm, backend=backend)
+        module.post_attention_layernorm = rms_norm(stock.post_attention_layernorm, backend=backend)
+        module.train(stock.training)
+        return module
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
         # A padded batch runs packed (remat.nn.layers.sequence_layout; the same, cached layout the
