@@ -158,20 +158,19 @@ def check_norm(norm, norm_weight, norm_bias, eps, x):
     return eps
 
 
-def check_qkv_types(q, k, v, layout):
-    """q, k, v: 4-D float32/float16/bfloat16 tensors."""
+def _check_qkv_tensors(q, k, v, dims, form):
+    """q, k, v: ``dims``-D float32/float16/bfloat16 tensors; ``form(name)`` says the expected form."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D ({layout} layout), got shape {tuple(t.shape)}")
+        if t.dim() != dims:
+            raise ValueError(f"{form(name)}, got shape {tuple(t.shape)}")
 
 
-def check_qkv_shapes(q, k, v, layout):
-    """q [B, N, Hq, D], k and v [B, M, Hkv, D] (after any layout transpose), one dtype and device,
-    D in 1..MAX_HEAD_DIM, Hq a multiple of Hkv."""
+def _check_kv_like_q(q, k, v):
+    """k and v: q's dtype and device, one shape."""
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
@@ -179,39 +178,71 @@ def check_qkv_shapes(q, k, v, layout):
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    batch, n, hq, head_dim = q.shape
-    _, m, hkv, _ = k.shape
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k must be [B={batch}, M, Hkv, D={head_dim}] in {layout} layout, got {tuple(k.shape)}")
-    if min(batch, n, hq, m, hkv) < 1:
-        raise ValueError(f"attention needs batch, lengths and heads >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def _check_heads(hq, hkv, head_dim):
+    """D in 1..MAX_HEAD_DIM, Hq a multiple of Hkv."""
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
     if hq % hkv:
         raise ValueError(f"q's heads ({hq}) must be a multiple of k/v's heads ({hkv}) (GQA/MQA)")
 
 
-def check_rope(rope, batch, n, m, head_dim, device):
-    """rope: None or a (cos, sin) pair for N queries and M keys of dim D on ``device``."""
-    if rope is None:
-        return
+def check_qkv_types(q, k, v, layout):
+    """q, k, v: 4-D float32/float16/bfloat16 tensors."""
+    _check_qkv_tensors(q, k, v, 4, lambda name: f"{name} must be 4-D ({layout} layout)")
+
+
+def check_qkv_shapes(q, k, v, layout):
+    """q [B, N, Hq, D], k and v [B, M, Hkv, D] (after any layout transpose), one dtype and device,
+    D in 1..MAX_HEAD_DIM, Hq a multiple of Hkv."""
+    _check_kv_like_q(q, k, v)
+    batch, n, hq, head_dim = q.shape
+    _, m, hkv, _ = k.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k must be [B={batch}, M, Hkv, D={head_dim}] in {layout} layout, got {tuple(k.shape)}")
+    if min(batch, n, hq, m, hkv) < 1:
+        raise ValueError(f"attention needs batch, lengths and heads >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    _check_heads(hq, hkv, head_dim)
+
+
+def _check_rope_pair(rope, head_dim):
+    """rope: a (cos, sin) pair, for an even head dim."""
     if not isinstance(rope, (tuple, list)) or len(rope) != 2:
         raise TypeError("rope must be a (cos, sin) pair of tensors or None")
     if head_dim % 2:
         raise ValueError(f"rope needs an even head dim, got {head_dim}")
-    if n > m:
-        raise ValueError(f"rope needs N <= M (query i sits at position i + M - N), got N={n}, M={m}")
+
+
+def _check_rope_tables(rope, device, shape_ok, shape_form):
+    """cos and sin: floating-point tensors on ``device`` of one shape, each accepted by
+    ``shape_ok(t)``; ``shape_form(name)`` says the accepted shapes (the error adds " got <shape>")."""
     for name, t in zip(("cos", "sin"), rope):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"rope {name} must be a floating-point tensor")
         if t.device != device:
             raise ValueError(f"rope {name} must be on q's device {device}, got {t.device}")
-        if (t.dim() not in (2, 3) or t.shape[-1] not in (head_dim // 2, head_dim) or t.shape[-2] < m
-                or (t.dim() == 3 and t.shape[0] not in (1, batch))):
-            raise ValueError(f"rope {name} must be [S, D/2], [B, S, D/2], [S, D] or [B, S, D] with S >= M={m}, "
-                             f"D={head_dim}, B={batch}; got {tuple(t.shape)}")
+        if not shape_ok(t):
+            raise ValueError(f"{shape_form(name)} got {tuple(t.shape)}")
     if rope[0].shape != rope[1].shape:
         raise ValueError(f"rope cos and sin must have one shape, got {tuple(rope[0].shape)} and {tuple(rope[1].shape)}")
+
+
+def check_rope(rope, batch, n, m, head_dim, device):
+    """rope: None or a (cos, sin) pair for N queries and M keys of dim D on ``device``."""
+    if rope is None:
+        return
+    _check_rope_pair(rope, head_dim)
+    if n > m:
+        raise ValueError(f"rope needs N <= M (query i sits at position i + M - N), got N={n}, M={m}")
+
+    def shape_ok(t):
+        return (t.dim() in (2, 3) and t.shape[-1] in (head_dim // 2, head_dim) and t.shape[-2] >= m
+                and (t.dim() == 2 or t.shape[0] in (1, batch)))
+
+    _check_rope_tables(rope, device, shape_ok,
+                       lambda name: f"rope {name} must be [S, D/2], [B, S, D/2], [S, D] or [B, S, D] with S >= M={m}, "
+                                    f"D={head_dim}, B={batch};")
 
 
 def window_bounds(window, causal):
@@ -292,30 +323,15 @@ def autocast_cast(x, *tensors):
 def check_varlen_qkv(q, k, v):
     """Packed q ``[total_q, Hq, D]``, k and v ``[total_k, Hkv, D]``: 3-D float tensors of one dtype
     and device, D in 1..MAX_HEAD_DIM, Hq a multiple of Hkv (totals may be 0)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-        if t.dim() != 3:
-            raise ValueError(f"with cu_seqlens, {name} must be 3-D [total, heads, D], got shape {tuple(t.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_qkv_tensors(q, k, v, 3, lambda name: f"with cu_seqlens, {name} must be 3-D [total, heads, D]")
+    _check_kv_like_q(q, k, v)
     _, hq, head_dim = q.shape
     _, hkv, k_dim = k.shape
     if k_dim != head_dim:
         raise ValueError(f"k must be [total_k, Hkv, D={head_dim}], got {tuple(k.shape)}")
     if min(hq, hkv) < 1:
         raise ValueError(f"attention needs heads >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
-    if hq % hkv:
-        raise ValueError(f"q's heads ({hq}) must be a multiple of k/v's heads ({hkv}) (GQA/MQA)")
+    _check_heads(hq, hkv, head_dim)
 
 
 def _check_max_seqlen(value, name):
@@ -393,20 +409,14 @@ def check_varlen_rope(rope, total_k, max_seqlen_k, head_dim, device):
     T >= total_k (a row per packed key token)."""
     if rope is None:
         return
-    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
-        raise TypeError("rope must be a (cos, sin) pair of tensors or None")
-    if head_dim % 2:
-        raise ValueError(f"rope needs an even head dim, got {head_dim}")
-    for name, t in zip(("cos", "sin"), rope):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"rope {name} must be a floating-point tensor")
-        if t.device != device:
-            raise ValueError(f"rope {name} must be on q's device {device}, got {t.device}")
+    _check_rope_pair(rope, head_dim)
+
+    def shape_ok(t):
         width_ok = t.dim() in (2, 3) and t.shape[-1] in (head_dim // 2, head_dim)
-        if not width_ok or (t.dim() == 2 and t.shape[0] < max_seqlen_k) or (
-                t.dim() == 3 and (t.shape[0] != 1 or t.shape[1] < total_k)):
-            raise ValueError(f"with cu_seqlens, rope {name} must be [S, D/2] or [S, D] with S >= max_seqlen_k="
-                             f"{max_seqlen_k} (positions restart per sequence), or [1, T, D/2] or [1, T, D] with "
-                             f"T >= total_k={total_k} (per token); D={head_dim}, got {tuple(t.shape)}")
-    if rope[0].shape != rope[1].shape:
-        raise ValueError(f"rope cos and sin must have one shape, got {tuple(rope[0].shape)} and {tuple(rope[1].shape)}")
+        return width_ok and not ((t.dim() == 2 and t.shape[0] < max_seqlen_k) or (
+            t.dim() == 3 and (t.shape[0] != 1 or t.shape[1] < total_k)))
+
+    _check_rope_tables(rope, device, shape_ok,
+                       lambda name: f"with cu_seqlens, rope {name} must be [S, D/2] or [S, D] with S >= max_seqlen_k="
+                                    f"{max_seqlen_k} (positions restart per sequence), or [1, T, D/2] or [1, T, D] "
+                                    f"with T >= total_k={total_k} (per token); D={head_dim},")
