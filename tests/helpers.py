@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import remat
 from remat import backend as backend_mod
 from remat.autograd.common import draw_rng_state
+from remat.memory import saved_bytes
 from remat.reference import (
     attention_dropout_keep,
     attention_reference,
@@ -309,3 +310,99 @@ def gpt2_model(dtype=torch.float32, seed=0, dropout=0.0):
                                      attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=0.0, use_cache=False,
                                      attn_implementation="eager")
     return _transformers().GPT2LMHeadModel(config).to(dtype)
+
+
+# Tiny sparse mixture-of-experts models (tests/models/test_mixtral.py, test_qwen3_moe.py).
+MOE_TOP_K, MOE_EXPERT_INTER = 2, 40
+
+
+def starve_an_expert(model, starved, free_layer, norm_suffixes=("layernorm.weight",)):
+    """Random norm weights (names ending in ``norm_suffixes``) and routers, then layer 0's router
+    never picks expert ``starved``: every embedding gets a large feature 0 (so the normalized input's
+    feature 0 is large and positive for every token), on which that router's row ``starved`` has a
+    large negative weight and the other rows a positive one; layer ``free_layer``'s router ignores
+    feature 0. Call on the fp32 model, before any cast."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(norm_suffixes):
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        model.model.embed_tokens.weight[:, 0] = 3.0
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight[0] = 1.0
+        router = model.model.layers[0].mlp.gate.weight
+        router[:, 0] = 0.1
+        router[starved, 0] = -1.0
+        model.model.layers[free_layer].mlp.gate.weight[:, 0] = 0.0
+
+
+def moe_step(model, ids, mask, labels):
+    """(logits, loss, aux_loss, router logits per layer, {parameter: gradient}) of one training step
+    with output_router_logits (the loss includes the load-balancing loss); logits from a second
+    forward without labels."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    out.loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return logits, out.loss.detach(), out.aux_loss.detach(), [r.detach() for r in out.router_logits], grads
+
+
+def moe_layer_bytes_per_token(policy, element, weight_element):
+    """Bytes per token a remat MoE decoder layer keeps (remat.nn.moe.MoELayerMixin) at the tiny
+    sizes above, with routing weights of ``weight_element`` bytes."""
+    q_width, kv_width = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    memory = element * (2 * HIDDEN + q_width) + 4 * HEADS + 8 + MOE_TOP_K * (8 + weight_element)
+    balanced = memory + element * (q_width + 2 * kv_width)
+    speed = balanced + 2 * MOE_EXPERT_INTER * MOE_TOP_K * element
+    return {"memory": memory, "balanced": balanced, "speed": speed}[policy]
+
+
+def check_moe_model_against_stock(reference, stock, patched, dtype, chosen):
+    """One training step (:func:`moe_step`) of ``patched`` against the float64 ``reference`` within 2x
+    of ``stock``: logits, loss, aux loss, router logits (real rows) and every gradient; the experts
+    the reference's routers pick per sparse layer are ``chosen``. Returns the patched step."""
+    ids, mask, labels = batch()
+    real = mask.bool()
+    want, base, got = (moe_step(m, ids, mask, labels) for m in (reference, stock, patched))
+    assert [logits.topk(MOE_TOP_K, dim=-1).indices.unique().tolist() for logits in want[3]] == chosen
+    assert_within_2x_of_stock("logits", got[0][real], base[0][real], want[0][real], dtype)
+    for i, name in ((1, "loss"), (2, "aux_loss")):
+        assert_within_2x_of_stock(name, got[i].reshape(1), base[i].reshape(1), want[i].reshape(1), dtype)
+    assert len(got[3]) == len(want[3]) == len(chosen)
+    rows = real.flatten()
+    for layer, (value, stock_value, ref) in enumerate(zip(got[3], base[3], want[3])):
+        # [B N, E] rows as stock; pad rows (which the aux loss masks out) are not compared: a layer that
+        # runs a padded batch packed routes real tokens only, and its pad rows are zeros.
+        assert value.dtype == dtype and value.shape == ref.shape
+        assert_within_2x_of_stock(f"router_logits[{layer}]", value[rows], stock_value[rows], ref[rows], dtype)
+    assert set(got[4]) == set(want[4])
+    for name in want[4]:
+        assert_within_2x_of_stock(name, got[4][name], base[4][name], want[4][name], dtype)
+    return got
+
+
+def moe_layer_inputs(model, dtype):
+    """(x [BATCH, LENGTH, HIDDEN] requiring grad, positions, the model's rope tables)."""
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
+    positions = torch.arange(LENGTH)[None].expand(BATCH, LENGTH)
+    return x, positions, model.model.rotary_emb(x, positions)
+
+
+def check_moe_policies_against_stock_layer(model, stock, layer_class, weight_element, dtype):
+    """The stock decoder layer ``stock`` keeps more than every policy of ``layer_class`` built from
+    it; each policy keeps exactly :func:`moe_layer_bytes_per_token` (plus the rope tables the model
+    passes), as measured and as its saved_bytes_per_token says."""
+    x, positions, rope = moe_layer_inputs(model, dtype)
+    mask = torch.full((LENGTH, LENGTH), float("-inf")).triu(1).to(dtype)[None, None]
+    eager = saved_bytes(stock, x, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+    saved = {p: saved_bytes(layer_class.from_module(stock, policy=p, backend="torch"), x, position_embeddings=rope)
+             for p in ("speed", "balanced", "memory")}
+    assert eager > saved["speed"] > saved["balanced"] > saved["memory"]
+    tables = 2 * rope[0].numel() * rope[0].element_size()
+    for policy, value in saved.items():
+        formula = moe_layer_bytes_per_token(policy, x.element_size(), weight_element)
+        assert layer_class.from_module(stock, policy=policy).saved_bytes_per_token(x.element_size()) == formula
+        assert value == BATCH * LENGTH * formula + tables, policy

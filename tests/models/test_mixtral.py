@@ -15,11 +15,28 @@ from remat.models.mixtral import MixtralLayer
 from remat.nn.moe import moe_block
 
 from _checks import assert_within_2x_of_stock
-from helpers import BATCH, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LENGTH, batch, cpu_backends
+from helpers import (
+    BATCH,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LENGTH,
+    MOE_EXPERT_INTER,
+    MOE_TOP_K,
+    batch,
+    check_moe_model_against_stock,
+    check_moe_policies_against_stock_layer,
+    cpu_backends,
+    moe_layer_bytes_per_token,
+    moe_layer_inputs,
+    moe_step,
+    starve_an_expert,
+)
 
 transformers = pytest.importorskip("transformers")
 
-EXPERTS, TOP_K, EXPERT_INTER = 4, 2, 40
+EXPERTS, TOP_K, EXPERT_INTER = 4, MOE_TOP_K, MOE_EXPERT_INTER
 STARVED = 3  # the expert that layer 0's router never picks (see mixtral_model)
 
 
@@ -39,44 +56,16 @@ def mixtral_model(dtype=torch.float32, seed=0, sliding=False, **overrides):
         options.update(sliding_window=4)
     options.update(overrides)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**options))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight"):
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-        model.model.embed_tokens.weight[:, 0] = 3.0
-        for layer in model.model.layers:
-            layer.post_attention_layernorm.weight[0] = 1.0
-        router = model.model.layers[0].mlp.gate.weight
-        router[:, 0] = 0.1
-        router[STARVED, 0] = -1.0
-        model.model.layers[1].mlp.gate.weight[:, 0] = 0.0  # layer 1 routes by the other features
+    starve_an_expert(model, STARVED, free_layer=1)  # layer 1 routes by the other features
     model = model.to(dtype)
     if dtype == torch.float64:
         model.set_experts_implementation("eager")
     return model
 
 
-def step(model, ids, mask, labels):
-    """(logits, loss, aux_loss, router logits per layer, {parameter: gradient}) of one training step
-    with output_router_logits (the loss includes the load-balancing loss); logits from a second
-    forward without labels."""
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
-    out.loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    return logits, out.loss.detach(), out.aux_loss.detach(), [r.detach() for r in out.router_logits], grads
-
-
 def per_token_formula(policy, element):
     """Bytes per token a MixtralLayer keeps (its docstring): fp32 routing weights."""
-    q_width, kv_width = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    memory = element * (2 * HIDDEN + q_width) + 4 * HEADS + 8 + TOP_K * (8 + 4)
-    balanced = memory + element * (q_width + 2 * kv_width)
-    return {"memory": memory, "balanced": balanced, "speed": balanced + 2 * EXPERT_INTER * TOP_K * element}[policy]
+    return moe_layer_bytes_per_token(policy, element, weight_element=4)
 
 
 @pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
@@ -94,27 +83,10 @@ def test_patched_mixtral_matches_stock(sliding, dtype, policy, backend):
                     ("model.norm", "MixtralRMSNorm", "RMSNorm")]
     layers = patched.model.layers
     assert [layer.self_attn.window for layer in layers] == [(3, None) if sliding else None] * 2
-    ids, mask, labels = batch()
-    real = mask.bool()
-    want, base, got = (step(m, ids, mask, labels) for m in (reference, stock, patched))
     # Layer 0's routing starves expert 3 (and uses the other three); layer 1 uses every expert.
-    chosen = [logits.topk(TOP_K, dim=-1).indices.unique().tolist() for logits in want[3]]
-    assert chosen == [[0, 1, 2], [0, 1, 2, 3]]
+    got = check_moe_model_against_stock(reference, stock, patched, dtype, chosen=[[0, 1, 2], [0, 1, 2, 3]])
     assert torch.equal(got[4]["model.layers.0.mlp.experts.gate_up_proj"][STARVED],
                        torch.zeros_like(got[4]["model.layers.0.mlp.experts.gate_up_proj"][STARVED]))
-    assert_within_2x_of_stock("logits", got[0][real], base[0][real], want[0][real], dtype)
-    for i, name in ((1, "loss"), (2, "aux_loss")):
-        assert_within_2x_of_stock(name, got[i].reshape(1), base[i].reshape(1), want[i].reshape(1), dtype)
-    assert len(got[3]) == len(want[3]) == 2
-    rows = real.flatten()
-    for layer, (value, stock_value, ref) in enumerate(zip(got[3], base[3], want[3])):
-        # [B N, E] rows as stock; pad rows (which the aux loss masks out) are not compared: a layer that
-        # runs a padded batch packed routes real tokens only, and its pad rows are zeros.
-        assert value.dtype == dtype and value.shape == ref.shape
-        assert_within_2x_of_stock(f"router_logits[{layer}]", value[rows], stock_value[rows], ref[rows], dtype)
-    assert set(got[4]) == set(want[4])
-    for name in want[4]:
-        assert_within_2x_of_stock(name, got[4][name], base[4][name], want[4][name], dtype)
 
 
 def test_patched_mixtral_without_router_logits_matches_stock():
@@ -127,29 +99,12 @@ def test_patched_mixtral_without_router_logits_matches_stock():
     torch.testing.assert_close(outs[1].loss.double(), outs[0].loss.double(), rtol=1e-5, atol=1e-6)
 
 
-def layer_inputs(model, dtype):
-    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
-    positions = torch.arange(LENGTH)[None].expand(BATCH, LENGTH)
-    return x, positions, model.model.rotary_emb(x, positions)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_mixtral_policies_against_the_stock_layer(dtype):
     """The stock layer keeps more than every policy; each policy keeps exactly its formula (plus
     the rope tables the model passes)."""
     model = mixtral_model(dtype)
-    stock = model.model.layers[1]
-    x, positions, rope = layer_inputs(model, dtype)
-    mask = torch.full((LENGTH, LENGTH), float("-inf")).triu(1).to(dtype)[None, None]
-    eager = saved_bytes(stock, x, attention_mask=mask, position_embeddings=rope, position_ids=positions)
-    saved = {p: saved_bytes(MixtralLayer.from_module(stock, policy=p, backend="torch"), x, position_embeddings=rope)
-             for p in ("speed", "balanced", "memory")}
-    assert eager > saved["speed"] > saved["balanced"] > saved["memory"]
-    tables = 2 * rope[0].numel() * rope[0].element_size()
-    for policy, value in saved.items():
-        layer = MixtralLayer.from_module(stock, policy=policy)
-        assert layer.saved_bytes_per_token(x.element_size()) == per_token_formula(policy, x.element_size())
-        assert value == BATCH * LENGTH * per_token_formula(policy, x.element_size()) + tables, policy
+    check_moe_policies_against_stock_layer(model, model.model.layers[1], MixtralLayer, 4, dtype)
 
 
 @pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
@@ -181,7 +136,7 @@ def test_experts_use_views_of_the_3d_parameters():
     (autograd saves the Parameters themselves, never a copy or a split)."""
     model = mixtral_model()
     layer = MixtralLayer.from_module(model.model.layers[1], backend="torch")
-    x, _, rope = layer_inputs(model, torch.float32)
+    x, _, rope = moe_layer_inputs(model, torch.float32)
     with SavedTensorLog() as log:
         layer(x, position_embeddings=rope)
     experts = layer.mlp.experts
@@ -309,7 +264,7 @@ def test_left_padded_batch_records_router_logits_per_row():
     mask[1, :3] = 0
     labels = ids.masked_fill(mask == 0, -100)
     labels[1, 3] = -100  # else the last pad's output (which remat leaves as its input) predicts it
-    want, base, got = (step(m, ids, mask, labels) for m in (reference, stock, patched))
+    want, base, got = (moe_step(m, ids, mask, labels) for m in (reference, stock, patched))
     rows = mask.bool().flatten()
     for layer in range(2):
         assert got[3][layer].shape == want[3][layer].shape and not got[3][layer][~rows].any()
@@ -412,7 +367,7 @@ def test_gradient_checkpointing_with_a_left_padded_batch():
                 _count[0] += 1
                 return _inner(*args, **kwargs)
             layer._fused_forward = counted
-        runs.append(step(model, ids, mask, labels))
+        runs.append(moe_step(model, ids, mask, labels))
         calls.append(count[0])
     # Per layer: the training forward, the logits forward; with checkpointing, the re-run in backward.
     assert calls == [4, 6]

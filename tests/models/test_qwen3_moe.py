@@ -12,12 +12,26 @@ import remat
 from remat.memory import saved_bytes
 from remat.models.qwen3_moe import Qwen3MoeLayer
 
-from _checks import assert_within_2x_of_stock
-from helpers import BATCH, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LENGTH, batch, cpu_backends
+from helpers import (
+    BATCH,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LENGTH,
+    MOE_EXPERT_INTER,
+    MOE_TOP_K,
+    batch,
+    check_moe_model_against_stock,
+    check_moe_policies_against_stock_layer,
+    cpu_backends,
+    moe_layer_bytes_per_token,
+    starve_an_expert,
+)
 
 transformers = pytest.importorskip("transformers")
 
-EXPERTS, TOP_K, EXPERT_INTER, DENSE_INTER = 4, 2, 40, 96
+EXPERTS, TOP_K, EXPERT_INTER, DENSE_INTER = 4, MOE_TOP_K, MOE_EXPERT_INTER, 96
 STARVED = 2  # the expert that layer 0's router never picks
 
 
@@ -25,7 +39,7 @@ def qwen3_moe_model(dtype=torch.float32, seed=0, norm_topk_prob=False, **overrid
     """A tiny Qwen3MoeForCausalLM from a config: 3 layers, layer 1 dense (mlp_only_layers), layers 0
     and 2 sparse (4 experts, top-2), aux loss coefficient 1, random norm weights (q/k norms too).
     Layer 0's router never picks expert 2 (a large constant embedding feature 0, on which its row
-    2 has a large negative weight; see test_mixtral.mixtral_model)."""
+    2 has a large negative weight; see helpers.starve_an_expert)."""
     torch.manual_seed(seed)
     options = dict(vocab_size=96, hidden_size=HIDDEN, intermediate_size=DENSE_INTER,
                    moe_intermediate_size=EXPERT_INTER, num_hidden_layers=3, num_attention_heads=HEADS,
@@ -34,41 +48,17 @@ def qwen3_moe_model(dtype=torch.float32, seed=0, norm_topk_prob=False, **overrid
                    max_position_embeddings=64, use_cache=False, attn_implementation="eager")
     options.update(overrides)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**options))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")):
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-        model.model.embed_tokens.weight[:, 0] = 3.0
-        for layer in model.model.layers:
-            layer.post_attention_layernorm.weight[0] = 1.0
-        router = model.model.layers[0].mlp.gate.weight
-        router[:, 0] = 0.1
-        router[STARVED, 0] = -1.0
-        model.model.layers[2].mlp.gate.weight[:, 0] = 0.0
+    starve_an_expert(model, STARVED, free_layer=2, norm_suffixes=("layernorm.weight", "q_norm.weight",
+                                                                  "k_norm.weight"))
     model = model.to(dtype)
     if dtype == torch.float64:
         model.set_experts_implementation("eager")
     return model
 
 
-def step(model, ids, mask, labels):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
-    out.loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    return logits, out.loss.detach(), out.aux_loss.detach(), [r.detach() for r in out.router_logits], grads
-
-
 def per_token_formula(policy, element):
     """Bytes per token a Qwen3MoeLayer keeps (its docstring): routing weights in the activation dtype."""
-    q_width, kv_width = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    memory = element * (2 * HIDDEN + q_width) + 4 * HEADS + 8 + TOP_K * (8 + element)
-    balanced = memory + element * (q_width + 2 * kv_width)
-    return {"memory": memory, "balanced": balanced, "speed": balanced + 2 * EXPERT_INTER * TOP_K * element}[policy]
+    return moe_layer_bytes_per_token(policy, element, weight_element=element)
 
 
 @pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])
@@ -86,41 +76,14 @@ def test_patched_qwen3_moe_matches_stock(norm_topk_prob, dtype, policy, backend)
                     ("model.layers.2", "Qwen3MoeDecoderLayer", "HFQwen3MoeLayer"),
                     ("model.norm", "Qwen3MoeRMSNorm", "RMSNorm")]
     assert patched.model.layers[0].mlp.gate.renormalize == norm_topk_prob
-    ids, mask, labels = batch()
-    real = mask.bool()
-    want, base, got = (step(m, ids, mask, labels) for m in (reference, stock, patched))
-    chosen = [logits.topk(TOP_K, dim=-1).indices.unique().tolist() for logits in want[3]]
-    assert chosen == [[0, 1, 3], [0, 1, 2, 3]]  # the two sparse layers; layer 0 starves expert 2
-    assert_within_2x_of_stock("logits", got[0][real], base[0][real], want[0][real], dtype)
-    for i, name in ((1, "loss"), (2, "aux_loss")):
-        assert_within_2x_of_stock(name, got[i].reshape(1), base[i].reshape(1), want[i].reshape(1), dtype)
-    assert len(got[3]) == len(want[3]) == 2
-    rows = real.flatten()
-    for layer, (value, stock_value, ref) in enumerate(zip(got[3], base[3], want[3])):
-        assert value.dtype == dtype and value.shape == ref.shape  # pad rows not compared (see test_mixtral)
-        assert_within_2x_of_stock(f"router_logits[{layer}]", value[rows], stock_value[rows], ref[rows], dtype)
-    assert set(got[4]) == set(want[4])
-    for name in want[4]:
-        assert_within_2x_of_stock(name, got[4][name], base[4][name], want[4][name], dtype)
+    # The two sparse layers; layer 0 starves expert 2.
+    check_moe_model_against_stock(reference, stock, patched, dtype, chosen=[[0, 1, 3], [0, 1, 2, 3]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_qwen3_moe_policies_against_the_stock_layer(dtype):
     model = qwen3_moe_model(dtype)
-    stock = model.model.layers[2]
-    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
-    positions = torch.arange(LENGTH)[None].expand(BATCH, LENGTH)
-    rope = model.model.rotary_emb(x, positions)
-    mask = torch.full((LENGTH, LENGTH), float("-inf")).triu(1).to(dtype)[None, None]
-    eager = saved_bytes(stock, x, attention_mask=mask, position_embeddings=rope, position_ids=positions)
-    saved = {p: saved_bytes(Qwen3MoeLayer.from_module(stock, policy=p, backend="torch"), x, position_embeddings=rope)
-             for p in ("speed", "balanced", "memory")}
-    assert eager > saved["speed"] > saved["balanced"] > saved["memory"]
-    tables = 2 * rope[0].numel() * rope[0].element_size()
-    for policy, value in saved.items():
-        assert Qwen3MoeLayer.from_module(stock, policy=policy).saved_bytes_per_token(x.element_size()) == \
-            per_token_formula(policy, x.element_size())
-        assert value == BATCH * LENGTH * per_token_formula(policy, x.element_size()) + tables, policy
+    check_moe_policies_against_stock_layer(model, model.model.layers[2], Qwen3MoeLayer, dtype.itemsize, dtype)
 
 
 def test_from_module_shares_every_parameter_and_keeps_the_keys():
