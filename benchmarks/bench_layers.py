@@ -4,8 +4,9 @@ what `transformers` runs by default), the stock layer under per-layer torch.util
 torch.compile of the stock layer. Reports saved-for-backward bytes per token per layer (everywhere),
 peak memory (GPU) and time ratios to the stock layer; FLOPs are not counted here. Plus LoRA rows
 (lora_rows): PEFT LoRA layers, stock, checkpointed and fused, full-step ratios from interleaved rounds.
-Plus one Mixtral (mixture-of-experts) layer against remat's MixtralLayer (_moe_rows), full-step
-ratios from interleaved rounds."""
+Plus one Mixtral (mixture-of-experts) layer against remat's MixtralLayer (_moe_rows) and one layer
+of each other family, Qwen3, Phi-3, Gemma 2/3, GPT-2, Qwen3-MoE (family_rows), against its remat
+layer: full-step ratios from interleaved rounds."""
 
 import torch
 import torch.utils.checkpoint
@@ -109,6 +110,7 @@ def run(device, quick=False):
             r["saved_vs_eager"] = r["saved_bytes"] / stock[r["mode"]]["saved_bytes"]
             rows.append({**r, **tags})
     rows.extend(_moe_rows(device, quick, tags))
+    rows.extend(family_rows(device, quick, tags))
     rows.extend(lora_rows(device, quick, tags))
     return same_columns(rows)
 
@@ -134,31 +136,129 @@ def _moe_rows(device, quick, tags):
                                         num_key_value_heads=shape["kv_heads"], use_cache=False,
                                         attn_implementation="sdpa", experts_implementation="grouped_mm")
     torch.manual_seed(0)
-    stock = MixtralDecoderLayer(config, 0).to(device=device, dtype=dtype)
-    for p in stock.parameters():
-        torch.nn.init.normal_(p, 1.0 if p.dim() == 1 else 0.0, 0.02)
-    tokens = shape["tokens"]
-    x = torch.randn(1, tokens, shape["hidden"], device=device, dtype=dtype, requires_grad=True)
+    stock = _normal_init(MixtralDecoderLayer(config, 0).to(device=device, dtype=dtype))
+    x = torch.randn(1, shape["tokens"], shape["hidden"], device=device, dtype=dtype, requires_grad=True)
+    rope = MixtralRotaryEmbedding(config).to(device)(x, torch.arange(shape["tokens"], device=device)[None])
+    return _policy_rows("mixtral_layer", shape, stock, MixtralLayer, x, {"position_embeddings": rope},
+                        {"position_embeddings": rope}, device, quick, tags)
+
+
+def _normal_init(stock):
+    """Norm weights ~ N(1, 0.02), biases and matrices ~ N(0, 0.02) (stock initialises some norms to
+    zeros and leaves routers tiny); returns ``stock``."""
+    for name, p in stock.named_parameters():
+        torch.nn.init.normal_(p, 1.0 if p.dim() == 1 and not name.endswith("bias") else 0.0, 0.02)
+    return stock
+
+
+def _policy_rows(block, shape, stock, remat_cls, x, stock_kwargs, remat_kwargs, device, quick, tags):
+    """Rows for one stock decoder layer against ``remat_cls.from_module(stock, policy=p)`` for each
+    policy: the full step's (forward + backward to x and every parameter) time ratio to the stock
+    layer from interleaved rounds (median, q20, q80) and saved-for-backward bytes per token. The stock
+    layer is called with ``stock_kwargs`` (its rope tables, mask), remat's with ``remat_kwargs``;
+    before timing, each remat layer's output is checked against the stock layer's (a wrong mask or
+    rope argument would otherwise time a different computation)."""
     dy = torch.randn_like(x)
-    rope = MixtralRotaryEmbedding(config).to(device)(x, torch.arange(tokens, device=device)[None])
     params = list(stock.parameters())
-    layers = {"torch": stock, **{f"remat-{p}": MixtralLayer.from_module(stock, policy=p) for p in
-                                 ("speed", "balanced", "memory")}}
+    layers = {"torch": (stock, stock_kwargs),
+              **{f"remat-{p}": (remat_cls.from_module(stock, policy=p), remat_kwargs)
+                 for p in ("speed", "balanced", "memory")}}
+    with torch.no_grad():
+        want = stock(x, **stock_kwargs)
+        tolerance = 1e-3 if x.dtype == torch.float32 else 1e-1
+        for name, (layer, kwargs) in layers.items():
+            torch.testing.assert_close(layer(x, **kwargs), want, rtol=tolerance, atol=tolerance,
+                                       msg=lambda m, name=name: f"{block} {name}: {m}")
 
-    def full_step(layer):
-        return lambda: torch.autograd.grad(layer(x, position_embeddings=rope), [x, *params], dy)
+    def full_step(layer, kwargs):
+        return lambda: torch.autograd.grad(layer(x, **kwargs), [x, *params], dy)
 
-    ratios = interleaved_ratios({name: full_step(layer) for name, layer in layers.items()}, "torch", device,
+    ratios = interleaved_ratios({name: full_step(*entry) for name, entry in layers.items()}, "torch", device,
                                 rounds=5 if quick else 11)
     rows = []
-    for name, layer in layers.items():
-        saved = saved_bytes(layer, x, position_embeddings=rope)
+    for name, (layer, kwargs) in layers.items():
+        saved = saved_bytes(layer, x, **kwargs)
         median, q20, q80 = ratios[name]
-        rows.append({"block": "mixtral_layer", "depth": 1, **shape, "dtype": str(dtype).replace("torch.", ""),
+        rows.append({"block": block, "depth": 1, **shape, "dtype": str(x.dtype).replace("torch.", ""),
                      "provider": name, "mode": "full", "time_vs_eager": median, "ratio_q20": q20, "ratio_q80": q80,
-                     "saved_bytes": saved, "saved_bytes_per_token_per_layer": saved / tokens, **tags})
+                     "saved_bytes": saved, "saved_bytes_per_token_per_layer": saved / shape["tokens"], **tags})
     return rows
 
+
+def family_rows(device, quick, tags):
+    """One decoder layer of each other patched family against its remat layer with each policy (full
+    step time ratio from interleaved rounds, saved bytes per token; see _policy_rows): Qwen3, Phi-3,
+    Gemma 2 (a sliding-window layer, window half the tokens, logit softcap 50; eager attention with
+    the sliding mask, as Hugging Face refuses SDPA for softcapping), Gemma 3 (a global layer), GPT-2
+    and Qwen3-MoE (8 experts, top-2, grouped_mm). The other stock layers use SDPA without a mask
+    (causal). Configs are built here at Llama-like sizes (head dim 64)."""
+    import transformers
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer, Gemma2RotaryEmbedding
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RotaryEmbedding
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeRotaryEmbedding
+
+    from remat.models.gemma import GemmaLayer
+    from remat.models.gpt2 import GPT2Layer
+    from remat.models.phi3 import Phi3Layer
+    from remat.models.qwen3 import Qwen3Layer
+    from remat.models.qwen3_moe import Qwen3MoeLayer
+
+    if device.type == "cuda":
+        base, dtype = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, tokens=4096), torch.bfloat16
+    else:
+        base, dtype = dict(hidden=512, inter=1376, heads=8, kv_heads=4, tokens=128 if quick else 256), torch.float32
+    tokens, window = base["tokens"], base["tokens"] // 2
+    common = dict(vocab_size=256, hidden_size=base["hidden"], intermediate_size=base["inter"], num_hidden_layers=1,
+                  num_attention_heads=base["heads"], num_key_value_heads=base["kv_heads"],
+                  head_dim=base["hidden"] // base["heads"], use_cache=False, attn_implementation="sdpa")
+    gemma = dict(common, query_pre_attn_scalar=common["head_dim"], sliding_window=window)
+    moe = dict(hidden=base["hidden"], inter=base["inter"] // 2, experts=8, top_k=2, heads=base["heads"],
+               kv_heads=base["kv_heads"], tokens=tokens)
+    cases = [  # block, shape, config, stock layer class, rotary class (None: GPT-2's learned positions), remat class
+        ("qwen3_layer", base, transformers.Qwen3Config(**common), Qwen3DecoderLayer, Qwen3RotaryEmbedding,
+         Qwen3Layer),
+        ("phi3_layer", base, transformers.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+         Phi3DecoderLayer, Phi3RotaryEmbedding, Phi3Layer),
+        ("gemma2_sliding_layer", dict(base, window=window, softcap=50.0),
+         transformers.Gemma2Config(**dict(gemma, attn_implementation="eager"), attn_logit_softcapping=50.0,
+                                   layer_types=["sliding_attention"]), Gemma2DecoderLayer, Gemma2RotaryEmbedding,
+         GemmaLayer),
+        ("gemma3_layer", base, transformers.Gemma3TextConfig(**gemma, layer_types=["full_attention"]),
+         Gemma3DecoderLayer, Gemma3RotaryEmbedding, GemmaLayer),
+        ("gpt2_layer", dict(base, inter=4 * base["hidden"], kv_heads=base["heads"]),
+         transformers.GPT2Config(vocab_size=256, n_embd=base["hidden"], n_layer=1, n_head=base["heads"],
+                                 n_positions=tokens, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                 attn_pdrop=0.0, use_cache=False, attn_implementation="sdpa"),
+         GPT2Block, None, GPT2Layer),
+        ("qwen3_moe_layer", moe,
+         transformers.Qwen3MoeConfig(**dict(common, intermediate_size=moe["inter"]), moe_intermediate_size=moe["inter"],
+                                     num_experts=moe["experts"], num_experts_per_tok=moe["top_k"],
+                                     norm_topk_prob=True, experts_implementation="grouped_mm"),
+         Qwen3MoeDecoderLayer, Qwen3MoeRotaryEmbedding, Qwen3MoeLayer),
+    ]
+    positions = torch.arange(tokens, device=device)[None]
+    rows = []
+    for block, shape, config, stock_cls, rotary_cls, remat_cls in cases:
+        torch.manual_seed(0)
+        stock = _normal_init(stock_cls(config, 0).to(device=device, dtype=dtype))
+        x = torch.randn(1, tokens, shape["hidden"], device=device, dtype=dtype, requires_grad=True)
+        if rotary_cls is None:
+            stock_kwargs = remat_kwargs = {}
+        else:
+            rotary = rotary_cls(config).to(device)
+            layer_type = ("full_attention",) if rotary_cls is Gemma3RotaryEmbedding else ()
+            rope = rotary(x, positions, *layer_type)
+            stock_kwargs = remat_kwargs = {"position_embeddings": rope}
+        if config._attn_implementation == "eager":  # eager needs the (sliding) causal mask as an additive bias
+            offset = positions[0][:, None] - positions[0][None, :]
+            allowed = (offset >= 0) & (offset < window)
+            mask = torch.zeros(tokens, tokens, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
+            stock_kwargs = dict(stock_kwargs, attention_mask=mask[None, None])
+        rows.extend(_policy_rows(block, shape, stock, remat_cls, x, stock_kwargs, remat_kwargs, device, quick, tags))
+    return rows
 
 
 def same_columns(rows):
