@@ -11,13 +11,12 @@ budgets from the stock model's peak down to its floor.
 """
 
 import copy
-import sys
 import types
 
 import torch
 
 import remat
-from benchmarks.common import Progress, environment_tags, interleaved_ratios, peak_memory_bytes
+from benchmarks.common import Progress, environment_tags, interleaved_ratios, peak_memory_bytes, pyplot_or_none
 from remat.checkpoint import model_plan
 from remat.memory import PeakSavedBytes
 
@@ -149,13 +148,8 @@ summary_columns = ["provider", "peak_saved_bytes", "predicted_peak_bytes", "time
 
 def plot(rows, path):
     """Step time ratio (y) against peak saved bytes (x) per provider family; remat auto as a line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed; no plot", file=sys.stderr)
+    plt = pyplot_or_none()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
     markers = {"stock": "*", "torch.utils.checkpoint": "s", "torch.compile": "^", "remat policy": "o",

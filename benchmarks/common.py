@@ -167,3 +167,17 @@ def _fmt(v):
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
+
+
+def pyplot_or_none():
+    """matplotlib.pyplot on the non-interactive Agg backend, or None (with a note on stderr) when
+    matplotlib is not installed: the plots are optional, the CSVs are not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed; no plot", file=sys.stderr)
+        return None
+    return plt

@@ -6,7 +6,6 @@ the CPU. Prints a table, writes a CSV (and a PNG plot) under benchmarks/results/
 
 import argparse
 import os
-import sys
 
 import torch
 
@@ -20,18 +19,13 @@ from benchmarks import (
     bench_norm,
     bench_packing,
 )
-from benchmarks.common import RESULTS_DIR, print_table, write_csv
+from benchmarks.common import RESULTS_DIR, print_table, pyplot_or_none, write_csv
 
 
 def plot(rows, path):
     """Bar chart: full-step (forward+backward) speed relative to eager, per case and provider."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed; no plot", file=sys.stderr)
+    plt = pyplot_or_none()
+    if plt is None:
         return None
     full = [r for r in rows if r["mode"] == "full"]
     cases = list(dict.fromkeys(f"{r['block']}\n{r['rows']}x{r['hidden']} {r['dtype']}" for r in full))
@@ -83,20 +77,14 @@ def main(argv=None):
             print_table(rows, bench.summary_columns)
             path = write_csv(rows, f"{name}-{tag}.csv", args.out)
             print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
-    if args.only in (None, "checkpoint"):
-        rows = bench_checkpoint.run(device, quick=args.quick)
-        print_table(rows, bench_checkpoint.summary_columns)
-        path = write_csv(rows, f"checkpoint-{tag}.csv", args.out)
-        png = None if args.no_plots else bench_checkpoint.plot(rows, os.path.splitext(path)[0] + ".png")
-        print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; device: {rows[0]['device']}; "
-              f"commit {rows[0]['commit']}")
-    if args.only in (None, "frontier"):
-        rows = bench_frontier.run(device, quick=args.quick)
-        print_table(rows, bench_frontier.summary_columns)
-        path = write_csv(rows, f"frontier-{tag}.csv", args.out)
-        png = None if args.no_plots else bench_frontier.plot(rows, os.path.splitext(path)[0] + ".png")
-        print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; device: {rows[0]['device']}; "
-              f"commit {rows[0]['commit']}")
+    for name, bench in (("checkpoint", bench_checkpoint), ("frontier", bench_frontier)):
+        if args.only in (None, name):
+            rows = bench.run(device, quick=args.quick)
+            print_table(rows, bench.summary_columns)
+            path = write_csv(rows, f"{name}-{tag}.csv", args.out)
+            png = None if args.no_plots else bench.plot(rows, os.path.splitext(path)[0] + ".png")
+            print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; device: {rows[0]['device']}; "
+                  f"commit {rows[0]['commit']}")
 
 
 if __name__ == "__main__":
