@@ -192,14 +192,6 @@ def varlen_arguments(sequences):
     return {"cu_seqlens": sequences[0], "max_seqlen": sequences[1]}
 
 
-def refuse_sequences_unfused(sequences):
-    """The unfused path (a projection of a linear type remat does not read, run through its own
-    forward) runs dense attention: packed sequences raise ValueError there."""
-    if sequences is not None:
-        raise ValueError("padded or packed batches are not supported yet when a projection is of a linear type "
-                         "remat runs unfused; pass no padding mask / packed positions, or call remat.unpatch")
-
-
 class PreNormDecoderLayer(nn.Module):
     """Base of the fused decoder layers. Subclasses set ``policy`` (one of :data:`LAYER_POLICIES`),
     ``backend`` and ``resid_dropout`` (a probability applied in training, default 0) and implement
