@@ -38,7 +38,9 @@ attention over the causal half):
 Spans: a span runs every member with its first layer's call arguments, so it only joins layers
 the decoder loop called with the same ones on the example (checked again at run time); layers
 from which Hugging Face records outputs besides hidden states (router logits) are never in a
-span (its first forward runs without autograd).
+span (its first forward runs without autograd). Under FSDP2 with ``fully_shard`` on each layer a
+span may hold one layer only (the first layer calls the others' forward past their fully_shard
+hooks): a longer one raises at run time; plan with ``max_span=1``.
 
 Per-token budgets: the example is measured again at twice its length, and a longer batch (up to
 2N) is re-planned at run time on costs interpolated between the two (:func:`predicted_costs`).
@@ -283,8 +285,9 @@ def _all_stock(costs):
     return [Taped(i, STOCK) for i in range(len(costs.layers))]
 
 
-def smallest_feasible_budget(costs):
-    """The smallest budget any plan over these choices fits (the floor), in bytes."""
+def smallest_feasible_budget(costs, *, max_span=None):
+    """The smallest budget any plan over these choices fits (the floor), in bytes; with spans of
+    at most ``max_span`` layers (default: any)."""
     n, base = len(costs.layers), costs.pre_bytes + costs.shared_bytes
     # Least held bytes after the forward and least span peak, per prefix and per "some layer is
     # fused yet" (plans with none are the all-stock plan, priced on its own): a span [a, b) is
@@ -292,7 +295,8 @@ def smallest_feasible_budget(costs):
     states = [{False: [], True: []} for _ in range(n + 1)]
     states[0][False] = [(0, 0, None)]
     least = {(a, b): sum(min(layer.kept[p] for p in layer.span_cost) for layer in costs.layers[a:b])
-             for a in range(n) for b in range(a + 1, n + 1) if all(_continues_span(costs, a, i) for i in range(a, b))}
+             for a in range(n) for b in range(a + 1, n + 1)
+             if (max_span is None or b - a <= max_span) and all(_continues_span(costs, a, i) for i in range(a, b))}
     for i in range(n):
         layer = costs.layers[i]
         for fused, points in states[i].items():
@@ -352,7 +356,7 @@ def plan_for_costs(costs, budget_bytes, *, max_span=None):
         if stock_peak <= budget_bytes:
             final.append((stock_cost, stock_peak, tuple(_all_stock(costs))))
     if not final:
-        floor = smallest_feasible_budget(costs)
+        floor = smallest_feasible_budget(costs, max_span=max_span)
         raise ValueError(f"budget_bytes={budget_bytes} is infeasible for this model at shape {costs.shape}: "
                          f"the smallest feasible budget is {floor} bytes")
     best = min(final, key=lambda s: (s[0], s[1]))
@@ -690,7 +694,11 @@ def plan_model(model, example_inputs, *, budget_bytes=None, budget_bytes_per_tok
             seconds of each layer's step under each choice).
         backend: remat backend of the fused layers. modules: as for remat.patch (whole layers
             need "norm", "mlp" and "attention").
-        max_span: the most layers one checkpointed span may hold (default: any).
+        max_span: the most layers one checkpointed span may hold (default: any). Under FSDP2 with
+            ``fully_shard`` on each decoder layer a span must hold one layer (``max_span=1``): a
+            span's first layer calls the others' forward directly, past their fully_shard hooks,
+            so a running plan with a longer span raises ValueError at its first forward. The budget
+            is then per rank: plan (or patch, before fully_shard) on the rank's local batch.
 
     Returns:
         a :class:`ModelPlan`. Raises ValueError naming the smallest feasible budget when the
@@ -884,6 +892,12 @@ def _planned_forward(self, hidden_states, *args, **kwargs):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 raise ValueError("a checkpointed span passes the decoder loop's arguments to every layer and "
                                  "differentiates only the hidden states and parameters; an argument requires grad")
+    if any(_fully_sharded(layer) for layer in members[1:]):
+        raise ValueError("under FSDP2 a checkpointed span holds one layer only: this plan's span of layers "
+                         f"{index}-{end - 1} runs its later layers from the first one's forward, past their "
+                         "fully_shard hooks, so their parameters would stay sharded; re-plan (remat.unpatch(model) "
+                         "before fully_shard) with a budget whose plan has no multi-layer span "
+                         "(report.plan.spans(); remat.plan_model(..., max_span=1) plans under that rule)")
     if len(members) > 1 and _hidden_states_requested():
         raise ValueError("a remat plan with multi-layer checkpointed spans cannot return per-layer hidden states "
                          "(output_hidden_states=True); plan with max_span=1")
@@ -894,6 +908,16 @@ def _planned_forward(self, hidden_states, *args, **kwargs):
     runtime.pending = len(blocks) - 1
     runtime.bound = (args, kwargs) if len(blocks) > 1 else None
     return out
+
+
+def _fully_sharded(module):
+    """Whether FSDP2's ``fully_shard`` was applied to ``module`` itself (its parameters are then
+    unsharded only by the hooks around its own call)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 def _pass_through(layer, runtime, hidden_states, args, kwargs):
