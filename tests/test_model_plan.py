@@ -246,6 +246,8 @@ def test_bad_arguments_raise():
     model = build("llama", layers=2)
     with pytest.raises(ValueError, match="policy='auto'"):
         remat.patch(model, policy="memory", budget_bytes=10)
+    with pytest.raises(ValueError, match="max_span"):
+        remat.patch(model, policy="memory", max_span=1)
     with pytest.raises(ValueError, match="exactly one"):
         remat.plan_model(model, inputs, budget_bytes=10, budget_bytes_per_token=1)
     with pytest.raises(ValueError, match="exactly one"):
@@ -509,3 +511,17 @@ def test_per_token_plan_replans_a_batch_twice_as_long_within_its_budget():
             model(**too_long)
         with pytest.raises(ValueError, match="outside that range"):
             model(**{k: torch.cat([v, v], 0) for k, v in inputs.items()})
+
+
+def test_patch_passes_max_span_to_the_planner():
+    """remat.patch(policy="auto", max_span=1) plans spans of one layer at that rule's floor (what
+    FSDP2 with fully_shard per layer needs), and names that floor when the budget is below it."""
+    inputs = example()
+    model = build("llama")
+    costs = model_plan.measure_model_costs(model, inputs)
+    floor = model_plan.smallest_feasible_budget(costs, max_span=1)
+    assert floor > model_plan.smallest_feasible_budget(costs)
+    with pytest.raises(ValueError, match=str(floor)):
+        remat.patch(build("llama"), policy="auto", budget_bytes=floor - 1, example_inputs=inputs, max_span=1)
+    report = remat.patch(model, policy="auto", budget_bytes=floor, example_inputs=inputs, max_span=1)
+    assert report.plan.spans() and all(end - start == 1 for start, end in report.plan.spans())

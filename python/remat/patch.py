@@ -79,7 +79,7 @@ class PatchReport:
 
 
 def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budget_bytes=None,
-          budget_bytes_per_token=None, example_inputs=None, cost="flops"):
+          budget_bytes_per_token=None, example_inputs=None, cost="flops", max_span=None):
     """Replaces, in place, the submodules of ``model`` that remat has fused versions of (see the
     module docstring), keeping their parameters, and returns a :class:`PatchReport`.
 
@@ -104,6 +104,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             peak of saved bytes stays within the budget (in bytes, or per token of the example) at
             the least recompute (``cost="flops"`` or ``"time"``); ``report.plan.explain()`` shows
             the plan. Batches larger than the example in either dimension raise ValueError.
+        max_span: with ``policy="auto"``: the most layers one checkpointed span may hold (default:
+            any); ``max_span=1`` under FSDP2 with ``fully_shard`` on each decoder layer (see
+            remat.plan_model).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -111,8 +114,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     unknown = [m for m in modules if m not in MODULE_KINDS]
     if unknown or not modules:
         raise ValueError(f"modules must be a non-empty subset of {MODULE_KINDS}, got {modules!r}")
-    if policy != "auto" and not (budget_bytes is None and budget_bytes_per_token is None and example_inputs is None):
-        raise ValueError("budget_bytes, budget_bytes_per_token and example_inputs are for policy='auto'")
+    if policy != "auto" and not (budget_bytes is None and budget_bytes_per_token is None and example_inputs is None
+                                 and max_span is None):
+        raise ValueError("budget_bytes, budget_bytes_per_token, example_inputs and max_span are for policy='auto'")
     if isinstance(policy, dict):
         if not all(isinstance(k, str) and v in (*LAYER_POLICIES, model_plan.STOCK) for k, v in policy.items()):
             raise ValueError(f"a policy dict maps layer names to one of {(*LAYER_POLICIES, model_plan.STOCK)}, "
@@ -131,7 +135,7 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             raise ValueError(f"policy='auto' plans whole decoder layers: modules must include {registry.PART_KINDS}")
         plan = model_plan.plan_model(model, example_inputs, budget_bytes=budget_bytes,
                                      budget_bytes_per_token=budget_bytes_per_token, cost=cost, backend=backend,
-                                     modules=modules)
+                                     modules=modules, max_span=max_span)
         # Per qualified layer name: "stock" (left as it is) or the fused policy.
         policy = {plan.costs.layers[i].name: choice for i, choice in plan.layer_policies().items()}
     report = PatchReport()

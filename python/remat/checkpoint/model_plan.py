@@ -896,8 +896,8 @@ def _planned_forward(self, hidden_states, *args, **kwargs):
         raise ValueError("under FSDP2 a checkpointed span holds one layer only: this plan's span of layers "
                          f"{index}-{end - 1} runs its later layers from the first one's forward, past their "
                          "fully_shard hooks, so their parameters would stay sharded; re-plan (remat.unpatch(model) "
-                         "before fully_shard) with a budget whose plan has no multi-layer span "
-                         "(report.plan.spans(); remat.plan_model(..., max_span=1) plans under that rule)")
+                         "before fully_shard) with max_span=1: remat.patch(model, policy='auto', ..., max_span=1) or "
+                         "remat.plan_model(..., max_span=1)")
     if len(members) > 1 and _hidden_states_requested():
         raise ValueError("a remat plan with multi-layer checkpointed spans cannot return per-layer hidden states "
                          "(output_hidden_states=True); plan with max_span=1")
