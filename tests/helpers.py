@@ -406,3 +406,29 @@ def check_moe_policies_against_stock_layer(model, stock, layer_class, weight_ele
         formula = moe_layer_bytes_per_token(policy, x.element_size(), weight_element)
         assert layer_class.from_module(stock, policy=policy).saved_bytes_per_token(x.element_size()) == formula
         assert value == BATCH * LENGTH * formula + tables, policy
+
+
+def compiled_and_eager_steps(model, ids, mask, labels):
+    """One step of ``model`` compiled (fullgraph, counting frames) and one eager, on the same batch:
+    (graph frames, compiled output, eager output, {name: compiled grad}, {name: eager grad})."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    compiled_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    eager = model(input_ids=ids, attention_mask=mask, labels=labels)
+    eager.loss.backward()
+    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return counter.frames, out, eager, compiled_grads, eager_grads
+
+
+def real_shaped_per_token(layer, head_dim, n=64):
+    """Saved bytes per token of a layer built on the meta device, with bf16 rope tables passed as
+    the model passes them (Parameters here, so left out like the model's shared tables)."""
+    with torch.device("meta"):
+        x = torch.randn(1, n, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16, requires_grad=True)
+        rope = tuple(torch.nn.Parameter(torch.randn(1, n, head_dim, dtype=torch.bfloat16), requires_grad=False)
+                     for _ in range(2))
+    return saved_bytes(layer, x, position_embeddings=rope) / n

@@ -25,11 +25,12 @@ from helpers import (
     INTER,
     KV_HEADS,
     LENGTH,
-    CompileCounter,
     batch,
+    compiled_and_eager_steps,
     cpu_backends,
     logits_and_grads,
     random_rope_tables,
+    real_shaped_per_token,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -342,26 +343,18 @@ def test_bidirectional_gemma3_is_left_alone():
 @pytest.mark.parametrize("policy", ["balanced", "memory"])
 def test_compile_fullgraph_on_patched_gemma(policy):
     """The Gemma-specific Functions (norm, post-norm projection, sandwich MLP) trace into one graph."""
-    torch._dynamo.reset()
     model = gemma_model("gemma3")
     remat.patch(model, policy=policy)
     model.eval()  # the logits path (in training with labels the loss may be computed fused)
     ids, mask, labels = batch()
-    counter = CompileCounter()
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
-    out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    compiled_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    eager = model(input_ids=ids, attention_mask=mask, labels=labels)
-    eager.loss.backward()
-    assert counter.frames == 1
+    frames, out, eager, compiled_grads, eager_grads = compiled_and_eager_steps(model, ids, mask, labels)
+    assert frames == 1
     # At real positions: a pad position's output is unspecified (eager runs right padding dense, the
-    # compiled graph runs every pad as a one-token sequence of its own).
+    # compiled graph runs each row's pads as a sequence of their own).
     real = mask.bool()
     torch.testing.assert_close(out.logits[real], eager.logits[real])
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(compiled_grads[name], p.grad, msg=name)
+    for name in eager_grads:
+        torch.testing.assert_close(compiled_grads[name], eager_grads[name], msg=name)
 
 
 @pytest.mark.parametrize("policy", ["balanced", "memory"])
@@ -379,16 +372,6 @@ def test_autocast_bf16_matches_stock_autocast(kind, policy):
     for name in want[2]:
         assert got[2][name].dtype == torch.float32
         assert_within_2x_of_stock(name, got[2][name], base[2][name], want[2][name], torch.bfloat16)
-
-
-def real_shaped_per_token(layer, head_dim, n=64):
-    """Saved bytes per token of a layer built on the meta device, with bf16 rope tables passed as
-    the model passes them (Parameters here, so left out like the model's shared tables)."""
-    with torch.device("meta"):
-        x = torch.randn(1, n, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16, requires_grad=True)
-        rope = tuple(torch.nn.Parameter(torch.randn(1, n, head_dim, dtype=torch.bfloat16), requires_grad=False)
-                     for _ in range(2))
-    return saved_bytes(layer, x, position_embeddings=rope) / n
 
 
 @pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])

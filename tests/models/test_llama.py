@@ -21,9 +21,9 @@ from helpers import (
     INTER,
     KV_HEADS,
     LENGTH,
-    CompileCounter,
     batch,
     causal_lm,
+    compiled_and_eager_steps,
     cpu_backends,
     logits_and_grads,
 )
@@ -101,22 +101,13 @@ def test_patched_training_step_saves_less():
 
 
 def test_compile_fullgraph_on_patched_model():
-    torch._dynamo.reset()
     model = causal_lm("llama")
     remat.patch(model)
-    ids, mask, labels = batch()
-    counter = CompileCounter()
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
-    out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    compiled_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    eager = model(input_ids=ids, attention_mask=mask, labels=labels)
-    eager.loss.backward()
-    assert counter.frames == 1
+    frames, out, eager, compiled_grads, eager_grads = compiled_and_eager_steps(model, *batch())
+    assert frames == 1
     torch.testing.assert_close(out.logits, eager.logits)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(compiled_grads[name], p.grad)
+    for name in eager_grads:
+        torch.testing.assert_close(compiled_grads[name], eager_grads[name])
 
 
 def test_autocast_bf16_matches_stock_autocast():

@@ -13,7 +13,18 @@ from remat.memory import retained_bytes, saved_bytes
 from remat.models.phi3 import Phi3Layer
 
 from _checks import assert_within_2x_of_stock
-from helpers import BATCH, HEADS, HIDDEN, INTER, KV_HEADS, LENGTH, batch, cpu_backends, logits_and_grads
+from helpers import (
+    BATCH,
+    HEADS,
+    HIDDEN,
+    INTER,
+    KV_HEADS,
+    LENGTH,
+    batch,
+    cpu_backends,
+    logits_and_grads,
+    real_shaped_per_token,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -158,16 +169,6 @@ def test_phi3_residual_dropout_is_reproducible_and_stores_no_mask():
     layer.policy = "memory"
     tables = 2 * LENGTH * (HEAD_DIM // 2) * 4
     assert saved_bytes(layer, x) == BATCH * LENGTH * per_token_formula("memory", 4) + tables + 2 * 16
-
-
-def real_shaped_per_token(layer, head_dim, n=64):
-    """Saved bytes per token of a layer built on the meta device, with bf16 rope tables passed as
-    the model passes them (Parameters here, so left out like the model's shared tables)."""
-    with torch.device("meta"):
-        x = torch.randn(1, n, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16, requires_grad=True)
-        rope = tuple(torch.nn.Parameter(torch.randn(1, n, head_dim, dtype=torch.bfloat16), requires_grad=False)
-                     for _ in range(2))
-    return saved_bytes(layer, x, position_embeddings=rope) / n
 
 
 @pytest.mark.parametrize("policy,expected", [("speed", 69768), ("balanced", 37000), ("memory", 18568)])

@@ -26,6 +26,7 @@ from helpers import (
     cpu_backends,
     logits_and_grads,
     random_rope_tables,
+    real_shaped_per_token,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -255,16 +256,6 @@ def test_qk_norm_attention_module_matches_the_stock_attention():
     torch.testing.assert_close(module(x, position_embeddings=rope), want, rtol=1e-5, atol=1e-5)
     # The built-in rope tables (the config's theta) give the same result.
     torch.testing.assert_close(module(x), want, rtol=1e-5, atol=1e-5)
-
-
-def real_shaped_per_token(layer, head_dim, n=64):
-    """Saved bytes per token of a layer built on the meta device, with bf16 rope tables passed as
-    the model passes them (Parameters here, so left out like the model's shared tables)."""
-    with torch.device("meta"):
-        x = torch.randn(1, n, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16, requires_grad=True)
-        rope = tuple(torch.nn.Parameter(torch.randn(1, n, head_dim, dtype=torch.bfloat16), requires_grad=False)
-                     for _ in range(2))
-    return saved_bytes(layer, x, position_embeddings=rope) / n
 
 
 @pytest.mark.parametrize("policy,expected", [("speed", 86152), ("balanced", 37000), ("memory", 24712)])
