@@ -11,6 +11,7 @@ stay testable on the CPU; the compiled paths are covered by the ahead-of-time co
 Kernels take INTERPRETED as a constexpr, and launchers pass `_INTERPRETED`.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -32,22 +33,33 @@ def _round(value, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+def _dot(a, b, acc, INTERPRETED: tl.constexpr, TF32: tl.constexpr = False):
     """acc + a @ b, accumulated in fp32: a [BLOCK_M, BLOCK_K], b [BLOCK_K, BLOCK_N], acc fp32.
 
     Under the interpreter (INTERPRETED), bf16 operands are upcast to fp32 first: Triton 3.8's
     interpreter multiplies bf16 dots as raw bit patterns (triton-lang/triton#11584). bf16
     products are exact in fp32, so only the summation order can differ from the compiled dot.
-    Compiled code multiplies bf16/fp16 natively on tensor cores. fp32 operands use IEEE
-    products, not the TF32 default of tl.dot, matching PyTorch's default fp32 matmul.
+    Compiled code multiplies bf16/fp16 natively on tensor cores. fp32 operands use IEEE products
+    unless TF32 (the launcher passes `allow_tf32()`, PyTorch's fp32 matmul setting); the
+    interpreter multiplies fp32 in IEEE either way.
     """
     if INTERPRETED and a.dtype == tl.bfloat16:
         result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float32 and TF32:
+        result = tl.dot(a, b, acc, input_precision="tf32")
     elif a.dtype == tl.float32:
         result = tl.dot(a, b, acc, input_precision="ieee")
     else:
         result = tl.dot(a, b, acc)
     return result
+
+
+def allow_tf32():
+    """Whether fp32 Triton dots may round their operands to TF32: PyTorch's setting for fp32
+    matmuls on CUDA (``torch.backends.cuda.matmul.allow_tf32``, which
+    ``torch.set_float32_matmul_precision("high")`` also turns on). Off by default, as in PyTorch.
+    Launchers read it per call and pass it as the TF32 constexpr (a compile-time variant)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 # True when TRITON_INTERPRET=1 was set before the kernels were imported: `@triton.jit` then makes

@@ -136,9 +136,9 @@ RANDOM123_KAT = [
 ]
 
 
-def philox_first_word(seed, counters):
-    """Vectorised (numpy uint64) first output word for 64-bit counters [lo, hi, 0, 0] under the
-    64-bit key [seed lo, seed hi]: the stream Triton's tl.randint(seed, offset) draws."""
+def philox_words(seed, counters):
+    """Vectorised (numpy uint64) four output words ([..., 4]) for 64-bit counters [lo, hi, 0, 0]
+    under the 64-bit key [seed lo, seed hi]: what Triton's tl.randint4x(seed, offset) draws."""
     counters = np.asarray(counters, dtype=np.uint64)
     m32 = np.uint64(MASK32)
     c0, c1 = counters & m32, counters >> np.uint64(32)
@@ -150,7 +150,7 @@ def philox_first_word(seed, counters):
             k0, k1 = (k0 + np.uint64(PHILOX_W0)) & m32, (k1 + np.uint64(PHILOX_W1)) & m32
         p0, p1 = np.uint64(PHILOX_M0) * c0, np.uint64(PHILOX_M1) * c2  # < 2^64: no wrap
         c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & m32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & m32
-    return c0
+    return np.stack([c0, c1, c2, c3], axis=-1)
 
 
 def uniform_from_word(words):
@@ -162,8 +162,12 @@ def uniform_from_word(words):
 
 
 def keep_mask(seed, offset, numel, p):
-    counters = np.arange(numel, dtype=np.uint64) + np.uint64(offset)
-    return torch.from_numpy(uniform_from_word(philox_first_word(seed, counters)) >= np.float32(p))
+    """Flat dropout's stream, four elements per Philox call: element i takes word i % 4 of the
+    call at counter offset + i // 4."""
+    index = np.arange(numel, dtype=np.uint64)
+    words = philox_words(seed, index // np.uint64(4) + np.uint64(offset))
+    word = words[np.arange(numel), (index % np.uint64(4)).astype(np.int64)]
+    return torch.from_numpy(uniform_from_word(word) >= np.float32(p))
 
 
 @pytest.mark.parametrize("counter,key,expected", RANDOM123_KAT, ids=["zeros", "ones", "pi"])
@@ -175,26 +179,44 @@ def test_vectorised_philox_matches_the_scalar_one():
     rng = np.random.default_rng(0)
     counters = [int(c) for c in rng.integers(0, 2**63, 40, dtype=np.uint64)] + [0, 1, MASK32, 2**32, 2**64 - 1]
     for seed in (0, 1, 0x1234_5678_9ABC, 2**62 - 1, 2**64 - 1):
-        words = philox_first_word(seed, counters)
-        for counter, word in zip(counters, words.tolist()):
-            expected = philox4x32_10((counter & MASK32, counter >> 32, 0, 0), (seed & MASK32, seed >> 32))[0]
-            assert word == expected
+        words = philox_words(seed, counters)
+        for counter, four in zip(counters, words.tolist()):
+            expected = philox4x32_10((counter & MASK32, counter >> 32, 0, 0), (seed & MASK32, seed >> 32))
+            assert tuple(four) == expected
 
 
 def test_remat_reference_philox_matches_the_local_one():
-    """remat.reference.philox_randint(seed, counters) is the first word for counter [lo, hi, 0, 0]
-    and key [seed lo, seed hi] (csrc/common/philox.h); its uniform conversion is Triton's."""
+    """remat.reference.philox_words(seed, counters) are the four words for counter [lo, hi, 0, 0]
+    and key [seed lo, seed hi] (csrc/common/philox.h), philox_randint the first; the uniform
+    conversion is Triton's."""
     # Random123's all-zero known answer, through remat's own reference.
-    assert remat.reference.philox_randint(0, torch.zeros(1, dtype=torch.int64)).item() == 0x6627E8D5
+    assert remat.reference.philox_words(0, torch.zeros(1, dtype=torch.int64))[0].tolist() == list(RANDOM123_KAT[0][2])
     rng = np.random.default_rng(1)
     counters = np.concatenate([np.arange(100, dtype=np.int64), rng.integers(0, 2**62, 400, dtype=np.int64)])
     for seed in (0, 7, 2**33 + 5, int(rng.integers(0, 2**62))):
-        mine = philox_first_word(seed, counters.astype(np.uint64)).astype(np.int64)
-        theirs = remat.reference.philox_randint(seed, torch.from_numpy(counters))
+        mine = philox_words(seed, counters.astype(np.uint64)).astype(np.int64)
+        theirs = remat.reference.philox_words(seed, torch.from_numpy(counters))
         assert torch.equal(theirs, torch.from_numpy(mine)), f"seed {seed}"
+        assert torch.equal(remat.reference.philox_randint(seed, torch.from_numpy(counters)), theirs[:, 0])
         uniform = remat.reference.philox_uniform(theirs)
         assert torch.equal(uniform, torch.from_numpy(uniform_from_word(mine)))
         assert 0.0 <= uniform.min().item() and uniform.max().item() < 1.0
+
+
+def test_remat_attention_stream_reads_four_keys_per_call():
+    """remat.reference.attention_dropout_keep: row r = (b*Hq + h)*N + i of the [B, Hq, N, M]
+    probabilities takes, for key j, word j % 4 of the call at counter offset + r*ceil(M/4) + j // 4
+    (M = 7 leaves a partial group at each row's end)."""
+    seed, offset, p = 99, 2**40 + 3, 0.4
+    b, hq, n, m = 2, 3, 5, 7
+    theirs = remat.reference.attention_dropout_keep(seed, offset, (b, hq, n, m), p)
+    row = np.arange(b * hq * n, dtype=np.uint64)[:, None]
+    key = np.arange(m, dtype=np.uint64)[None, :]
+    words = philox_words(seed, row * np.uint64((m + 3) // 4) + key // np.uint64(4) + np.uint64(offset))
+    word = np.take_along_axis(words, (key % np.uint64(4)).astype(np.int64)[..., None].repeat(b * hq * n, 0), -1)[..., 0]
+    mine = torch.from_numpy(uniform_from_word(word) >= np.float32(p)).view(b, hq, n, m)
+    assert torch.equal(theirs, mine)
+    assert 0 < int(mine.sum()) < mine.numel()
 
 
 def run_dropout(x, p, backend):
@@ -222,7 +244,8 @@ DROPOUT_BACKENDS = ("cpp", "torch", "triton")
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 @pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
 def test_dropout_mask_is_the_local_philox_stream(backend, p, dtype):
-    """Element i of the contiguous input is kept iff uniform(Philox(seed, offset + i)) >= p; kept
+    """Element i of the contiguous input is kept iff the uniform of word i % 4 of Philox(seed,
+    offset + i // 4) is >= p; kept
     values are x / (1 - p) divided in fp32 and rounded once; the keep share is 1 - p within a
     binomial 5-sigma band."""
     require_backend(backend)

@@ -54,11 +54,12 @@ def _mul_u32(a, b):
     return high, low
 
 
-def philox_randint(seed, counters):
-    """First word of Philox4x32-10 for each 64-bit counter under the 64-bit key ``seed``: the
-    stream of Triton's ``tl.randint(seed, offset)`` with int64 offsets and of
-    csrc/common/philox.h. seed: int or int64 tensor (0-dim); counters: int64 tensor (on any
-    device). Returns int64 values in [0, 2^32)."""
+def philox_words(seed, counters):
+    """The four output words of Philox4x32-10 for each 64-bit counter under the 64-bit key
+    ``seed``: the stream of Triton's ``tl.randint4x(seed, offset)`` with int64 offsets and of
+    csrc/common/philox.h (key = (seed low, seed high), counter = (counter low, counter high, 0,
+    0)). seed: int or int64 tensor (0-dim); counters: int64 tensor (on any device). Returns int64
+    values in [0, 2^32), shape counters.shape + (4,)."""
     c0, c1 = counters & _LOW32, (counters >> 32) & _LOW32
     c2 = torch.zeros_like(c0)
     c3 = torch.zeros_like(c0)
@@ -69,7 +70,12 @@ def philox_randint(seed, counters):
         c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
         k0 = (k0 + _PHILOX_KEY_A) & _LOW32
         k1 = (k1 + _PHILOX_KEY_B) & _LOW32
-    return c0
+    return torch.stack((c0, c1, c2, c3), dim=-1)
+
+
+def philox_randint(seed, counters):
+    """First word of Philox4x32-10 for each 64-bit counter (``tl.randint``): philox_words(...)[..., 0]."""
+    return philox_words(seed, counters)[..., 0]
 
 
 def philox_uniform(words):
@@ -79,18 +85,42 @@ def philox_uniform(words):
     return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32, device=words.device)
 
 
+def philox_stream_words(seed, offset, rows, cols, row_length):
+    """The uint32 word (int64 tensor) that remat's dropout stream gives element (row, col).
+
+    The stream keyed by (seed, offset) is read in rows of ``row_length`` elements, four elements
+    per Philox call: element (r, j) takes word j % 4 of Philox4x32-10 at counter
+    offset + r * ceil(row_length / 4) + j // 4. Every backend draws one call per four elements of
+    a row (all four words) and gets the same bits. Flat dropout of n elements is one row of
+    length n (counter offset + i // 4, word i % 4); attention row (b, h, i) of the [B, Hq, N, M]
+    probabilities is row (b * Hq + h) * N + i of length M. seed, offset: ints or int64 0-dim
+    tensors; rows, cols: int64 tensors that broadcast together."""
+    groups = (row_length + 3) // 4
+    words = philox_words(seed, offset + rows * groups + cols // 4)
+    return torch.gather(words, -1, (cols % 4).expand(words.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+
+
+def dropout_keep(seed, offset, n, p, device="cpu"):
+    """Keep mask (bool [n]) of flat Philox dropout with probability p over n elements: element i
+    is kept when the uniform of its stream word (one row of length n, philox_stream_words) is at
+    least p."""
+    index = torch.arange(n, dtype=torch.int64, device=torch.device(device))
+    return philox_uniform(philox_stream_words(seed, offset, torch.zeros_like(index), index, n)) >= p
+
+
 def attention_dropout_keep(seed, offset, shape, p, device="cpu", rows=None):
     """The keep mask (bool [B, Hq, N, M] for ``shape`` = (B, Hq, N, M)) of attention dropout with
-    probability p: element (b, h, i, j) is kept when the uniform draw for counter
-    offset + ((b*Hq + h)*N + i)*M + j is at least p. ``rows=(i0, i1)`` returns only query rows
-    i0 .. i1 - 1. seed and offset: ints or int64 0-dim tensors (read on their device)."""
+    probability p: element (b, h, i, j) is kept when the uniform of stream word (row
+    (b*Hq + h)*N + i, column j) of rows of length M (philox_stream_words) is at least p.
+    ``rows=(i0, i1)`` returns only query rows i0 .. i1 - 1. seed and offset: ints or int64 0-dim
+    tensors (read on their device)."""
     batch, heads, n, m = shape
     i0, i1 = rows if rows is not None else (0, n)
     device = torch.device(device)
-    index = torch.arange(batch * heads, dtype=torch.int64, device=device)[:, None, None] * n
-    index = (index + torch.arange(i0, i1, dtype=torch.int64, device=device)[None, :, None]) * m
-    index = index + torch.arange(m, dtype=torch.int64, device=device)[None, None, :]
-    keep = philox_uniform(philox_randint(seed, index + offset)) >= p
+    row = torch.arange(batch * heads, dtype=torch.int64, device=device)[:, None, None] * n
+    row = row + torch.arange(i0, i1, dtype=torch.int64, device=device)[None, :, None]
+    col = torch.arange(m, dtype=torch.int64, device=device)[None, None, :]
+    keep = philox_uniform(philox_stream_words(seed, offset, row, col, m)) >= p
     return keep.reshape(batch, heads, i1 - i0, m)
 
 

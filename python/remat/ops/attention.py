@@ -23,8 +23,8 @@ Math, shared by every backend (csrc/common/attention_math.h and philox.h hold th
 - logit = softcap * tanh(scale * q.k / softcap) with softcap > 0, else scale * q.k; softmax in
   fp32; lse = logsumexp over the visible keys, +inf (and o = 0) for a row that sees none.
 - Dropout: rng is an int64 ``[2]`` = (seed, offset) tensor when dropout_p > 0. Probability
-  (b, h, i, j) is kept when Triton's ``tl.rand(seed, offset + ((b*Hq + h)*N + i)*M + j)`` (Philox4x32-10)
-  is >= dropout_p, and then scaled by 1 / (1 - dropout_p); lse is of the undropped softmax.
+  (b, h, i, j) is kept when the uniform of its word of remat's Philox4x32-10 stream (row (b*Hq + h)*N + i
+  of rows of length M, four keys per Philox call: remat.reference.philox_stream_words) is >= dropout_p, and then scaled by 1 / (1 - dropout_p); lse is of the undropped softmax.
 - The probabilities (after dropout) are rounded to the dtype before the PV product, dS before the
   dq/dk products; everything accumulates in fp32. The backward recomputes the probabilities from
   q, k and lse and the mask from rng: nothing of size N x M is ever stored.
@@ -41,7 +41,7 @@ from remat import _extension
 from remat.backend import device_capability
 from remat.ops.device import on_tensor_device
 from remat.options import AttentionOptions
-from remat.reference import attention_dropout_keep, philox_randint, philox_uniform
+from remat.reference import attention_dropout_keep, philox_stream_words, philox_uniform
 
 # Query rows per step of the torch backend: bounds its [B, Hq, rows, M] fp32 temporaries.
 _TORCH_ROWS_PER_STEP = 256
@@ -188,8 +188,8 @@ def torch_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, wi
 # query i row p) or [1, T, D/2] (a row per packed key token: key j of sequence s uses row
 # cu_seqlens_k[s] + j, query i row cu_seqlens_k[s] + p).
 # Dropout: the Philox stream of the dense call on the zero-padded batch [S, max_seqlen_q] x
-# [S, max_seqlen_k]: (s, h, i, j) keeps when tl.rand(seed, offset + ((s*Hq + h)*max_seqlen_q + i)
-# * max_seqlen_k + j) >= dropout_p (so the mask depends on the max_seqlen_* bounds passed).
+# [S, max_seqlen_k]: (s, h, i, j) is stream word (row (s*Hq + h)*max_seqlen_q + i, column j) of rows of
+# length max_seqlen_k (so the mask depends on the max_seqlen_* bounds passed).
 
 
 class _VarlenGeometry(NamedTuple):
@@ -258,7 +258,7 @@ def _varlen_masks(geometry, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_
         return visible, None
     heads = torch.arange(hq, device=position.device)[:, None, None]
     rows = (geometry.seq_q[i0:i1, None] * hq + heads) * max_seqlen_q + geometry.query_index[i0:i1, None]
-    keep = philox_uniform(philox_randint(rng[0], rows * max_seqlen_k + key + rng[1])) >= dropout_p
+    keep = philox_uniform(philox_stream_words(rng[0], rng[1], rows, key, max_seqlen_k)) >= dropout_p
     return visible, keep.float() / (1.0 - dropout_p)
 
 

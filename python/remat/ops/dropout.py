@@ -1,6 +1,7 @@
 """The Philox dropout operator of every backend: ``philox_dropout(x, rng, p) -> y`` with
-y = keep ? x / (1 - p) : 0, keep(i) = uniform(seed, offset + i) >= p for the Philox4x32-10 stream
-of csrc/common/philox.h (Triton's tl.rand), rng = int64 [seed, offset], x contiguous. The
+y = keep ? x / (1 - p) : 0, keep(i) = uniform(word i) >= p, word i being word i % 4 of the
+Philox4x32-10 call at counter offset + i // 4 (remat.reference.dropout_keep; csrc/common/philox.h,
+Triton's tl.randint4x): one call per four elements. rng = int64 [seed, offset], x contiguous. The
 division is done in fp32 and rounded once."""
 
 from typing import NamedTuple
@@ -10,7 +11,7 @@ from torch import Tensor
 
 from remat import _extension
 from remat.ops.device import on_tensor_device
-from remat.reference import philox_randint, philox_uniform
+from remat.reference import dropout_keep
 
 
 class DropoutOps(NamedTuple):
@@ -19,8 +20,7 @@ class DropoutOps(NamedTuple):
 
 def torch_philox_dropout(x, rng, p):
     """The plain-PyTorch version: the Philox stream as int64 tensor arithmetic."""
-    counters = torch.arange(x.numel(), dtype=torch.int64, device=x.device) + rng[1]
-    keep = (philox_uniform(philox_randint(rng[0], counters)) >= p).view(x.shape)
+    keep = dropout_keep(rng[0], rng[1], x.numel(), p, x.device).view(x.shape)
     # A tensor divisor: with a Python number PyTorch's CUDA division multiplies by the reciprocal,
     # which differs from the kernels' IEEE division in the last fp32 bit.
     divisor = torch.full((), 1.0 - p, dtype=torch.float32, device=x.device)
