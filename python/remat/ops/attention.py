@@ -24,7 +24,8 @@ Math, shared by every backend (csrc/common/attention_math.h and philox.h hold th
   fp32; lse = logsumexp over the visible keys, +inf (and o = 0) for a row that sees none.
 - Dropout: rng is an int64 ``[2]`` = (seed, offset) tensor when dropout_p > 0. Probability
   (b, h, i, j) is kept when the uniform of its word of remat's Philox4x32-10 stream (row (b*Hq + h)*N + i
-  of rows of length M, four keys per Philox call: remat.reference.philox_stream_words) is >= dropout_p, and then scaled by 1 / (1 - dropout_p); lse is of the undropped softmax.
+  of rows of length M, four keys per Philox call: remat.reference.philox_stream_words) is >= dropout_p,
+  and then scaled by 1 / (1 - dropout_p); lse is of the undropped softmax.
 - The probabilities (after dropout) are rounded to the dtype before the PV product, dS before the
   dq/dk products; everything accumulates in fp32. The backward recomputes the probabilities from
   q, k and lse and the mask from rng: nothing of size N x M is ever stored.
