@@ -25,6 +25,10 @@ def info_dict():
         triton_version = triton.__version__
     default_cpu = backend.default_backend(torch.device("cpu"))
     default_gpu = backend.default_backend(torch.device("cuda")) if gpu else None
+    attention_gpu = None
+    if gpu:
+        remat_kernels = "triton" if backend.unavailable_reason("triton", torch.device("cuda")) is None else default_gpu
+        attention_gpu = f"aten (FlashAttention-2) if it takes the call, else {remat_kernels}"
     return {
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
@@ -39,7 +43,8 @@ def info_dict():
         "cuda_kernels_on_gpu": (backend.cuda_kernels_reason(torch.device("cuda", 0)) or "yes") if gpu else None,
         "requested_backend": _requested_or_error(),
         "default_backend": {op: {"cpu": f"aten if it takes the call, else {default_cpu}" if op == "attention"
-                                 else default_cpu, "cuda": default_gpu} for op in OPS},
+                                 else default_cpu, "cuda": attention_gpu if op == "attention" else default_gpu}
+                            for op in OPS},
     }
 
 

@@ -8,7 +8,13 @@ import torch
 from remat import checks
 from remat.autograd.attention import AttentionFunction, VarlenAttentionFunction
 from remat.autograd.norm_attention import NormAttentionFunction
-from remat.backend import BackendUnavailableError, default_backend, requested_backend, resolve_backend
+from remat.backend import (
+    BackendUnavailableError,
+    default_backend,
+    requested_backend,
+    resolve_backend,
+    unavailable_reason,
+)
 from remat.functional.lora import check_lora
 from remat.ops import ops_for
 from remat.ops.attention import aten_unsupported_reason
@@ -16,7 +22,7 @@ from remat.options import AttentionOptions, NormAttentionOptions
 
 
 def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, window=None, softcap=None,
-              deterministic=True, layout="bnhd", backend=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              deterministic=None, layout="bnhd", backend=None, cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=None, max_seqlen_k=None):
     """Flash attention: ``softmax(q k^T * scale) v`` without storing the attention matrix.
 
@@ -40,10 +46,16 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
         window: ``(left, right)`` sliding window: query at position p sees keys p - left .. p +
             right; None on a side is unbounded. Combines with ``causal``.
         softcap: Gemma-2 logit capping, ``softcap * tanh(logits / softcap)``; None (default) off.
-        deterministic: GPU backward without atomics (bitwise reproducible); False uses fp32
-            atomics for dq (faster). The CPU backends are always deterministic.
+        deterministic: True asks for a GPU backward without atomics (bitwise reproducible run to
+            run on one GPU); False allows atomics (remat's kernels accumulate dq with fp32
+            atomics; FlashAttention-2 likewise), which is faster. None (default): as PyTorch's own
+            ops, deterministic exactly when ``torch.use_deterministic_algorithms(True)`` is on.
+            The CPU backends are always deterministic.
         layout: ``"bnhd"`` or ``"bhnd"``, for q, k, v and the output.
-        backend: ``"cuda"``, ``"cpp"``, ``"triton"``, ``"torch"`` or None (see remat.backend).
+        backend: ``"aten"``, ``"cuda"``, ``"cpp"``, ``"triton"``, ``"torch"`` or None: the fastest
+            that takes the call (on the CPU the aten core (PyTorch's flash kernel), else remat's
+            C++ kernels; on CUDA the aten core (FlashAttention-2), else remat's Triton kernels,
+            else its CUDA kernels; README "Default backends"). See remat.backend.
         cu_seqlens_q, cu_seqlens_k: packed (variable-length) attention, FlashAttention's
             ``flash_attn_varlen_func`` convention: None (default, dense), or both given as int32
             ``[S + 1]`` offsets on q's device, starting at 0, non-decreasing (zero-length sequences
@@ -109,7 +121,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     options = _attention_options(q.shape[-1], causal, scale, softcap, window, dropout_p, deterministic)
     cos, sin = rope if rope is not None else (None, None)
     (q, k, v), autocast_off = checks.autocast_cast(q, k, v)
-    name = _varlen_attention_backend(backend, q)
+    name = _varlen_attention_backend(backend, q, (q.shape[1], k.shape[1], q.shape[2]), options)
     options = _respect_deterministic_mode(options, name)
     checks.check_attention_dtype(name, q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -120,16 +132,21 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                              options, name)
 
 
-def _varlen_attention_backend(explicit, t):
-    """The backend of a packed attention call on tensors like ``t``: the one asked for, which must
-    have packed kernels, else the general default (remat.backend: on CPU tensors remat's C++
-    kernels, where built). Unlike dense calls, the CPU default is never the aten core: PyTorch's CPU
-    flash kernel has no variable-length entry point."""
-    name = resolve_backend(explicit, t)
+def _varlen_attention_backend(explicit, t, heads, options):
+    """The backend of a packed attention call on tensors like ``t`` with heads (Hq, Hkv, D): the
+    one asked for, which must have packed kernels and take the call, else the per-op default
+    (_default_attention_backend). The aten core's packed entry is FlashAttention-2's (CUDA only):
+    PyTorch's CPU flash kernel takes no sequence offsets."""
+    name = requested_backend(explicit)
+    if name is None:
+        return _default_attention_backend(t, heads, options, varlen=True)
+    name = resolve_backend(name, t)
     if name == "aten":
-        raise BackendUnavailableError("remat backend 'aten' has no packed (cu_seqlens) attention: PyTorch's CPU "
-                                      "flash core takes no sequence offsets; use backend='cpp', 'cuda', 'triton' or "
-                                      "'torch'")
+        if t.device.type != "cuda":
+            raise BackendUnavailableError("remat backend 'aten' has packed (cu_seqlens) attention on CUDA only: "
+                                          "PyTorch's CPU flash core takes no sequence offsets; use backend='cpp', "
+                                          "'triton' or 'torch'")
+        _check_aten_takes(t, heads, options)
     if ops_for("attention", name).attention_varlen_fwd is None:
         raise BackendUnavailableError(f"remat backend {name!r} has no packed (cu_seqlens) attention kernels yet; use "
                                       f"backend='torch'")
@@ -138,21 +155,42 @@ def _varlen_attention_backend(explicit, t):
 
 def _attention_backend(explicit, t, sizes, options):
     """The backend of an attention call on tensors like ``t`` with sizes (N, M, Hq, Hkv, D).
-    Asked for by name: that backend, which must be able to run the call. Otherwise, per this op:
-    on CPU tensors PyTorch's flash kernel (the aten core) whenever it takes the call (measured
-    faster than remat's C++ kernel; benchmarks/results/attention-cpu.csv), else the general default
-    (remat.backend). On CUDA tensors the aten core is not the default until a GPU run has measured
-    it against remat's kernels; ask for it with backend="aten"."""
-    if requested_backend(explicit) is None and t.device.type == "cpu":
-        if aten_unsupported_reason(*sizes, t.dtype, t.device, options) is None:
-            return "aten"
-    name = resolve_backend(explicit, t)
+    Asked for by name: that backend, which must be able to run the call. Otherwise the per-op
+    default (_default_attention_backend)."""
+    name = requested_backend(explicit)
+    if name is None:
+        return _default_attention_backend(t, sizes[2:], options, sizes=sizes)
+    name = resolve_backend(name, t)
     if name == "aten":
-        reason = aten_unsupported_reason(*sizes, t.dtype, t.device, options)
-        if reason is not None:
-            raise BackendUnavailableError(f"remat backend 'aten' cannot run this attention call: {reason}; use "
-                                          "backend='cpp', 'cuda', 'triton' or 'torch'")
+        _check_aten_takes(t, sizes[2:], options, sizes=sizes)
     return name
+
+
+def _default_attention_backend(t, heads, options, sizes=None, varlen=False):
+    """Attention's default backend, the one expected fastest that takes the call (README "Default
+    backends"). CPU tensors: PyTorch's flash kernel (the aten core, dense calls only; measured
+    faster than remat's C++ kernel in benchmarks/results/attention-cpu.csv), else remat's C++
+    kernels. CUDA tensors, by expectation until GPU numbers replace it: FlashAttention-2 (the aten
+    core: pipelined, warp-specialised tiles tuned per architecture), else remat's Triton kernels
+    (software-pipelined, autotuned tiles), else remat's CUDA kernels (WMMA without pipelining: the
+    slowest). sizes: (N, M, Hq, Hkv, D) of a dense call; heads: (Hq, Hkv, D)."""
+    n, m = (sizes[0], sizes[1]) if sizes is not None else (0, 0)
+    aten_takes = aten_unsupported_reason(n, m, *heads, t.dtype, t.device, options) is None
+    if t.device.type == "cuda":
+        if aten_takes:
+            return "aten"
+        return "triton" if unavailable_reason("triton", t.device) is None else default_backend(t.device)
+    if t.device.type == "cpu" and aten_takes and not varlen:
+        return "aten"
+    return default_backend(t.device)
+
+
+def _check_aten_takes(t, heads, options, sizes=None):
+    n, m = (sizes[0], sizes[1]) if sizes is not None else (0, 0)
+    reason = aten_unsupported_reason(n, m, *heads, t.dtype, t.device, options)
+    if reason is not None:
+        raise BackendUnavailableError(f"remat backend 'aten' cannot run this attention call: {reason}; use "
+                                      "backend='cpp', 'cuda', 'triton' or 'torch'")
 
 
 def _respect_deterministic_mode(options, backend):
@@ -175,8 +213,10 @@ def _attention_options(head_dim, causal, scale, softcap, window, dropout_p, dete
     checks.check_positive(scale, "scale")
     checks.check_positive(softcap, "softcap")
     checks.check_probability(dropout_p, "dropout_p")
-    if not isinstance(causal, bool) or not isinstance(deterministic, bool):
-        raise TypeError("causal and deterministic must be bools")
+    if not isinstance(causal, bool) or not (deterministic is None or isinstance(deterministic, bool)):
+        raise TypeError("causal must be a bool and deterministic a bool or None")
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     left, right = checks.window_bounds(window, causal)
     scale = float(scale) if scale is not None else head_dim**-0.5
     return AttentionOptions(scale, float(softcap or 0.0), left, right, float(dropout_p), deterministic)
@@ -185,7 +225,7 @@ def _attention_options(head_dim, causal, scale, softcap, window, dropout_p, dete
 def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=None, norm_bias=None, b_q=None,
                    b_k=None, b_v=None, norm="rms", eps=None, qk_norm=None, q_norm_weight=None, k_norm_weight=None,
                    qk_eps=None, causal=True, scale=None, rope=None, window=None, softcap=None, dropout_p=0.0,
-                   deterministic=True, keep_qkv=True, lora=None, backend=None, cu_seqlens=None, max_seqlen=None):
+                   deterministic=None, keep_qkv=True, lora=None, backend=None, cu_seqlens=None, max_seqlen=None):
     """The pre-norm attention sub-block of a transformer layer in one fused Function: the norm, the
     q/k/v projections, rotary embedding and flash attention, up to the attention output (the
     output projection and residual add are the caller's).
@@ -284,7 +324,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     if cu_seqlens is None:
         name = _attention_backend(backend, x, (n, n, num_heads, num_kv_heads, head_dim), attention_options)
     else:
-        name = _varlen_attention_backend(backend, x)
+        name = _varlen_attention_backend(backend, x, (num_heads, num_kv_heads, head_dim), attention_options)
     attention_options = _respect_deterministic_mode(attention_options, name)
     checks.check_attention_dtype(name, x.dtype)
     # The aten core is attention only: the norm kernels then take the device's default backend.

@@ -338,42 +338,68 @@ TORCH_OPS = AttentionOps(torch_attention_fwd, torch_attention_bwd, torch_attenti
 # The "aten" core: PyTorch's own fused attention kernels, which keep exactly remat's contract (q, k,
 # v, o and an fp32 logsumexp; the probabilities recomputed in backward): the CPU flash kernel
 # (aten::_scaled_dot_product_flash_attention_for_cpu and its backward) and, on CUDA,
-# FlashAttention-2 (aten::_scaled_dot_product_flash_attention and its backward). Rope stays remat's:
-# q and k are rotated (fp32, rounded to the dtype, as every backend's kernels do) into temporaries
-# before the core, again in backward from the saved unrotated q and k, and the core's dq/dk (which it
-# returns in the input dtype) are rotated back in fp32 and rounded again: with rope, dq and dk are two
-# roundings from the exact value where remat's own kernels take one. The rotated copies are never
-# saved.
+# FlashAttention-2 (aten::_flash_attention_forward / _flash_attention_backward, which take remat's
+# [B, N, H, D] layout, GQA with Hkv dividing Hq, sliding windows, the bottom-right causal mask, and
+# packed sequences through cum_seq_q / cum_seq_k). Rope stays remat's: q and k are rotated (fp32,
+# rounded to the dtype, as every backend's kernels do) into temporaries before the core, again in
+# backward from the saved unrotated q and k, and the core's dq/dk (which it returns in the input
+# dtype) are rotated back in fp32 and rounded again: with rope, dq and dk are two roundings from the
+# exact value where remat's own kernels take one. The rotated copies are never saved.
+
+# FlashAttention-2 in PyTorch: sm_80 .. sm_121 (sdp_utils.cpp check_flash_attention_hardware_support);
+# its backward refuses head dims above 192 on sm_86/89 and sm_120/121 (too little shared memory).
+_FLASH_ARCHS = ((8, 0), (12, 1))
+
+
+def _flash_backward_is_deterministic():
+    """FlashAttention-2's backward in PyTorch accumulates dq with atomics unless
+    torch.use_deterministic_algorithms(True) is on without warn_only
+    (aten/src/ATen/native/transformers/cuda/attention_backward.cu)."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
 def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options):
     """Why the aten core cannot run attention of N queries and M keys (Hq / Hkv heads of dim D,
-    ``dtype`` on ``device``) with these :class:`remat.options.AttentionOptions`, or None. It has
-    no softcap and no sliding window; its causal mask aligns top-left, so causal needs N == M;
-    remat's dropout mask is remat's own Philox stream, so dropout stays with remat's kernels; on
-    CUDA it takes float16/bfloat16, head dims up to 256 that are multiples of 8 and as many k/v heads
-    as q heads (FlashAttention-2 through aten::_scaled_dot_product_flash_attention)."""
+    ``dtype`` on ``device``) with these :class:`remat.options.AttentionOptions`, or None.
+
+    Neither core has a logit softcap, and remat's dropout mask is remat's own Philox stream, which
+    they do not draw, so dropout stays with remat's kernels. On the CPU (the flash kernel): no
+    sliding window, and its causal mask aligns top-left, so causal needs N == M. On CUDA
+    (FlashAttention-2): an sm_80 .. sm_121 GPU, float16/bfloat16, head dims that are multiples of 8
+    up to 256 (up to 192 on sm_86/89/120/121), and a deterministic backward only under PyTorch's
+    deterministic mode (so ``options.deterministic`` needs it)."""
     if options.softcap > 0:
         return "PyTorch's fused attention has no logit softcap"
     if options.dropout_p > 0:
         return "remat's dropout mask is its own Philox stream, which PyTorch's fused attention does not draw"
-    if options.window_left >= 0 or options.window_right > 0:
-        return "PyTorch's fused attention has no sliding window"
-    if options.window_right == 0 and n != m:
-        return "PyTorch's fused attention aligns the causal mask top-left; remat aligns it bottom-right (N != M)"
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, _ = device_capability(index)
-        if major < 8:
-            return "FlashAttention-2 needs an sm_80 or newer GPU"
-        if dtype == torch.float32:
-            return "FlashAttention-2 takes float16/bfloat16"
-        if head_dim % 8 or head_dim > 256:
-            return "FlashAttention-2 takes head dims that are multiples of 8 up to 256"
-        if hq != hkv:
-            return "aten::_scaled_dot_product_flash_attention takes as many k/v heads as q heads"
-    elif device.type != "cpu":
+        return _flash_unsupported_reason(head_dim, dtype, device, options)
+    if device.type != "cpu":
         return f"no PyTorch fused attention kernel for {device.type} tensors"
+    if options.window_left >= 0 or options.window_right > 0:
+        return "PyTorch's CPU flash attention has no sliding window"
+    if options.window_right == 0 and n != m:
+        return "PyTorch's CPU flash attention aligns the causal mask top-left; remat aligns it bottom-right (N != M)"
+    return None
+
+
+def _flash_unsupported_reason(head_dim, dtype, device, options):
+    """aten_unsupported_reason for a CUDA tensor: FlashAttention-2's limits (see there)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capability = device_capability(index)
+    if not _FLASH_ARCHS[0] <= capability <= _FLASH_ARCHS[1]:
+        return f"PyTorch's FlashAttention-2 runs on sm_80 .. sm_121 GPUs; this one is sm_{capability[0]}{capability[1]}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "FlashAttention-2 takes float16/bfloat16"
+    if head_dim % 8 or head_dim > 256:
+        return "FlashAttention-2 takes head dims that are multiples of 8 up to 256"
+    small_shared_memory = capability[0] == 12 or (capability[0] == 8 and capability[1] >= 6)
+    if head_dim > 192 and small_shared_memory:
+        return "PyTorch's FlashAttention-2 backward refuses head dims above 192 on sm_86/89/120/121"
+    if options.deterministic and not _flash_backward_is_deterministic():
+        return ("FlashAttention-2's backward accumulates dq with atomics unless "
+                "torch.use_deterministic_algorithms(True) is set (without warn_only), and this call asks for a "
+                "deterministic backward (deterministic=True, or PyTorch's deterministic mode with warn_only)")
     return None
 
 
@@ -385,48 +411,113 @@ def _core_operands(q, k, v, cos, sin):
     return (_rotate(q, cos, sin, m - n).to(q.dtype), _rotate(k, cos, sin, 0).to(k.dtype), v.transpose(1, 2))
 
 
-def aten_attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
-    """Forward through PyTorch's fused attention core (see aten_unsupported_reason)."""
-    options = AttentionOptions(scale, softcap, window_left, window_right, dropout_p)
-    reason = aten_unsupported_reason(q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device,
-                                     options)
+def _flash_window(window_left, window_right):
+    """(is_causal, window_size_left, window_size_right) of FlashAttention-2 for remat's window:
+    both count keys from the query's bottom-right-aligned position, -1 / None unbounded."""
+    causal = window_right == 0
+    left = window_left if window_left >= 0 else None
+    right = window_right if window_right > 0 else None
+    return causal, left, right
+
+
+def _check_aten_call(q, k, options):
+    reason = aten_unsupported_reason(q.shape[-3] if q.dim() == 4 else 0, k.shape[-3] if k.dim() == 4 else 0,
+                                     q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device, options)
     if reason is not None:
         raise ValueError(f"the aten attention core cannot run this call: {reason}")
+
+
+def aten_attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
+    """Forward through PyTorch's fused attention core (see aten_unsupported_reason)."""
+    _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False))
     qh, kh, vh = _core_operands(q, k, v, cos, sin)
-    causal = window_right == 0
     if q.device.type == "cpu":
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal, scale=scale)
-    else:
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False, scale=scale)[:2]
-    return o.transpose(1, 2).contiguous(), lse.contiguous()
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, window_right == 0,
+                                                                            scale=scale)
+        return o.transpose(1, 2).contiguous(), lse.contiguous()
+    causal, left, right = _flash_window(window_left, window_right)
+    o, lse = torch.ops.aten._flash_attention_forward(
+        qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), None, None, q.shape[1], k.shape[1], 0.0, causal,
+        False, scale=scale, window_size_left=left, window_size_right=right)[:2]
+    # FlashAttention-2 allocates o like q: strided when q is the rotated [B, H, N, D] temporary.
+    return o.contiguous(), lse
+
+
+def _no_flash_rng(device):
+    """The RNG state FlashAttention-2's backward takes, read only with dropout (never here)."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 
 def aten_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p,
                        deterministic):
     """Backward through PyTorch's fused attention core: the probabilities recomputed from q, k and
     lse by its backward kernel, rope re-applied to q and k and transposed onto dq and dk here. The
-    CPU kernel is deterministic; FlashAttention-2's backward is deterministic unless PyTorch says
-    otherwise for its version (``deterministic`` is not passed on)."""
+    CPU kernel is deterministic; FlashAttention-2's backward is deterministic under PyTorch's
+    deterministic mode only, which the backend choice checked (aten_unsupported_reason)."""
     n, m = q.shape[1], k.shape[1]
     qh, kh, vh = _core_operands(q, k, v, cos, sin)
-    causal = window_right == 0
-    dout_h, o_h = dout.transpose(1, 2), o.transpose(1, 2)
     if q.device.type == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout_h, qh, kh, vh, o_h, lse, 0.0, causal, scale=scale)
+            dout.transpose(1, 2), qh, kh, vh, o.transpose(1, 2), lse, 0.0, window_right == 0, scale=scale)
     else:
-        # No cumulative sequence lengths (None: an empty tensor would select the packed-sequence path)
-        # and no RNG state (read only with dropout, which this core does not take).
-        no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout_h, qh, kh, vh, o_h, lse, None, None, n, m, 0.0, causal, no_rng, no_rng, scale=scale)
+        causal, left, right = _flash_window(window_left, window_right)
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout, qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), o, lse, None, None, n, m, 0.0, causal,
+            *_no_flash_rng(q.device), scale=scale, window_size_left=left, window_size_right=right)
+        dq, dk, dv = (g.transpose(1, 2) for g in (dq, dk, dv))
     if cos is not None:
         dq = _unrotate(dq.float(), cos, sin, m - n)
         dk = _unrotate(dk.float(), cos, sin, 0)
     return tuple(g.transpose(1, 2).to(q.dtype).contiguous() for g in (dq, dk, dv))
 
 
-ATEN_OPS = AttentionOps(aten_attention_fwd, aten_attention_bwd)
+def aten_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale,
+                              softcap, window_left, window_right, dropout_p):
+    """Packed attention through FlashAttention-2's variable-length entry (CUDA only; the CPU flash
+    kernel has none): q [total_q, Hq, D], k, v [total_k, Hkv, D] with int32 offsets, rope rows per
+    token as torch_attention_varlen_fwd computes them. Returns o [total_q, Hq, D], lse [Hq, total_q]."""
+    if q.device.type != "cuda":
+        raise ValueError("the aten attention core has packed (cu_seqlens) attention on CUDA only")
+    _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False))
+    q_core, k_core = _varlen_core_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k)
+    causal, left, right = _flash_window(window_left, window_right)
+    o, lse = torch.ops.aten._flash_attention_forward(
+        q_core, k_core, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale,
+        window_size_left=left, window_size_right=right)[:2]
+    return o.contiguous(), lse
+
+
+def aten_attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin,
+                              rng, scale, softcap, window_left, window_right, dropout_p, deterministic):
+    """Backward of aten_attention_varlen_fwd: FlashAttention-2's variable-length backward on the
+    re-rotated q, k; dq and dk rotated back per token in fp32."""
+    geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], cos is not None and cos.dim() == 3)
+    q_core, k_core = _varlen_core_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k, geometry)
+    causal, left, right = _flash_window(window_left, window_right)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout, q_core, k_core, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal,
+        *_no_flash_rng(q.device), scale=scale, window_size_left=left, window_size_right=right)
+    if cos is not None:
+        dq = _unrotate_rows(dq.transpose(0, 1).float(), cos, sin, geometry.query_row).transpose(0, 1)
+        dk = _unrotate_rows(dk.transpose(0, 1).float(), cos, sin, geometry.key_row).transpose(0, 1)
+    return tuple(g.to(q.dtype).contiguous() for g in (dq, dk, dv))
+
+
+def _varlen_core_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k, geometry=None):
+    """Packed q [total_q, Hq, D] and k [total_k, Hkv, D] rotated per token (rounded to the dtype)
+    into temporaries, or q and k themselves without rope."""
+    if cos is None:
+        return q, k
+    if geometry is None:
+        geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], cos.dim() == 3)
+    return (_rotate_rows(q, cos, sin, geometry.query_row).to(q.dtype).transpose(0, 1),
+            _rotate_rows(k, cos, sin, geometry.key_row).to(k.dtype).transpose(0, 1))
+
+
+ATEN_OPS = AttentionOps(aten_attention_fwd, aten_attention_bwd, aten_attention_varlen_fwd, aten_attention_varlen_bwd)
+
 
 def _fake_attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
     batch, n, hq, head_dim = q.shape
