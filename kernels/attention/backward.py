@@ -57,20 +57,21 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_kv_tile(
-    dv, dk1, dk2, k1, k2, v, keys, key_pos, start_m, q_ptr, do_ptr, q_base, do_base,
+    dv, dk1, dk2, k1, k2, v, start_n, key_pos, start_m, q_ptr, do_ptr, q_base, do_base,
     stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base, dq_row_stride,
     cos_ptr, sin_ptr, cs_base, N, M, lo_d, hi_d,
-    scale, cap_scale, softcap, seed, rng_base, drop_cols, dropout_p, inv_keep,
+    scale, cap_scale, softcap, seed, rng_base, drop_groups, dropout_p, inv_keep,
     MASKED, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, ROPE: tl.constexpr,
-    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """One query tile's contribution to dv, dk (and with ATOMIC_DQ, dq) of a key block.
 
     Works on the transposed [keys, queries] tiles, so dv and dk accumulate as plain dots.
     MASKED (a runtime scalar) applies the window and the row/key bounds; the caller clears it
-    only for tiles inside the band. N, M: the (sequence's) lengths; drop_cols: the dropout
-    counter's keys per row (M, or max_seqlen_k for packed sequences).
+    only for tiles inside the band. N, M: the (sequence's) lengths; start_n: the key block's
+    first key; rng_base: the dropout counter of row 0, key 0 of the head; drop_groups: the
+    dropout counters per row (ceil(M / 4), M the launch's, max_seqlen_k for packed sequences).
     """
     rows = start_m + tl.arange(0, BLOCK_M)
     row_mask = rows < N
@@ -89,8 +90,9 @@ def _bwd_kv_tile(
     dtype = do.dtype
     dp = _dot(v, tl.trans(do), tl.zeros([v.shape[0], BLOCK_M], dtype=tl.float32), INTERPRETED)
     if DROPOUT:
-        keep = _dropout_keep(
-            seed, rng_base + rows.to(tl.int64)[None, :] * drop_cols + keys[:, None], dropout_p)
+        # The [rows, keys] mask of the forward's stream, transposed to the [keys, rows] tiles.
+        keep = tl.trans(_dropout_keep(seed, rng_base + rows.to(tl.int64) * drop_groups, start_n,
+                                      dropout_p, BLOCK_N))
         dv = _dot(_round(tl.where(keep, p * inv_keep, 0.0), dtype, INTERPRETED), do, dv,
                   INTERPRETED)
         dp = tl.where(keep, dp * inv_keep, 0.0)
@@ -169,21 +171,23 @@ def _attn_bwd_dkdv_kernel(
     hi = tl.where(start_n < m, hi, lo)
     lo_d, hi_d = _offset_bounds(left, right)
     key_pos = tl.where(key_mask, keys, _OUT)
+    # Dropout counters per row: four keys per Philox call over the launch's M (masks.py).
+    drop_groups = tl.cdiv(M, 4)
     for head_in_group in range(GROUP):
         h = kv_head * GROUP + head_in_group
         q_base = _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN)
         do_base = _operand_base(b, q_row0, stride_dob, stride_don, h, stride_doh, VARLEN)
         row_base = _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN)
-        rng_base = rng_offset + (b * num_heads + h) * N * M
+        rng_base = rng_offset + (b * num_heads + h) * N * drop_groups
         dq_base = (q_row0 * num_heads + h) * HEAD_DIM
         for start_m in range(lo, hi, BLOCK_M):
             dv, dk1, dk2 = _bwd_kv_tile(
-                dv, dk1, dk2, k1, k2, v, keys, key_pos, start_m, q_ptr, do_ptr, q_base,
+                dv, dk1, dk2, k1, k2, v, start_n, key_pos, start_m, q_ptr, do_ptr, q_base,
                 do_base, stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base,
                 num_heads * HEAD_DIM, cos_ptr, sin_ptr, cs_base, n, m, lo_d, hi_d,
-                scale, cap_scale, softcap, seed, rng_base, M, dropout_p, inv_keep,
+                scale, cap_scale, softcap, seed, rng_base, drop_groups, dropout_p, inv_keep,
                 (start_m < int_start) | (start_m >= int_end), ATOMIC_DQ, HEAD_DIM, BLOCK_D,
-                BLOCK_H, BLOCK_M, ROPE, SOFTCAP, DROPOUT, INTERPRETED)
+                BLOCK_H, BLOCK_M, BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED)
     # dk, dv are contiguous [B, M, Hkv, D] ([total_k, Hkv, D] with VARLEN).
     out_base = (k_row0 * num_kv_heads + kv_head) * HEAD_DIM
     out_row_stride = num_kv_heads * HEAD_DIM
@@ -217,7 +221,7 @@ def _bwd_q_tile(
         p = tl.where(_visible(positions[:, None], key_pos[None, :], lo_d, hi_d), p, 0.0)
     dp = _dot(do, tl.trans(v), tl.zeros([do.shape[0], BLOCK_N], dtype=tl.float32), INTERPRETED)
     if DROPOUT:
-        keep = _dropout_keep(seed, rng_rows[:, None] + keys[None, :], dropout_p)
+        keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N)
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = _round(_times_logit_grad(p * (dp - delta[:, None]), th, scale, SOFTCAP), do.dtype,
                 INTERPRETED)

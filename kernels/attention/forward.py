@@ -77,7 +77,7 @@ def _fwd_tile(
     p = tl.math.exp2((t - m_sub[:, None]) * _LOG2E)
     row_sum = row_sum * alpha + tl.sum(p, 1)
     if DROPOUT:
-        keep = _dropout_keep(seed, rng_rows[:, None] + keys[None, :], dropout_p)
+        keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N)
         p = tl.where(keep, p * inv_keep, 0.0)
     v = _load_rows(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D)
     acc = _dot(_round(p, v.dtype, INTERPRETED), v, acc * alpha[:, None], INTERPRETED)
@@ -107,7 +107,7 @@ def _attn_fwd_kernel(
                            BLOCK_H, ROPE, INTERPRETED)
     k_base = _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN)
     v_base = _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN)
-    # The dropout counters: row index into [B, Hq, N], continued over the M keys.
+    # The dropout counters of key 0 of each row (row index into [B, Hq, N]; masks.py).
     seed, rng_rows = _dropout_rows(rng_ptr, (b * num_heads + h) * N + rows, M, DROPOUT)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

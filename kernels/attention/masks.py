@@ -13,11 +13,14 @@ offsets (`_visible`), under a branch uniform across the program. Three loops (ma
 unmasked interior, masked tail) cost 56-120 bytes of register spills per thread in the sm_80
 build of the forward at D 64, where this single loop has none.
 
-Dropout: element (b, h, i, j) of the [B, Hq, N, M] probabilities (h the query head) draws
-tl.rand(seed, offset + ((b * Hq + h) * N + i) * M + j) with an int64 counter and is kept iff the
-draw is >= dropout_p (`_dropout_keep`): remat.reference.attention_dropout_keep and
-csrc/common/philox.h produce the same mask. The seed and offset are read on the device from
-rng = int64 [seed, offset].
+Dropout: element (b, h, i, j) of the [B, Hq, N, M] probabilities (h the query head) takes word
+j % 4 of Philox4x32-10 (key seed) at the int64 counter offset + r * ceil(M / 4) + j // 4,
+r = (b * Hq + h) * N + i, and is kept iff that word's uniform (tl.random's
+uint_to_uniform_float) is >= dropout_p (`_dropout_keep`): one Philox call (tl.randint4x) gives
+four consecutive keys of a row. remat.reference.attention_dropout_keep (philox_stream_words) and
+csrc/common/philox.h produce the same mask. Key tiles start at multiples of BLOCK_N (a multiple
+of 4; `_key_range` aligns the first tile down), so a tile's keys are whole groups of four. The
+seed and offset are read on the device from rng = int64 [seed, offset].
 
 Packed (variable-length) sequences (VARLEN): grid axis 2 runs over the S sequences instead of the
 batch, the kernels' N, M are the max_seqlen bounds, and `_sequence` reads each sequence's first
@@ -63,11 +66,14 @@ def _interior(lo, lo_full, hi_full, BLOCK: tl.constexpr):
 @triton.jit
 def _key_range(start_m, N, M, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key tiles of the query block [start_m, start_m + BLOCK_M): (lo, hi, int_start, int_end),
-    the keys [lo, hi) some row of the block sees and its unmasked tiles (`_interior`)."""
+    [lo, hi) the keys some row of the block sees with lo rounded down to a multiple of BLOCK_N,
+    and its unmasked tiles (`_interior`)."""
     shift = M - N
     first_pos = start_m + shift
     last_pos = tl.minimum(start_m + BLOCK_M, N) - 1 + shift
-    lo = tl.where(left >= 0, tl.maximum(first_pos - left, 0), 0)
+    # The first tile starts at a multiple of BLOCK_N (the dropout words come in groups of four
+    # keys); its keys before the band are masked like any straddling tile's.
+    lo = tl.where(left >= 0, (tl.maximum(first_pos - left, 0) // BLOCK_N) * BLOCK_N, 0)
     hi = tl.where(right >= 0, tl.minimum(last_pos + right + 1, M), M)
     # Keys >= lo_full are inside every row's left edge, keys < hi_full inside every right edge.
     lo_full = tl.where(left >= 0, tl.maximum(last_pos - left, lo), lo)
@@ -111,18 +117,27 @@ def _query_block(N, M, GROUP, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _dropout_keep(seed, counters, dropout_p):
-    """Keep mask of the draws at the int64 `counters`: tl.rand(seed, counter) >= dropout_p."""
-    return tl.rand(seed, counters) >= dropout_p
+def _dropout_keep(seed, row_counters, start_n, dropout_p, BLOCK_N: tl.constexpr):
+    """Keep mask [rows, BLOCK_N] of the keys start_n .. start_n + BLOCK_N - 1 (start_n a multiple
+    of 4) of the rows whose key-0 counters are row_counters (int64 [rows], `_dropout_rows`): key j
+    takes word j % 4 of the Philox call at row_counter + j // 4 and is kept iff its uniform is
+    >= dropout_p. One tl.randint4x per four keys; tl.join(tl.join(w0, w2), tl.join(w1, w3)) is
+    [rows, BLOCK_N / 4, 2, 2] with word 2 * a + b at [.., a, b], so the row-major reshape puts
+    key 4 * g + w at word w of group g."""
+    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    w0, w1, w2, w3 = tl.randint4x(seed, row_counters[:, None] + groups[None, :])
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [row_counters.shape[0], BLOCK_N])
+    return tl.random.uint_to_uniform_float(words) >= dropout_p
 
 
 @triton.jit
 def _dropout_rows(rng_ptr, row_ids, M, DROPOUT: tl.constexpr):
-    """(seed, counters of key 0) of the rows `row_ids` (indices into [B, Hq, N]): the dropout
-    counters continue the row index over the M keys. Without DROPOUT, placeholders."""
+    """(seed, key-0 counters) of the rows `row_ids` (int64 indices into [B, Hq, N]): row r's
+    counters start at offset + r * ceil(M / 4), four keys per counter. Without DROPOUT,
+    placeholders."""
     if DROPOUT:
         seed = tl.load(rng_ptr)
-        rng_rows = tl.load(rng_ptr + 1) + row_ids * M
+        rng_rows = tl.load(rng_ptr + 1) + row_ids * tl.cdiv(M, 4)
     else:
         seed = 0
         rng_rows = row_ids
