@@ -3,7 +3,8 @@
 The CUDA toolkit is found from CUDA_HOME / CUDA_PATH or by locating a real toolkit root (one that
 holds bin/nvcc, include/cuda_runtime.h and lib64/libcudart.so), never by asking whether a GPU is
 present: build machines have none. With a toolkit the extension holds the CUDA kernels for
-TORCH_CUDA_ARCH_LIST (default "8.0;9.0") and the C++ CPU kernels; without one, or with
+TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX": sm_80 and sm_90 machine code, and sm_90 PTX that the
+driver compiles for newer GPUs) and the C++ CPU kernels; without one, or with
 REMAT_SKIP_CUDA_BUILD=1, it holds the C++ CPU kernels only.
 """
 
