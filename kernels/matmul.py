@@ -20,7 +20,12 @@ act_matmul / act_matmul_bwd are the single-GEMM variant for the plain (GPT-2 sty
 main loop with GATED off (one weight, one accumulator, no norm prologue) and a bias [N] added in
 fp32 to the accumulator before the one rounding, so pre = x @ w^T + b is what torch.addmm stores;
 h = act(pre) and dpre = dh * act'(pre) are kernels/mlp.py's act (non-gated) expressions. They
-use glu_matmul_config's tiles.
+have their own tiles (act_matmul_candidates: one accumulator leaves room for a deeper pipeline),
+chosen per device by shared memory (_launch_act).
+
+fp32 operands are multiplied as TF32 on tensor cores when PyTorch allows it for fp32 matmuls
+(`allow_tf32()`, torch.backends.cuda.matmul.allow_tf32, read per launch and passed as the TF32
+constexpr), else in IEEE fp32, as torch.matmul does; fp16/bf16 are unaffected.
 
 The activation math (`_activation_and_grad`) is kernels/mlp.py's, imported rather than copied;
 `_round` and `_dot` are kernels/_common.py's.
@@ -32,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _INTERPRETED, _dot, _round
+from ._common import _INTERPRETED, _dot, _round, allow_tf32
+from .attention.tuning import Tuner
 from .mlp import _activation_and_grad
 
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -88,6 +94,79 @@ def glu_matmul_config(n_rows, n_cols, n_inner, dtype):
     return _LARGE_16BIT if n_rows > 64 else _SMALL_16BIT
 
 
+# The single GEMM's own tiles (act_matmul, the plain MLP's up-projection with the bias + act
+# epilogue), measured like the dual GEMM's: ptxas -v on sm_80 and sm_90a builds of both
+# act_matmul kernels (bias, gelu_tanh, STORE_PRE / NEED_H on) with 16-byte divisibility, and
+# Triton's own shared-memory figure (metadata.shared). Facts that set them:
+# - One accumulator does not buy a wider tile: the epilogue does. 128 x 64 over 8 warps holds
+#   32 fp32 accumulator elements per thread, and the activation and its gradient add several
+#   live fp32 temporaries per element: 201-206 registers per thread on sm_80 (78 forward, 198
+#   backward on sm_90), no spills. 128 x 128 over 8 warps (64 accumulator elements per thread)
+#   hit the 255-register cap and spilled 624 (forward) / 936 (backward) bytes per thread on
+#   sm_80 and 372 in the backward on sm_90; over 16 warps the cap falls to 128 registers and it
+#   spilled 364-500 bytes; 128 x 256 and 256 x 128 spilled kilobytes. The forward and the
+#   backward must share the tile (the recompute is bit-identical only then), so 128 x 64 it is.
+# - What one accumulator does buy is pipeline depth: a stage holds one A tile and one weight
+#   tile, (128 + 64) x 64 x 2 bytes = 24 KiB for fp16/bf16, against the dual GEMM's 32 KiB
+#   (two weight tiles). Measured shared memory per block of 128 x 64 x 64, 8 warps (forward =
+#   backward in every build): 3 / 4 / 5 stages take 48 / 72 / 96 KiB on sm_80 (Triton keeps
+#   num_stages - 1 buffers there) and 72 / 96 / 120 KiB on sm_90. At ~205 registers x 256
+#   threads one block fills an SM's 64 K registers, so occupancy is one block per SM whatever
+#   the depth, and the deepest pipeline that fits hides the most load latency: 5 stages, which
+#   fits sm_80 (164 KiB per block), sm_90 (227 KiB) and, expected, the 99 KiB of sm_86/89/120
+#   (96 KiB in the sm_80-style build those take; not measured there, and the launcher checks
+#   the compiled figure). The 4- and 3-stage entries are what the pruning falls back to on a
+#   device with less.
+# - At most 64 rows (decode-sized batches): 64 x 64 x 64 over 4 warps, the same registers per
+#   thread (201-206, no spills) and half the threads, so two blocks share an SM; 5 stages take
+#   64 KiB on sm_80 and 80 KiB on sm_90. The launch is weight-bandwidth bound, and the more
+#   weight tiles in flight, the closer it gets to memory bandwidth.
+# - fp32 with IEEE products (FMA units, BLOCK_K-deep operand slices in registers): the single
+#   GEMM affords the 128 x 64 tile the dual GEMM could not, BLOCK_K 16 over 8 warps: 187-228
+#   registers, no spills; 4 stages (36 KiB or less). At most 64 rows: 64 x 64 x 16 (106-122
+#   registers).
+# - fp32 with TF32 (tensor cores, `allow_tf32()`): 128 x 64 x 32, 8 warps, 189-227 registers, no
+#   spills; a stage is (128 + 64) x 32 x 4 bytes = 24 KiB as for 16-bit types, so the same
+#   stage counts and shared memory (4 stages: 72 KiB on sm_80, 96 KiB on sm_90). At most 64
+#   rows: 64 x 64 x 32 over 4 warps (188-228 registers, no spills).
+# Each list is in preference order; the launcher takes the first entry whose compiled forward
+# and backward kernels both fit the device's shared memory per block (see _launch_act).
+def _stages(block_m, block_n, block_k, num_warps, *stage_counts):
+    return tuple(MatmulConfig(block_m, block_n, block_k, _GROUP_M, num_warps, stages)
+                 for stages in stage_counts)
+
+
+_ACT_LARGE_16BIT = _stages(128, 64, 64, 8, 5, 4, 3)
+_ACT_SMALL_16BIT = _stages(64, 64, 64, 4, 5, 4, 3)
+_ACT_LARGE_FP32 = _stages(128, 64, 16, 8, 4, 3)
+_ACT_SMALL_FP32 = _stages(64, 64, 16, 8, 4, 3)
+_ACT_LARGE_TF32 = _stages(128, 64, 32, 8, 5, 4, 3)
+_ACT_SMALL_TF32 = _stages(64, 64, 32, 4, 5, 4, 3)
+
+
+def act_matmul_candidates(n_rows, n_cols, n_inner, dtype, tf32):
+    """The single GEMM's tile configurations for pre [n_rows, n_cols] over n_inner, for x's
+    dtype and the TF32 setting (fp32 only), in preference order (see the comment above).
+
+    A fixed rule of the row count and the dtype, not a timed autotuner: the forward and the
+    backward must launch the same tile (BLOCK_K fixes the accumulation order, so the recompute
+    is bit-identical only then), which a rule keyed on what both calls see guarantees.
+    """
+    del n_cols, n_inner  # The rule above needs neither.
+    small = n_rows <= 64
+    if dtype == torch.float32 and tf32:
+        return _ACT_SMALL_TF32 if small else _ACT_LARGE_TF32
+    if dtype == torch.float32:
+        return _ACT_SMALL_FP32 if small else _ACT_LARGE_FP32
+    return _ACT_SMALL_16BIT if small else _ACT_LARGE_16BIT
+
+
+def act_matmul_config(n_rows, n_cols, n_inner, dtype, tf32):
+    """The preferred single-GEMM tile (act_matmul_candidates' first): what the interpreter
+    launches and what aot_specs compiles."""
+    return act_matmul_candidates(n_rows, n_cols, n_inner, dtype, tf32)[0]
+
+
 @triton.jit
 def _tile_indices(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(rows [BLOCK_M], cols [BLOCK_N]) of this program's output tile, int32, in the grouped
@@ -111,7 +190,7 @@ def _gate_up_tile(
     rows, cols, M, N, K, x_row_stride,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr, HAS_NORM_BIAS: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """(gate, up) [BLOCK_M, BLOCK_N] in x's dtype for output rows `rows` and columns `cols`.
 
@@ -122,7 +201,8 @@ def _gate_up_tile(
     added in fp32 to the fp32 accumulator before the one rounding, as torch.addmm does.
     A is x, or for NORM "rms"/"layer" the normed x computed per tile and rounded to x's dtype.
     Loads past M, N and K are masked to 0, so rows past M and columns past N come out 0 (or the
-    bias); the callers mask them off their stores.
+    bias); the callers mask them off their stores. TF32: fp32 operands are multiplied as TF32 on
+    tensor cores (`_dot`), else in IEEE fp32; no effect on fp16/bf16.
     """
     tl.static_assert(not (GATED and HAS_BIAS), "a bias is taken only by the non-gated GEMM")
     dtype = x_ptr.dtype.element_ty
@@ -162,10 +242,10 @@ def _gate_up_tile(
         weight_offsets = weight_col_offsets + ks[:, None]
         weight_mask = k_mask[:, None] & col_mask[None, :]
         w_gate = tl.load(w_gate_ptr + weight_offsets, mask=weight_mask, other=0.0)
-        gate_acc = _dot(a, w_gate, gate_acc, INTERPRETED)
+        gate_acc = _dot(a, w_gate, gate_acc, INTERPRETED, TF32)
         if GATED:
             w_up = tl.load(w_up_ptr + weight_offsets, mask=weight_mask, other=0.0)
-            up_acc = _dot(a, w_up, up_acc, INTERPRETED)
+            up_acc = _dot(a, w_up, up_acc, INTERPRETED, TF32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         gate_acc = gate_acc + bias[None, :]
@@ -185,7 +265,7 @@ def _glu_matmul_fwd_kernel(
     ACTIVATION: tl.constexpr, NORM: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr,
     HAS_NORM_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of h = act(gate) * up [M, N] (and gate, up when STORE_PRE)."""
     rows, cols = _tile_indices(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -193,7 +273,7 @@ def _glu_matmul_fwd_kernel(
     gate, up = _gate_up_tile(
         x_ptr, w_gate_ptr, w_up_ptr, x_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
         rows, cols, M, N, K, x_row_stride,
-        True, False, NORM, HAS_NORM_WEIGHT, HAS_NORM_BIAS, BLOCK_K, INTERPRETED,
+        True, False, NORM, HAS_NORM_WEIGHT, HAS_NORM_BIAS, BLOCK_K, INTERPRETED, TF32,
     )
     activated, _ = _activation_and_grad(gate.to(tl.float32), ACTIVATION)
     h = _round(activated * up.to(tl.float32), h_ptr.dtype.element_ty, INTERPRETED)
@@ -213,7 +293,7 @@ def _glu_matmul_bwd_kernel(
     ACTIVATION: tl.constexpr, NORM: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr,
     HAS_NORM_BIAS: tl.constexpr, NEED_H: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """One tile of dgate = dh * up * act'(gate), dup = dh * act(gate) and (NEED_H) h, with gate
     and up recomputed exactly as _glu_matmul_fwd_kernel computes them."""
@@ -222,7 +302,7 @@ def _glu_matmul_bwd_kernel(
     gate, up = _gate_up_tile(
         x_ptr, w_gate_ptr, w_up_ptr, x_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr,
         rows, cols, M, N, K, x_row_stride,
-        True, False, NORM, HAS_NORM_WEIGHT, HAS_NORM_BIAS, BLOCK_K, INTERPRETED,
+        True, False, NORM, HAS_NORM_WEIGHT, HAS_NORM_BIAS, BLOCK_K, INTERPRETED, TF32,
     )
     rows64 = rows.to(tl.int64)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -245,7 +325,7 @@ def _act_matmul_fwd_kernel(
     M, N, K, x_row_stride,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of h = act(pre) [M, N], pre = x @ w^T (+ bias) rounded to x's
     dtype (and pre itself when STORE_PRE): _gate_up_tile's main loop with one GEMM, no norm."""
@@ -255,7 +335,7 @@ def _act_matmul_fwd_kernel(
     pre, _ = _gate_up_tile(
         x_ptr, w_ptr, x_ptr, bias_ptr, x_ptr, x_ptr, x_ptr, x_ptr,
         rows, cols, M, N, K, x_row_stride,
-        False, HAS_BIAS, "none", False, False, BLOCK_K, INTERPRETED,
+        False, HAS_BIAS, "none", False, False, BLOCK_K, INTERPRETED, TF32,
     )
     activated, _ = _activation_and_grad(pre.to(tl.float32), ACTIVATION)
     h = _round(activated, h_ptr.dtype.element_ty, INTERPRETED)
@@ -272,7 +352,7 @@ def _act_matmul_bwd_kernel(
     M, N, K, x_row_stride, dh_row_stride,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_H: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """One tile of dpre = dh * act'(pre) and (NEED_H) h = act(pre), with pre recomputed exactly
     as _act_matmul_fwd_kernel computes it."""
@@ -280,7 +360,7 @@ def _act_matmul_bwd_kernel(
     pre, _ = _gate_up_tile(
         x_ptr, w_ptr, x_ptr, bias_ptr, x_ptr, x_ptr, x_ptr, x_ptr,
         rows, cols, M, N, K, x_row_stride,
-        False, HAS_BIAS, "none", False, False, BLOCK_K, INTERPRETED,
+        False, HAS_BIAS, "none", False, False, BLOCK_K, INTERPRETED, TF32,
     )
     rows64 = rows.to(tl.int64)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -434,7 +514,8 @@ def _launch(kernel, x, w_gate, w_up, outputs, extra_strides, norm, mean, rstd, n
 
     outputs: the kernel's output pointers after the prologue inputs (a placeholder where a flag
     keeps the kernel from writing). extra_strides: row strides after x's. flags: the kernel's
-    own constexprs (ACTIVATION and STORE_PRE or NEED_H).
+    own constexprs (ACTIVATION and STORE_PRE or NEED_H). TF32 is allow_tf32(), read per call; the
+    fp32 tile serves IEEE and TF32 products alike.
     """
     n_rows, n_inner = x.shape
     n_cols = w_gate.shape[0]
@@ -454,7 +535,7 @@ def _launch(kernel, x, w_gate, w_up, outputs, extra_strides, norm, mean, rstd, n
         NORM=norm or "none", HAS_NORM_WEIGHT=norm_weight is not None,
         HAS_NORM_BIAS=norm_bias is not None, **flags,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, INTERPRETED=_INTERPRETED,
+        GROUP_M=config.group_m, INTERPRETED=_INTERPRETED, TF32=allow_tf32(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -517,22 +598,65 @@ def glu_matmul_bwd(x, w_gate, w_up, dh, activation, *, norm=None, mean=None, rst
     return dgate, dup, h
 
 
+# The single GEMM's tile per (device, dtype, TF32, row class), shared by its forward and
+# backward kernels: remat's tuner (kernels/attention/tuning.py) with timing off, so a miss takes
+# act_matmul_candidates' first entry that fits the device and caches it, inside CUDA graph
+# capture too (so the forward and the backward of a captured step launch one tile). Nothing is
+# timed, allocated or launched besides the real launch; a miss compiles the candidates it
+# checks (Triton's compile cache keeps them).
+_ACT_TUNER = Tuner(autotune=False)
+
+
+def _act_tile_key(x, tf32):
+    """The single GEMM's tile-cache key: act_matmul_candidates depends on these alone."""
+    return ("act_matmul", x.device.index, x.dtype, tf32, x.shape[0] <= 64)
+
+
 def _launch_act(kernel, x, w, b, outputs, extra_strides, flags):
-    """Launches an act_matmul kernel over the [M, N] output, with glu_matmul's tiles for the
-    shape and dtype (the forward and the backward pick the same ones)."""
+    """Launches an act_matmul kernel over the [M, N] output, with act_matmul_candidates' tile
+    for the shape, dtype and TF32 setting: the first, under the interpreter; compiled, the first
+    whose forward and backward kernels both fit the device's shared memory per block, cached per
+    _act_tile_key, so the forward and the backward pick the same one. TF32 is allow_tf32(),
+    read per call (a compiled variant: flipping PyTorch's setting between a forward and its
+    backward makes the recompute differ in rounding)."""
     n_rows, n_inner = x.shape
     n_cols = w.shape[0]
-    config = glu_matmul_config(n_rows, n_cols, n_inner, x.dtype)
-    grid = (triton.cdiv(n_rows, config.block_m) * triton.cdiv(n_cols, config.block_n),)
-    kernel[grid](
-        x, w, b.contiguous() if b is not None else x,
-        *outputs,
-        n_rows, n_cols, n_inner, x.stride(0), *extra_strides,
-        HAS_BIAS=b is not None, **flags,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, INTERPRETED=_INTERPRETED,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    tf32 = allow_tf32()
+    bias = b.contiguous() if b is not None else x
+    sizes = (n_rows, n_cols, n_inner, x.stride(0))
+
+    def options(config, kernel_flags):
+        return dict(HAS_BIAS=b is not None, **kernel_flags,
+                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                    GROUP_M=config.group_m, INTERPRETED=_INTERPRETED, TF32=tf32,
+                    num_warps=config.num_warps, num_stages=config.num_stages)
+
+    def grid(config):
+        return (triton.cdiv(n_rows, config.block_m) * triton.cdiv(n_cols, config.block_n),)
+
+    def run(config):
+        kernel[grid(config)](x, w, bias, *outputs, *sizes, *extra_strides,
+                             **options(config, flags))
+
+    if _INTERPRETED:
+        run(act_matmul_config(n_rows, n_cols, n_inner, x.dtype, tf32))
+        return
+
+    def shared_memory_of(config):
+        # Both kernels, with every optional output on: the [M, N] output passed here stands for
+        # all of the other kernel's [M, N] operands (the row stride of dh is then N).
+        out = outputs[0] if kernel is _act_matmul_fwd_kernel else outputs[1]
+        forward = _act_matmul_fwd_kernel.warmup(
+            x, w, bias, out, out, *sizes, grid=grid(config),
+            **options(config, dict(ACTIVATION=flags["ACTIVATION"], STORE_PRE=True)))
+        backward = _act_matmul_bwd_kernel.warmup(
+            x, w, bias, out, out, out, *sizes, n_cols, grid=grid(config),
+            **options(config, dict(ACTIVATION=flags["ACTIVATION"], NEED_H=True)))
+        return max(forward.metadata.shared, backward.metadata.shared)
+
+    _ACT_TUNER.launch(_act_tile_key(x, tf32),
+                      act_matmul_candidates(n_rows, n_cols, n_inner, x.dtype, tf32),
+                      shared_memory_of, run)
 
 
 def act_matmul(x, w, b, activation, *, store_pre=False):
@@ -583,21 +707,26 @@ def act_matmul_bwd(x, w, b, dh, activation, *, need_h=True):
 
 
 def aot_specs():
-    """Yield (name, kernel, signature, constexprs, num_warps) for ahead-of-time compile checks.
+    """Yield (name, kernel, signature, constexprs, num_warps, options) for ahead-of-time compile
+    checks; options holds num_stages.
 
     `signature` and `constexprs` are in the form `triton.compiler.ASTSource` takes; name is
-    'glu_matmul_<fwd|bwd>-<dtype>-<activation>-<norm>[-store_pre|-need_h]'. Covers both kernels
-    without a prologue, with the RMSNorm prologue (weight) and with the LayerNorm prologue
-    (weight and bias): for bf16 every (kernel, norm) pair, the activations spread over them and
-    STORE_PRE / NEED_H on and off; for fp16 and fp32 one forward and one backward each. Each
-    uses the configuration glu_matmul_config picks for a 4096 x 4096 x 4096 launch of its dtype
-    (the 128 x 64 x 64 tensor-core tile for 16-bit types). Sizes are 32-bit and row strides
-    64-bit, as the launcher passes a stride past 2^31 - 1; the fp32 specs take 64-bit sizes.
+    'glu_matmul_<fwd|bwd>-<dtype>-<activation>-<norm>[-store_pre|-need_h][-tf32]'. Covers both
+    kernels without a prologue, with the RMSNorm prologue (weight) and with the LayerNorm
+    prologue (weight and bias): for bf16 every (kernel, norm) pair, the activations spread over
+    them and STORE_PRE / NEED_H on and off; for fp16 one forward and one backward; for fp32 one
+    forward and one backward with IEEE products and one of each with TF32 (-tf32). Each uses the
+    configuration glu_matmul_config picks for a 4096 x 4096 x 4096 launch of its dtype (the
+    128 x 64 x 64 tensor-core tile for 16-bit types). Sizes are 32-bit and row strides 64-bit,
+    as the launcher passes a stride past 2^31 - 1; the fp32 specs take 64-bit sizes.
 
     Then act_matmul's kernels, named 'act_matmul_<fwd|bwd>-<dtype>-<activation>-<bias|nobias>
-    [-store_pre|-need_h]': for bf16 both kernels with gelu and gelu_tanh, each with and without
-    the bias (STORE_PRE / NEED_H spread over them); for fp16 and fp32 one forward and one
-    backward each, with the same tiles, size and stride types as above.
+    [-store_pre|-need_h][-tf32][-small]', with act_matmul_config's tiles (and stage counts) for
+    4096 rows, or for 64 rows (-small): for bf16 both kernels with gelu and gelu_tanh, each with
+    and without the bias (STORE_PRE / NEED_H spread over them), and both kernels with the
+    small-row tile; for fp16 one forward and one backward; for fp32 one forward and one
+    backward with IEEE products, and with TF32 one of each at 4096 rows and at 64 rows; size and
+    stride types as above.
     """
     bf16_cases = (
         ("fwd", "silu", None, False), ("fwd", "gelu", "rms", True),
@@ -605,12 +734,13 @@ def aot_specs():
         ("bwd", "gelu_tanh", None, True), ("bwd", "silu", "rms", False),
         ("bwd", "gelu", "layer", True),
     )
-    for type_name, dtype, cases, size_type in (
-        ("bf16", torch.bfloat16, bf16_cases, "i32"),
+    fp32_cases = (("fwd", "gelu", "layer", False), ("bwd", "gelu", None, False))
+    for type_name, dtype, cases, size_type, tf32 in (
+        ("bf16", torch.bfloat16, bf16_cases, "i32", False),
         ("fp16", torch.float16, (("fwd", "silu", "rms", True), ("bwd", "silu", "rms", True)),
-         "i32"),
-        ("fp32", torch.float32,
-         (("fwd", "gelu", "layer", False), ("bwd", "gelu", None, False)), "i64"),
+         "i32", False),
+        ("fp32", torch.float32, fp32_cases, "i64", False),
+        ("fp32", torch.float32, fp32_cases, "i64", True),
     ):
         config = glu_matmul_config(4096, 4096, 4096, dtype)
         element = f"*{type_name}"
@@ -639,11 +769,13 @@ def aot_specs():
                 ACTIVATION=activation, NORM=norm or "none", HAS_NORM_WEIGHT=norm is not None,
                 HAS_NORM_BIAS=norm == "layer", **flags,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                GROUP_M=config.group_m, INTERPRETED=False,
+                GROUP_M=config.group_m, INTERPRETED=False, TF32=tf32,
             )
             signature.update(dict.fromkeys(constexprs, "constexpr"))
+            suffix += "-tf32" if tf32 else ""
             yield (f"glu_matmul_{kind}-{type_name}-{activation}-{norm or 'plain'}{suffix}",
-                   kernel, signature, constexprs, config.num_warps)
+                   kernel, signature, constexprs, config.num_warps,
+                   {"num_stages": config.num_stages})
 
     bf16_act_cases = (
         ("fwd", "gelu", True, True), ("fwd", "gelu", False, False),
@@ -651,14 +783,17 @@ def aot_specs():
         ("bwd", "gelu", True, False), ("bwd", "gelu", False, True),
         ("bwd", "gelu_tanh", True, True), ("bwd", "gelu_tanh", False, False),
     )
-    for type_name, dtype, cases, size_type in (
-        ("bf16", torch.bfloat16, bf16_act_cases, "i32"),
-        ("fp16", torch.float16,
-         (("fwd", "gelu_tanh", True, True), ("bwd", "gelu_tanh", True, True)), "i32"),
-        ("fp32", torch.float32,
-         (("fwd", "gelu", True, False), ("bwd", "gelu", False, False)), "i64"),
+    both_kernels = (("fwd", "gelu_tanh", True, True), ("bwd", "gelu_tanh", True, True))
+    fp32_act_cases = (("fwd", "gelu", True, False), ("bwd", "gelu", False, False))
+    for type_name, dtype, cases, size_type, tf32, n_rows in (
+        ("bf16", torch.bfloat16, bf16_act_cases, "i32", False, 4096),
+        ("bf16", torch.bfloat16, both_kernels, "i32", False, 64),
+        ("fp16", torch.float16, both_kernels, "i32", False, 4096),
+        ("fp32", torch.float32, fp32_act_cases, "i64", False, 4096),
+        ("fp32", torch.float32, fp32_act_cases, "i64", True, 4096),
+        ("fp32", torch.float32, both_kernels, "i64", True, 64),
     ):
-        config = glu_matmul_config(4096, 4096, 4096, dtype)
+        config = act_matmul_config(n_rows, 4096, 4096, dtype, tf32)
         element = f"*{type_name}"
         for kind, activation, has_bias, flag in cases:
             signature = {"x_ptr": element, "w_ptr": element, "bias_ptr": element}
@@ -679,9 +814,11 @@ def aot_specs():
             constexprs = dict(
                 ACTIVATION=activation, HAS_BIAS=has_bias, **flags,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                GROUP_M=config.group_m, INTERPRETED=False,
+                GROUP_M=config.group_m, INTERPRETED=False, TF32=tf32,
             )
             signature.update(dict.fromkeys(constexprs, "constexpr"))
             bias_name = "bias" if has_bias else "nobias"
+            suffix += ("-tf32" if tf32 else "") + ("-small" if n_rows <= 64 else "")
             yield (f"act_matmul_{kind}-{type_name}-{activation}-{bias_name}{suffix}",
-                   kernel, signature, constexprs, config.num_warps)
+                   kernel, signature, constexprs, config.num_warps,
+                   {"num_stages": config.num_stages})

@@ -3,8 +3,9 @@
 The interpreter (TRITON_INTERPRET=1) runs kernels as Python and lets through what the compiler
 rejects (layouts, type promotion, unsupported ops, resource limits), so each kernel module or
 subpackage of remat.kernels (kernels/ in the checkout) exposes `aot_specs()`, yielding (name,
-kernel, signature, constexprs, num_warps) in the form `triton.compiler.ASTSource` takes, and this
-test compiles every spec with `triton.compile` for a `GPUTarget`. The compile runs in one
+kernel, signature, constexprs, num_warps[, options]) in the form `triton.compiler.ASTSource`
+takes (options: more compile options, e.g. num_stages), and this test compiles every spec with
+`triton.compile` for a `GPUTarget`. The compile runs in one
 subprocess without TRITON_INTERPRET: with it set at import time, `@triton.jit` makes interpreter
 objects that `triton.compile` cannot take. The subprocess is this file run as a script; it
 imports the kernels as remat.kernels like every other caller, and prints one JSON object with a
@@ -15,6 +16,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import subprocess
 import sys
 import time
@@ -79,9 +81,21 @@ def case_id(name, arch):
     return f"{name}-sm{arch}"
 
 
+def _dot_precisions(ttir):
+    """The distinct operand precisions of the tt.dot ops in a TTIR listing: the printed
+    inputPrecision, or "ieee", the attribute's default, which the printer leaves out."""
+    precisions = set()
+    for line in ttir.splitlines():
+        if "tt.dot " in line:
+            found = re.search(r"inputPrecision = (\w+)", line)
+            precisions.add(found.group(1) if found else "ieee")
+    return sorted(precisions)
+
+
 def compile_all(archs):
-    """{case id: {"cubin": bytes, "ptx": chars, "ptx_target": str, "seconds": float} or
-    {"error": traceback}}, for every spec of every kernel module and every arch."""
+    """{case id: {"cubin": bytes, "ptx": chars, "ptx_target": str, "dot_precisions": [str],
+    "seconds": float} or {"error": traceback}}, for every spec of every kernel module and every
+    arch."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -93,14 +107,15 @@ def compile_all(archs):
         except Exception:
             results[f"{label}-import"] = {"error": traceback.format_exc()}
             continue
-        for name, kernel, signature, constexprs, num_warps in specs:
+        # A spec may add a sixth element: more compile options (num_stages).
+        for name, kernel, signature, constexprs, num_warps, *options in specs:
             for arch in archs:
                 start = time.perf_counter()
                 try:
                     compiled = triton_compile(
                         ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                         target=GPUTarget("cuda", arch, 32),
-                        options={"num_warps": num_warps},
+                        options={"num_warps": num_warps, **(options[0] if options else {})},
                     )
                     ptx = compiled.asm["ptx"]
                     target_line = next(
@@ -110,6 +125,7 @@ def compile_all(archs):
                         "cubin": len(compiled.asm["cubin"]),
                         "ptx": len(ptx),
                         "ptx_target": target_line,
+                        "dot_precisions": _dot_precisions(compiled.asm["ttir"]),
                         "seconds": time.perf_counter() - start,
                     }
                 except Exception:
@@ -156,6 +172,26 @@ def test_compiles_for_gpu_target(case, aot_results):
     # sm_90 builds target sm_90a (Hopper-specific instructions allowed).
     assert result["ptx_target"].startswith(f"sm_{arch}"), (
         f"{case}: PTX targets {result['ptx_target']!r}, expected sm_{arch}")
+
+
+def fp32_gemm_cases():
+    """(case id, expected dot precision) for every fp32 spec of the GEMM kernels
+    (kernels/matmul.py): TF32=True must compile to TF32 tensor-core dots, TF32=False (PyTorch's
+    default for fp32 matmuls) to IEEE fp32 ones."""
+    from remat.kernels import matmul
+
+    return [pytest.param(case_id(name, arch), "tf32" if constexprs["TF32"] else "ieee",
+                         id=case_id(name, arch))
+            for name, _, signature, constexprs, *_ in matmul.aot_specs()
+            if signature["x_ptr"] == "*fp32" for arch in ARCHS]
+
+
+@pytest.mark.parametrize("case,precision", fp32_gemm_cases())
+def test_fp32_gemm_dots_follow_the_tf32_constexpr(case, precision, aot_results):
+    result = aot_results[case]
+    assert "error" not in result, f"{case}: compile failed:\n{result.get('error')}"
+    assert result["dot_precisions"] == [precision], (
+        f"{case}: tt.dot precisions {result['dot_precisions']}, expected [{precision!r}]")
 
 
 if __name__ == "__main__":

@@ -353,7 +353,7 @@ def test_act_matmul_small_tiles_with_ragged_group_and_silu(monkeypatch):
     takes."""
     config = matmul.MatmulConfig(block_m=16, block_n=32, block_k=32, group_m=3, num_warps=4,
                                  num_stages=3)
-    monkeypatch.setattr(matmul, "glu_matmul_config", lambda *args: config)
+    monkeypatch.setattr(matmul, "act_matmul_config", lambda *args: config)
     _run_and_check_act("bf16", "silu", True, (127, 96, 200), "row_strided", seed=3)
 
 
