@@ -1,5 +1,8 @@
 """Paths of the Triton attention kernels that the shared attention tests do not single out: the
-dropout stream read four keys per Philox call at any row length and tile shape.
+dropout stream read four keys per Philox call at any row length and tile shape; the dK/dV kernel
+with each kv head's query heads split over several programs (GQA, MQA, rope, window, softcap,
+dropout, packed sequences, both backward modes) against the unsplit kernel and the float64
+reference, and the launcher's choice of the split.
 
 Runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (tiny shapes), or on a CUDA GPU
 without it.
@@ -17,10 +20,11 @@ if not INTERPRETED and not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from remat.autograd.common import draw_rng_state  # noqa: E402
-from remat.kernels.attention import tuning  # noqa: E402
+from remat.kernels.attention import launch, tuning  # noqa: E402
 from remat.reference import attention_dropout_keep  # noqa: E402
 
-from helpers import mask_from_output  # noqa: E402
+from _checks import assert_within_2x_of_stock  # noqa: E402
+from helpers import mask_from_output, run_and_check  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 
@@ -40,3 +44,113 @@ def test_dropout_mask_reads_four_keys_per_philox_call(m, tile, monkeypatch):
     got = mask_from_output("triton", b, hq, n, m, p, seed=11, device=DEVICE)
     assert torch.equal(got, expected)
     assert 0.5 < expected.float().mean().item() < 0.9
+
+
+# dK/dV with each kv head's query heads split over several programs (HEAD_SPLITS), which the
+# launchers pick on a GPU when the per-kv-head grid leaves multiprocessors idle; forced here with
+# the launch module's override. name: spec (tests/helpers.py), the splits tried.
+SPLIT_CASES = [
+    pytest.param(dict(b=2, n=33, m=40, hq=4, hkv=2, d=32, causal=True, rope="per_batch", dropout=0.2), (2,),
+                 id="gqa2-causal-rope-dropout"),
+    pytest.param(dict(b=1, n=21, m=37, hq=4, hkv=1, d=16, window=(6, 3), softcap=5.0), (2, 4),
+                 id="mqa4-window-softcap"),
+    pytest.param(dict(b=1, n=19, m=19, hq=4, hkv=1, d=32, causal=True, rope="shared", window=(5, None),
+                      dropout=0.3), (4,), id="mqa4-rope-window-dropout"),
+]
+
+
+def record_head_splits(monkeypatch):
+    """The HEAD_SPLITS of every dK/dV launch from now on, in order."""
+    seen = []
+    original = launch._launch
+
+    def recording(kernel, kernel_name, grid_of, args, constexprs, *rest, **options):
+        if kernel_name == "dkdv":
+            seen.append(constexprs["HEAD_SPLITS"])
+        return original(kernel, kernel_name, grid_of, args, constexprs, *rest, **options)
+
+    monkeypatch.setattr(launch, "_launch", recording)
+    return seen
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+@pytest.mark.parametrize("spec,splits", SPLIT_CASES)
+def test_dkdv_head_split_matches_unsplit_and_reference(spec, splits, deterministic, monkeypatch):
+    """Every split gives the unsplit kernel's gradients up to fp32 summation order (the partial sums
+    add in another order), o and (deterministic) dq bit for bit (other kernels), and each is within
+    the 2x rule of the float64 reference (run_and_check)."""
+    seen = record_head_splits(monkeypatch)
+    monkeypatch.setattr(launch, "DKDV_HEAD_SPLITS", None)
+    unsplit = run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
+    for count in splits:
+        monkeypatch.setattr(launch, "DKDV_HEAD_SPLITS", count)
+        split = run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
+        assert torch.equal(split[0], unsplit[0])
+        if deterministic:
+            assert torch.equal(split[1], unsplit[1])
+        for name, a, b in zip(("dq", "dk", "dv"), split[1:], unsplit[1:]):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6 * b.abs().max().item(), msg=name)
+    expected = [1] + list(splits) if INTERPRETED else None
+    assert expected is None or seen == expected
+
+
+@pytest.mark.parametrize("spec,splits", [SPLIT_CASES[0]])
+def test_dkdv_head_split_bf16_within_reference(spec, splits, monkeypatch):
+    """bf16: the split's partial sums are rounded once, after the sum (2x rule against float64)."""
+    seen = record_head_splits(monkeypatch)
+    monkeypatch.setattr(launch, "DKDV_HEAD_SPLITS", splits[-1])
+    run_and_check(spec, torch.bfloat16, "triton", device=DEVICE)
+    assert not INTERPRETED or seen == [splits[-1]]
+
+
+VARLEN_SPLIT_CASES = [
+    pytest.param(dict(lens_q=[9, 0, 17], lens_k=[9, 3, 19], hq=4, hkv=1, d=32, causal=True, rope="per_token",
+                      dropout=0.2), id="mqa4-rope-dropout-zero-queries"),
+    pytest.param(dict(lens_q=[3, 1, 18], lens_k=[7, 0, 21], hq=4, hkv=2, d=16, causal=True, window=(6, None),
+                      softcap=5.0), id="gqa2-window-softcap-zero-keys"),
+]
+
+
+@pytest.mark.parametrize("spec", VARLEN_SPLIT_CASES)
+def test_dkdv_head_split_varlen(spec, monkeypatch):
+    """Packed sequences (lengths 0 on either side): split and unsplit agree up to fp32 summation
+    order (dq, o bit for bit) and both are within the 2x rule of the float64 per-sequence reference."""
+    from test_varlen_attention import make_varlen_inputs, reference_outputs, run_varlen, sequence_keeps
+
+    group = spec["hq"] // spec["hkv"]
+    seen = record_head_splits(monkeypatch)
+    q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(spec, torch.float32)
+    results = []
+    for count in (None, group):
+        monkeypatch.setattr(launch, "DKDV_HEAD_SPLITS", count)
+        torch.manual_seed(77)
+        rng = draw_rng_state(DEVICE).cpu()
+        torch.manual_seed(77)
+        results.append(run_varlen(spec, q, k, v, dout, cu_q, cu_k, rope, "triton", device=DEVICE))
+    unsplit, split = results
+    keeps = sequence_keeps(spec, rng)
+    reference = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, keeps, torch.float64)
+    stock = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, keeps, torch.float32)
+    assert torch.equal(split[0], unsplit[0]) and torch.equal(split[1], unsplit[1])
+    for name, a, b, stock_value, ref in zip(("o", "dq", "dk", "dv"), split, unsplit, stock, reference):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6 * b.abs().max().item(), msg=name)
+        assert_within_2x_of_stock(name, a, stock_value, ref, torch.float32)
+    assert not INTERPRETED or seen == [1, group]
+
+
+def test_dkdv_head_split_choice(monkeypatch):
+    """The smallest divisor of the group that fills the device, no split when the per-kv-head grid
+    already does (or the group is 1, or no multiprocessor count), the override when set."""
+    monkeypatch.setattr(launch, "DKDV_HEAD_SPLITS", None)
+    choose = launch._dkdv_head_splits
+    assert choose(64, 8, 132) == 4  # B = 1, Hkv = 1, M = 4096 with 64-key tiles: 64 * 2 < 132 <= 64 * 4
+    assert choose(64, 6, 132) == 3
+    assert choose(10, 6, 132) == 6  # even the whole group leaves SMs idle
+    assert choose(132, 8, 132) == 1
+    assert choose(8, 1, 132) == 1
+    assert choose(8, 8, None) == 1
+    monkeypatch.setattr(launch, "DKDV_HEAD_SPLITS", 2)
+    assert choose(500, 4, 132) == 2
+    assert choose(500, 1, 132) == 1
+    with pytest.raises(ValueError, match="does not divide"):
+        choose(500, 3, 132)

@@ -9,9 +9,11 @@ dK += dS^T Q), the accumulators are fp32 and dq, dk get the transposed rotation
 rounding.
 
 Deterministic: a dK/dV kernel (program per key block and (batch, kv head), looping over the
-group's query heads and their visible query blocks) and a dQ kernel (program per query block
-and (batch, query head)), no atomics. Fast: the dK/dV kernel also adds each tile's dQ into a
-zeroed fp32 buffer with atomics, then a small kernel rotates and casts it.
+group's query heads and their visible query blocks; or, HEAD_SPLITS > 1, per key block and
+(batch, kv head, part of the group), writing fp32 partial sums that the launcher adds in a fixed
+order) and a dQ kernel (program per query block and (batch, query head)), no atomics. Fast: the
+dK/dV kernel also adds each tile's dQ into a zeroed fp32 buffer with atomics, then a small kernel
+rotates and casts it.
 """
 
 import triton
@@ -132,9 +134,18 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+    HEAD_SPLITS: tl.constexpr = 1,
 ):
     """dk, dv of one key block x (kv head, batch), summed over the GROUP query heads of the kv
     head and their visible query blocks in a fixed order. Grid (key blocks, Hkv, B).
+
+    HEAD_SPLITS > 1 (a divisor of GROUP; the launchers choose it when the grid above would leave
+    multiprocessors idle): grid (key blocks, Hkv * HEAD_SPLITS, B), program (.., kv_head *
+    HEAD_SPLITS + s, ..) sums only the GROUP / HEAD_SPLITS query heads s * GROUP / HEAD_SPLITS ..
+    of its kv head, and dk_ptr, dv_ptr are fp32 workspaces [B, M, Hkv * HEAD_SPLITS, D]
+    ([total_k, ..] with VARLEN) that receive the partial sums unrounded (dk un-rotated here, as
+    the whole sum is: the rotation's transpose is linear); the launcher sums the HEAD_SPLITS
+    partials of each kv head in a fixed order and rounds once.
 
     ATOMIC_DQ (the fast mode): also adds each tile's dq (of the rotated q) into dq_ptr, an fp32
     [B, N, Hq, D] buffer the caller zeroed, with atomics; otherwise dq_ptr is not touched.
@@ -142,11 +153,15 @@ def _attn_bwd_dkdv_kernel(
     nothing.
     """
     start_n = tl.program_id(0) * BLOCK_N
-    kv_head = tl.program_id(1).to(tl.int64)
+    # out_head: the program's head in dk_ptr / dv_ptr (its kv head, or its (kv head, split)).
+    out_head = tl.program_id(1).to(tl.int64)
+    kv_head = out_head // HEAD_SPLITS
     b = tl.program_id(2).to(tl.int64)
     q_row0, k_row0, n, m, total_q = _sequence(cu_q_ptr, cu_k_ptr, b, N, M, VARLEN)
-    num_kv_heads = tl.num_programs(1)
-    num_heads = num_kv_heads * GROUP
+    num_out_heads = tl.num_programs(1)
+    num_heads = num_out_heads // HEAD_SPLITS * GROUP
+    heads_per_program = GROUP // HEAD_SPLITS
+    first_head = kv_head * GROUP + (out_head % HEAD_SPLITS) * heads_per_program
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < m
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
@@ -173,8 +188,8 @@ def _attn_bwd_dkdv_kernel(
     key_pos = tl.where(key_mask, keys, _OUT)
     # Dropout counters per row: four keys per Philox call over the launch's M (masks.py).
     drop_groups = tl.cdiv(M, 4)
-    for head_in_group in range(GROUP):
-        h = kv_head * GROUP + head_in_group
+    for head_in_program in range(heads_per_program):
+        h = first_head + head_in_program
         q_base = _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN)
         do_base = _operand_base(b, q_row0, stride_dob, stride_don, h, stride_doh, VARLEN)
         row_base = _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN)
@@ -188,9 +203,10 @@ def _attn_bwd_dkdv_kernel(
                 scale, cap_scale, softcap, seed, rng_base, drop_groups, dropout_p, inv_keep,
                 (start_m < int_start) | (start_m >= int_end), ATOMIC_DQ, HEAD_DIM, BLOCK_D,
                 BLOCK_H, BLOCK_M, BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED)
-    # dk, dv are contiguous [B, M, Hkv, D] ([total_k, Hkv, D] with VARLEN).
-    out_base = (k_row0 * num_kv_heads + kv_head) * HEAD_DIM
-    out_row_stride = num_kv_heads * HEAD_DIM
+    # dk, dv are contiguous [B, M, Hkv, D] ([total_k, Hkv, D] with VARLEN), or the fp32
+    # workspaces [B, M, Hkv * HEAD_SPLITS, D].
+    out_base = (k_row0 * num_out_heads + out_head) * HEAD_DIM
+    out_row_stride = num_out_heads * HEAD_DIM
     _store_unrotated(dk_ptr, out_base, keys, out_row_stride, key_mask, dk1, dk2, cos_ptr,
                      sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
     cols = tl.arange(0, BLOCK_D)

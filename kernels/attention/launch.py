@@ -1,10 +1,13 @@
 """Host launchers of the attention kernels: argument checks, outputs, grids; and the specs of
 the ahead-of-time compile check (tests/test_triton_aot.py)."""
 
+import functools
+
 import torch
 import triton
 
 from .._common import _INTERPRETED
+from . import tuning
 from .backward import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
@@ -147,6 +150,82 @@ def _strides(tensor):
     return tensor.stride(0), tensor.stride(1), tensor.stride(2)
 
 
+# Tests set an int here to force the dK/dV head split (a divisor of the group size; ignored when the
+# group size is 1) on any device, e.g. under the interpreter, which has no multiprocessors to count;
+# None: `_dkdv_head_splits` chooses from the device.
+DKDV_HEAD_SPLITS = None
+
+
+@functools.cache
+def _multiprocessors(device):
+    """The device's streaming multiprocessor count; None off CUDA (the interpreter's CPU tensors)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dkdv_head_splits(programs, group, multiprocessors):
+    """How many programs share each kv head's query heads in the dK/dV kernel (HEAD_SPLITS).
+
+    programs: the per-kv-head grid's size (key blocks * Hkv * B, or * S packed); group: Hq / Hkv;
+    multiprocessors: the device's SM count, or None (no device to fill). 1 when that grid already
+    covers the device, the group is 1, or there is no count; else the smallest divisor s of the
+    group with programs * s >= multiprocessors (the group itself if none): each further split
+    costs a workspace slice per kv head (`_launch_dkdv`), so no more than fill the device.
+    DKDV_HEAD_SPLITS overrides the choice when the group is above 1.
+    """
+    if group == 1:
+        return 1
+    if DKDV_HEAD_SPLITS is not None:
+        if group % DKDV_HEAD_SPLITS:
+            raise ValueError(f"DKDV_HEAD_SPLITS: {DKDV_HEAD_SPLITS} does not divide the group size {group}")
+        return DKDV_HEAD_SPLITS
+    if multiprocessors is None or programs >= multiprocessors:
+        return 1
+    return next(s for s in range(2, group + 1) if group % s == 0 and (programs * s >= multiprocessors or s == group))
+
+
+def _launch_dkdv(inputs, dk, dv, dq_arg, common, constexprs, shape, batch):
+    """Launch the dK/dV kernel for dk, dv (new contiguous [B, M, Hkv, D] or [total_k, Hkv, D]),
+    splitting each kv head's query heads over HEAD_SPLITS programs (`_dkdv_head_splits`, judged
+    on the default tile's key blocks: the autotuner may pick another tile later).
+
+    inputs: (q, k, v, dout, lse, delta); dq_arg: the fast mode's fp32 dq accumulator, or a
+    placeholder; common: the kernels' shared arguments; constexprs with VARLEN and ATOMIC_DQ;
+    shape: the launch's LaunchShape (its m: M, or max_seqlen_k packed); batch: B, or the sequence
+    count S.
+
+    With HEAD_SPLITS = s > 1 the kernel writes each program's fp32 partial dk (un-rotated) and dv
+    into two workspaces [.., Hkv * s, D]: 2 * 4 * B * M * Hkv * s * D bytes (B * M = total_k
+    packed), plus a 4 * B * M * Hkv * D byte sum per tensor, allocated here per backward call
+    and freed on return (never saved for backward). They are summed over each kv head's s partials
+    by torch.sum in fp32 (deterministic: a fixed order per shape and device) and rounded once into
+    dk, dv.
+    """
+    key_length = shape.m
+    dtype = inputs[0].dtype
+    num_kv_heads = dk.shape[-2]
+    if _INTERPRETED:
+        block_n = tuning.INTERPRETER_TILE[1]
+    else:
+        block_n = _configs_for("dkdv", constexprs, dtype)[0].kwargs["BLOCK_N"]
+    key_blocks = triton.cdiv(max(key_length, 1), block_n)
+    splits = _dkdv_head_splits(key_blocks * num_kv_heads * batch, shape.group, _multiprocessors(dk.device))
+    if splits > 1:
+        partial_shape = (*dk.shape[:-2], num_kv_heads * splits, dk.shape[-1])
+        dk_out = torch.empty(partial_shape, dtype=torch.float32, device=dk.device)
+        dv_out = torch.empty_like(dk_out)
+    else:
+        dk_out, dv_out = dk, dv
+    _launch(_attn_bwd_dkdv_kernel, "dkdv",
+            lambda block_m, block_n: (triton.cdiv(max(key_length, 1), block_n), num_kv_heads * splits, batch),
+            (*inputs, dk_out, dv_out, dq_arg, *common), dict(constexprs, HEAD_SPLITS=splits), dtype, shape,
+            accumulator=dq_arg if constexprs["ATOMIC_DQ"] else None)
+    if splits > 1:
+        for partial, out in ((dk_out, dk), (dv_out, dv)):
+            out.copy_(partial.view(*out.shape[:-1], splits, out.shape[-1]).sum(-2))
+
+
 def attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
     """Flash-attention forward. Returns (o, lse).
 
@@ -185,7 +264,9 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
     attention_fwd; o, lse: its outputs (o may be any strided [B, N, Hq, D] view with a unit
     last stride); dout: like q, any such strides. dq [B, N, Hq, D], dk, dv [B, M, Hkv, D]: new
     contiguous, q's dtype, accumulated in fp32 and rounded once (dk, dv summed over each kv
-    head's query heads inside the kernel). deterministic=True: no atomics (a dK/dV and a dQ
+    head's query heads inside the kernel, or, when that grid would leave a GPU's multiprocessors
+    idle, over parts of the group in several programs whose fp32 partials are then added in a
+    fixed order: `_launch_dkdv`). deterministic=True: no atomics (a dK/dV and a dQ
     kernel), so a rerun gives the same bits; False: the dK/dV kernel also accumulates dq with
     fp32 atomics (summation order varies between runs), then a pass rotates and casts it.
     """
@@ -219,20 +300,16 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
               n, m, group, float(scale), scalars["cap_scale"], float(softcap),
               _window(window_left), _window(window_right),
               scalars["dropout_p"], scalars["inv_keep"])
-    kv_grid = lambda block_m, block_n: (triton.cdiv(m, block_n), num_kv_heads, batch)  # noqa: E731
+    inputs = (q, k, v, dout, lse, delta)
     shape = _launch_shape(q, n, m, group, window_left, window_right)
     if deterministic:
-        _launch(_attn_bwd_dkdv_kernel, "dkdv", kv_grid,
-                (q, k, v, dout, lse, delta, dk, dv, dk, *common),
-                dict(constexprs, VARLEN=False, ATOMIC_DQ=False), q.dtype, shape)
+        _launch_dkdv(inputs, dk, dv, dk, common, dict(constexprs, VARLEN=False, ATOMIC_DQ=False), shape, batch)
         _launch(_attn_bwd_dq_kernel, "dq",
                 lambda block_m, block_n: (triton.cdiv(n, block_m), num_heads, batch),
                 (q, k, v, dout, lse, delta, dq, *common), dict(constexprs, VARLEN=False), q.dtype, shape)
     else:
         dq_acc = torch.zeros((batch, n, num_heads, head_dim), dtype=torch.float32, device=device)
-        _launch(_attn_bwd_dkdv_kernel, "dkdv",
-                kv_grid, (q, k, v, dout, lse, delta, dk, dv, dq_acc, *common),
-                dict(constexprs, VARLEN=False, ATOMIC_DQ=True), q.dtype, shape, accumulator=dq_acc)
+        _launch_dkdv(inputs, dk, dv, dq_acc, common, dict(constexprs, VARLEN=False, ATOMIC_DQ=True), shape, batch)
         _attn_bwd_dq_postprocess_kernel[elementwise_grid](
             dq_acc, dq, tables[0], tables[1], q, q, cs_stride_b, n, m,
             HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], ROPE=constexprs["ROPE"], VARLEN=False,
@@ -357,21 +434,17 @@ def attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_
               *_packed_strides(dout), cs_stride, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads,
               float(scale), scalars["cap_scale"], float(softcap), _window(window_left), _window(window_right),
               scalars["dropout_p"], scalars["inv_keep"])
-    kv_grid = lambda block_m, block_n: (triton.cdiv(max(max_seqlen_k, 1), block_n), num_kv_heads,  # noqa: E731
-                                        sequences)
+    inputs = (q, k, v, dout, lse, delta)
     constexprs = dict(constexprs, VARLEN=True)
     shape = _launch_shape(q, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads, window_left, window_right)
     if deterministic:
-        _launch(_attn_bwd_dkdv_kernel, "dkdv", kv_grid,
-                (q, k, v, dout, lse, delta, dk, dv, dk, *common), dict(constexprs, ATOMIC_DQ=False), q.dtype, shape)
+        _launch_dkdv(inputs, dk, dv, dk, common, dict(constexprs, ATOMIC_DQ=False), shape, sequences)
         _launch(_attn_bwd_dq_kernel, "dq",
                 lambda block_m, block_n: (triton.cdiv(max(max_seqlen_q, 1), block_m), num_heads, sequences),
                 (q, k, v, dout, lse, delta, dq, *common), constexprs, q.dtype, shape)
     else:
         dq_acc = torch.zeros((total_q, num_heads, head_dim), dtype=torch.float32, device=device)
-        _launch(_attn_bwd_dkdv_kernel, "dkdv", kv_grid,
-                (q, k, v, dout, lse, delta, dk, dv, dq_acc, *common), dict(constexprs, ATOMIC_DQ=True), q.dtype,
-                shape, accumulator=dq_acc)
+        _launch_dkdv(inputs, dk, dv, dq_acc, common, dict(constexprs, ATOMIC_DQ=True), shape, sequences)
         _attn_bwd_dq_postprocess_kernel[(triton.cdiv(max(max_seqlen_q, 1), rows), num_heads, sequences)](
             dq_acc, dq, tables[0], tables[1], cu_seqlens_q, cu_seqlens_k, cs_stride, max_seqlen_q, max_seqlen_k,
             HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], ROPE=constexprs["ROPE"], VARLEN=True,
@@ -392,7 +465,9 @@ def aot_specs():
     8 (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Packed sequences
     (VARLEN, names '-varlen'): bf16 at head dim 64, the forward and the deterministic dK/dV and dQ
     kernels; bf16 at head dim 80 with RoPE, softcap and dropout, the forward, the atomic dK/dV
-    kernel and the postprocess. Each main kernel
+    kernel and the postprocess. The dK/dV kernel with its query heads split (HEAD_SPLITS = 4,
+    names '-split4', fp32 dk/dv workspaces): bf16 at head dims 64 and 128, fp32 at 64, bf16 at 80
+    with RoPE, softcap and dropout (deterministic and atomic), packed bf16 at 64. Each main kernel
     takes its default configuration (`_configs_for`); the compile check passes num_warps only,
     so num_stages is Triton's default 3. Sizes are 32-bit and strides 64-bit (a launch gets i64
     for a stride past 2^31 - 1). About 35 s of compiling for both archs on 2 CPU cores, and
@@ -408,6 +483,9 @@ def aot_specs():
     cases += [(kind, "bf16", 8, False, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 64, False, True) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 80, True, True) for kind in ("fwd", "bwd_dkdv_atomic", "bwd_dq_postprocess")]
+    cases += [("bwd_dkdv_split4", "bf16", 64, False, False), ("bwd_dkdv_split4", "bf16", 128, False, False),
+              ("bwd_dkdv_split4", "fp32", 64, False, False), ("bwd_dkdv_split4", "bf16", 80, True, False),
+              ("bwd_dkdv_atomic_split4", "bf16", 80, True, False), ("bwd_dkdv_split4", "bf16", 64, False, True)]
     torch_types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     scalars = {"scale": "fp32", "cap_scale": "fp32", "softcap": "fp32", "left": "i32",
                "right": "i32", "dropout_p": "fp32", "inv_keep": "fp32"}
@@ -452,10 +530,13 @@ def aot_specs():
                 signature = {**inputs, "dq_ptr": element, **common}
             else:
                 kernel, config_name = _attn_bwd_dkdv_kernel, "dkdv"
-                atomic = kind == "bwd_dkdv_atomic"
-                signature = {**inputs, "dk_ptr": element, "dv_ptr": element,
+                atomic = kind.startswith("bwd_dkdv_atomic")
+                splits = 4 if kind.endswith("_split4") else 1
+                # Split: dk, dv are the fp32 workspaces of the partial sums.
+                output = "*fp32" if splits > 1 else element
+                signature = {**inputs, "dk_ptr": output, "dv_ptr": output,
                              "dq_ptr": "*fp32" if atomic else element, **common}
-                constexprs["ATOMIC_DQ"] = atomic
+                constexprs.update(ATOMIC_DQ=atomic, HEAD_SPLITS=splits)
         if config_name is not None:
             config = _configs_for(config_name, constexprs, torch_types[type_name])[0]
             constexprs.update(config.kwargs, INTERPRETED=False)
