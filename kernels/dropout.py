@@ -1,8 +1,10 @@
-"""Triton Philox dropout: y = keep ? x / (1 - p) : 0 with keep(i) = tl.rand(seed, offset + i) >= p,
-the stream of csrc/common/philox.h and remat.reference.philox_randint, so the mask is never stored:
-the backward applies the same kernel to dy. The seed and offset are read on the device from the
-int64 rng = [seed, offset] tensor. x is contiguous; the division is IEEE (div_rn), done in fp32
-and rounded once, as the C++ and CUDA kernels and the torch backend do.
+"""Triton Philox dropout: y = keep ? x / (1 - p) : 0 with keep(i) = (uniform of word i % 4 of
+Philox4x32-10 at counter offset + i // 4) >= p: the stream of csrc/common/philox.h and
+remat.reference.dropout_keep (one row of n elements), so the mask is never stored: the backward
+applies the same kernel to dy. One tl.randint4x call per four elements, all four words used. The
+seed and offset are read on the device from the int64 rng = [seed, offset] tensor. x is
+contiguous; the division is IEEE (div_rn), done in fp32 and rounded once, as the C++ and CUDA
+kernels and the torch backend do.
 """
 
 import torch
@@ -11,7 +13,8 @@ import triton.language as tl
 
 from ._common import _INTERPRETED, _round
 
-# 1024 elements per program: 8 per thread at 4 warps, enough independent Philox rounds in flight.
+# 1024 elements per program (256 Philox calls): 8 elements, 2 calls per thread at 4 warps. A
+# multiple of 4, so every program starts at a group of four.
 _BLOCK = 1024
 _NUM_WARPS = 4
 
@@ -23,8 +26,12 @@ def _philox_dropout_kernel(x_ptr, y_ptr, rng_ptr, n_elements, p, keep_divisor, B
     offsets = start + tl.arange(0, BLOCK).to(tl.int64)
     mask = offsets < n_elements
     seed = tl.load(rng_ptr)
-    base = tl.load(rng_ptr + 1)
-    keep = tl.rand(seed, base + offsets) >= p
+    counters = tl.load(rng_ptr + 1) + start // 4 + tl.arange(0, BLOCK // 4).to(tl.int64)
+    w0, w1, w2, w3 = tl.randint4x(seed, counters)
+    # tl.join(tl.join(w0, w2), tl.join(w1, w3)) is [BLOCK / 4, 2, 2] with word 2 * a + b at
+    # [g, a, b], so the row-major reshape puts element 4 * g + w at word w of call g.
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK])
+    keep = tl.random.uint_to_uniform_float(words) >= p
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     y = tl.where(keep, tl.math.div_rn(x, keep_divisor), 0.0)
     tl.store(y_ptr + offsets, _round(y, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
