@@ -50,8 +50,9 @@ TORCH_LIBRARY(remat, m) {
         " Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, Tensor? cos, Tensor? sin,"
         " Tensor? rng, float scale, float softcap, int window_left, int window_right, float dropout_p,"
         " bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
-  // Dropout with a Philox mask that is never stored: y = keep ? x / (1 - p) : 0, keep(i) the
-  // Philox stream of rng = (seed, offset) at counter offset + i (common/philox.h). x contiguous.
+  // Dropout with a Philox mask that is never stored: y = keep ? x / (1 - p) : 0, keep(i) from
+  // word i % 4 of the Philox call at counter offset + i / 4, rng = (seed, offset) (common/philox.h).
+  // x contiguous.
   // The backward applies the same op to dy.
   m.def("philox_dropout(Tensor x, Tensor rng, float p) -> Tensor y");
   // Linear + cross-entropy that never stores the [T, V] logits (python/remat/ops/cross_entropy.py

@@ -389,14 +389,14 @@ def test_attention_module_saves_no_attention_matrix():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", cpu_backends())
 def test_philox_dropout_regenerates_its_mask_and_stores_none(backend, dtype):
-    from remat.reference import philox_randint, philox_uniform
+    from remat.reference import dropout_keep
 
     x = torch.randn(4, 2053).to(dtype).requires_grad_()
     torch.manual_seed(3)
     rng = draw_rng_state("cpu")
     torch.manual_seed(3)
     y = remat.dropout(x, 0.3, backend=backend)
-    keep = (philox_uniform(philox_randint(rng[0], torch.arange(x.numel()) + rng[1])) >= 0.3).view(x.shape)
+    keep = dropout_keep(rng[0], rng[1], x.numel(), 0.3).view(x.shape)
     # IEEE fp32 division by float32(0.7), computed by numpy, not by any remat code path.
     kept = torch.from_numpy(x.detach().float().numpy() / np.float32(0.7))
     want = torch.where(keep, kept, 0.0).to(dtype)
@@ -591,14 +591,14 @@ def test_gpu_attention_saves_no_attention_matrix(backend):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", gpu_backends())
 def test_gpu_philox_dropout_is_the_reference_stream(backend, dtype):
-    from remat.reference import philox_randint, philox_uniform
+    from remat.reference import dropout_keep
 
     x = torch.randn(1000, 4099, device="cuda").to(dtype).requires_grad_()
     torch.manual_seed(2)
     rng = draw_rng_state("cuda")
     torch.manual_seed(2)
     y = remat.dropout(x, 0.2, backend=backend)
-    keep = (philox_uniform(philox_randint(rng[0], torch.arange(x.numel(), device="cuda") + rng[1])) >= 0.2)
+    keep = dropout_keep(rng[0], rng[1], x.numel(), 0.2, device="cuda")
     divisor = torch.full((), 0.8, device="cuda")  # a tensor divisor: IEEE division, as the kernels
     want = torch.where(keep.view(x.shape), x.detach().float() / divisor, 0.0).to(dtype)
     assert torch.equal(y, want)

@@ -121,8 +121,8 @@ def test_lora_on_subsets_of_projections(targets):
 
 class PhiloxDropout(nn.Module):
     """nn.Dropout with remat's Philox mask (one (seed, offset) draw per call, the mask of element i
-    of the contiguous input from counter offset + i), in any dtype: what the fused layers apply,
-    so that stock PEFT given these modules sees the same masks."""
+    of the contiguous input from word i % 4 of the Philox call at counter offset + i // 4), in any
+    dtype: what the fused layers apply, so that stock PEFT given these modules sees the same masks."""
 
     def __init__(self, p):
         super().__init__()

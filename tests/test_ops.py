@@ -9,7 +9,7 @@ import remat
 from remat import _extension
 from remat.ops import norm as norm_ops
 
-from helpers import CompileCounter, cpu_backends
+from helpers import CompileCounter, cpu_backends, gpu_backends
 
 needs_extension = pytest.mark.skipif(not _extension.LOADED, reason="remat._C is not built")
 
@@ -173,3 +173,41 @@ def test_compile_inductor_runs_cpp_op():
     w = torch.randn(64)
     compiled = torch.compile(lambda x, w: remat.rms_norm(x, w, backend="cpp") * 2, fullgraph=True)
     torch.testing.assert_close(compiled(x, w), remat.rms_norm(x, w, backend="cpp") * 2)
+
+
+def _dropout_op_matches_the_reference_stream(backend, device, dtype, numel, misaligned):
+    """ops_for("dropout", backend).philox_dropout on a contiguous x of `numel` elements (starting
+    one element into its buffer when misaligned, which is off every packed path) equals the
+    reference stream (remat.reference.dropout_keep: word i % 4 of the Philox call at offset + i // 4)
+    bitwise, with counters past 2^32 (offset high word set)."""
+    from remat.ops import ops_for
+    from remat.reference import dropout_keep
+
+    g = torch.Generator().manual_seed(numel)
+    buffer = torch.randn(numel + 1, generator=g).to(dtype).to(device)
+    x = buffer[1:] if misaligned else buffer[:numel]
+    rng = torch.tensor([0x1234_5678_9ABC_DEF0, (1 << 40) + 2**32 - 3], dtype=torch.int64, device=device)
+    y = ops_for("dropout", backend).philox_dropout(x, rng, 0.35)
+    keep = dropout_keep(rng[0], rng[1], numel, 0.35, device=device)
+    divisor = torch.full((), 0.65, device=device)  # a tensor divisor: IEEE division in fp32
+    assert torch.equal(y, torch.where(keep, x.float() / divisor, 0.0).to(dtype))
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("numel", [1, 6, 4097, 9003])
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_dropout_op_is_the_reference_stream_at_any_length(backend, numel, misaligned):
+    """Tails of 1-3 elements (a partial Philox group), the C++ kernel's 4096-element chunks and the
+    Triton kernel's 1024-element blocks."""
+    _dropout_op_matches_the_reference_stream(backend, "cpu", torch.float32, numel, misaligned)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("numel", [1, 6, 1023, 4 * 256 * 3 + 2, 70001])
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_gpu_dropout_op_is_the_reference_stream_at_any_length(backend, dtype, numel, misaligned):
+    """The CUDA kernel's packed groups (aligned x, y) and element path (misaligned), its partial last
+    group and grid tails; the Triton kernel's block tails."""
+    _dropout_op_matches_the_reference_stream(backend, "cuda", dtype, numel, misaligned)

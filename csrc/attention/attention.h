@@ -25,7 +25,7 @@ namespace remat {
 // Packed (variable-length) sequences: cu_seqlens_q / cu_seqlens_k, device int32 [batch + 1]
 // offsets (nullptr for a dense call): q is [total_q, Hq, D] and k, v [total_k, Hkv, D] with batch
 // strides 0, batch is the number of sequences S, n / m their max_seqlen bounds (the grids and the
-// dropout counter grid of the zero-padded batch), o [total_q, Hq, D], lse [Hq, total_q]. Rope:
+// dropout stream rows of the zero-padded batch), o [total_q, Hq, D], lse [Hq, total_q]. Rope:
 // rope_batch_stride 0 and rope_token_stride D/2 for per-token tables [1, T, D/2] (rows follow the
 // packed keys), 0 for tables [S_rows, D/2] that restart in every sequence.
 struct AttentionFwdParams {

@@ -91,6 +91,16 @@ REMAT_CPU_CLONES void product_accumulate(const float* a, int64_t a_row, int64_t 
   }
 }
 
+// factors[c] = keep_scale or 0 (dropout keeps or drops) for the kBlockK consecutive elements of a
+// stream row from the group of `first_counter` on: kBlockK / 4 Philox calls, all four words used.
+REMAT_CPU_CLONES void dropout_factors(uint64_t seed, uint64_t first_counter, float p, float keep_scale,
+                                      float* __restrict__ factors) {
+  static_assert(kBlockK % kPhiloxWords == 0, "key tiles must hold whole Philox groups");
+  uint32_t words[kBlockK];
+  philox_stream_block(words, kBlockK / kPhiloxWords, seed, first_counter);
+  for (int64_t c = 0; c < kBlockK; ++c) factors[c] = dropout_keeps(words[c], p) ? keep_scale : 0.0f;
+}
+
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 struct Problem {
@@ -100,8 +110,8 @@ struct Problem {
   bool dropout;
   uint64_t seed, offset;
   Storage storage;
-  // The dropout counter grid: element (b, h, i, j) draws counter
-  // offset + (((b + drop_batch) * hq + h) * drop_rows + i) * drop_cols + j. Dense calls: (0, N, M).
+  // The dropout stream's rows (common/philox.h): element (b, h, i, j) is element j of row
+  // ((b + drop_batch) * hq + h) * drop_rows + i, rows of drop_cols elements. Dense calls: (0, N, M).
   // A sequence s of a packed call: (s, max_seqlen_q, max_seqlen_k), the zero-padded batch's stream.
   int64_t drop_batch, drop_rows, drop_cols;
 
@@ -117,11 +127,17 @@ struct Problem {
     const int64_t hi = left < 0 ? n : std::min<int64_t>(n, j1 - 1 - shift + left + 1);
     return {lo, std::max(lo, hi)};
   }
-  // 1/(1-p) when the dropout mask keeps element (b, h, i, j), 0 when it drops it, 1 without dropout.
-  float keep_factor(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    if (!dropout) return 1.0f;
-    const uint64_t index = static_cast<uint64_t>((((b + drop_batch) * hq + h) * drop_rows + i) * drop_cols + j);
-    return dropout_keep(seed, offset, index, dropout_p) ? keep_scale : 0.0f;
+  // factors[c] for the kBlockK keys j0 + c of query row (b, h, i), j0 a multiple of kBlockK: 1/(1-p)
+  // where the dropout mask keeps the element, 0 where it drops it, 1 without dropout. One Philox
+  // call per four keys; keys past M draw words no element uses.
+  void keep_factors(int64_t b, int64_t h, int64_t i, int64_t j0, float* factors) const {
+    if (!dropout) {
+      std::fill(factors, factors + kBlockK, 1.0f);
+      return;
+    }
+    const uint64_t row = static_cast<uint64_t>(((b + drop_batch) * hq + h) * drop_rows + i);
+    dropout_factors(seed, stream_counter(offset, row, static_cast<uint64_t>(j0), static_cast<uint64_t>(drop_cols)),
+                    dropout_p, keep_scale, factors);
   }
 };
 
@@ -267,7 +283,7 @@ void forward_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t q_blocks = (p.n + kBlockQ - 1) / kBlockQ;
 
   at::parallel_for(0, p.batch * p.hq * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kBlockQ * kBlockK), probs(kBlockQ * kBlockK), acc(kBlockQ * Dp);
+    std::vector<float> scores(kBlockQ * kBlockK), probs(kBlockQ * kBlockK), acc(kBlockQ * Dp), keep(kBlockK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % q_blocks, h = (task / q_blocks) % p.hq, b = task / (q_blocks * p.hq);
       const int64_t kv = b * p.hkv + h / p.group;
@@ -298,11 +314,12 @@ void forward_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           float* a = acc.data() + r * Dp;
           if (factor != 1.0f)
             for (int64_t d = 0; d < Dp; ++d) a[d] *= factor;
+          p.keep_factors(b, h, i, j0, keep.data());
           for (int64_t c = 0; c < cols; ++c) {
             if (s[c] == -INFINITY) continue;
             const float weight = softmax[r].weight(s[c]);
             softmax[r].sum += weight;
-            w[c] = round_to_storage(weight * p.keep_factor(b, h, i, j0 + c), p.storage);
+            w[c] = round_to_storage(weight * keep[c], p.storage);
           }
         }
         // acc += probs (rows x cols) @ v[j0 : j0 + cols].
@@ -341,9 +358,11 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
 void backward_tile(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
                    const float* lse, const float* delta, const float* scores, const float* dprobs, float* probs,
                    float* dscores) {
+  float keep[kBlockK];
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r;
     const float lse_log2 = lse[i] * kLog2e;
+    p.keep_factors(b, h, i, j0, keep);
     for (int64_t c = 0; c < kBlockK; ++c) {
       const int64_t at = r * kBlockK + c, j = j0 + c;
       if (c >= cols || !attention_key_visible(i, j, p.shift, p.left, p.right)) {
@@ -352,9 +371,8 @@ void backward_tile(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t r
       }
       const float logit = attention_logit(scores[at], p.scale, p.softcap);
       const float prob = exp2f(logit * kLog2e - lse_log2);
-      const float keep = p.keep_factor(b, h, i, j);
-      probs[at] = round_to_storage(prob * keep, p.storage);
-      const float dscore = prob * (dprobs[at] * keep - delta[i]) * attention_logit_grad(logit, p.scale, p.softcap);
+      probs[at] = round_to_storage(prob * keep[c], p.storage);
+      const float dscore = prob * (dprobs[at] * keep[c] - delta[i]) * attention_logit_grad(logit, p.scale, p.softcap);
       dscores[at] = round_to_storage(dscore, p.storage);
     }
   }

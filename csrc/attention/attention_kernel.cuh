@@ -222,9 +222,11 @@ struct TileFlags {
 struct Geometry {
   int64_t n, m, shift, left, right;
 
-  // Keys any of query rows [q_first, q_last] may see: [lo, hi), empty when hi <= lo.
+  // Keys any of query rows [q_first, q_last] may see: [lo, hi), empty when hi <= lo. lo is rounded
+  // down to a multiple of 4, so that key tiles from lo start at a group of the dropout stream (one
+  // Philox call per four keys, common/philox.h); the at most 3 keys it adds are masked.
   __device__ void key_range(int64_t q_first, int64_t q_last, int64_t& lo, int64_t& hi) const {
-    lo = left < 0 ? 0 : max64(0, q_first + shift - left);
+    lo = left < 0 ? 0 : max64(0, q_first + shift - left) / kPhiloxWords * kPhiloxWords;
     hi = right < 0 ? m : min64(m, q_last + shift + right + 1);
   }
   // Query rows that see any of keys [k_first, k_last]: [lo, hi).
@@ -246,8 +248,8 @@ struct Geometry {
 // The rows of one batch entry, or with cu_seqlens_q (packed sequences) of sequence b: its first
 // rows in the packed inputs (0 for a batch entry, which its batch stride places), its first rows
 // in the contiguous outputs' [B N] / [total] rows, and its lengths. Masks, tile ranges and
-// positions use these lengths; the dropout counter keeps the params' n, m (for packed sequences
-// the max_seqlen bounds: sequence b draws batch entry b of the zero-padded batch's stream).
+// positions use these lengths; the dropout stream's rows keep the params' n, m (for packed
+// sequences the max_seqlen bounds: sequence b draws batch entry b of the zero-padded batch's rows).
 struct SequenceRows {
   int64_t q_start, k_start, q_out, k_out, n, m;
 };
@@ -273,11 +275,14 @@ __device__ __forceinline__ const float* rope_rows(const Params& p, const float* 
   return table != nullptr ? table + b * p.rope_batch_stride + rows.k_start * p.rope_token_stride : nullptr;
 }
 
+// Attention dropout reads the stream of common/philox.h in rows of `cols` keys: the [B, Hq, N, M]
+// probabilities' row (b * Hq + h) * N + i (packed sequences: the zero-padded batch's, N, M =
+// max_seqlen_q, max_seqlen_k). Each thread draws the four keys of a group from one Philox call.
 struct Dropout {
   bool on;
   uint64_t seed, offset;
   float p, keep_scale;
-  // Keys per row of the counter grid [B, Hq, N, M]: M (packed sequences: max_seqlen_k).
+  // Keys per row of the stream: M (packed sequences: max_seqlen_k).
   int64_t cols;
 
   // rng: device (seed, offset), read once per thread (a broadcast load).
@@ -290,10 +295,18 @@ struct Dropout {
     }
     return d;
   }
-  // 1/(1-p) when the mask keeps element `index` of the [B, Hq, N, M] stream, else 0; 1 when off.
-  __device__ float factor(uint64_t index) const {
-    if (!on) return 1.0f;
-    return dropout_keep(seed, offset, index, p) ? keep_scale : 0.0f;
+  // factors[w] for keys key + w (w < 4, key a multiple of 4) of stream row `row`: 1/(1-p) where the
+  // mask keeps the element, 0 where it drops it; 1 when off. One Philox call, all four words.
+  __device__ void factors4(uint64_t row, int64_t key, float (&factors)[kPhiloxWords]) const {
+    if (!on) {
+#pragma unroll
+      for (int w = 0; w < kPhiloxWords; ++w) factors[w] = 1.0f;
+      return;
+    }
+    const PhiloxWords words = philox4(seed, stream_counter(offset, row, static_cast<uint64_t>(key),
+                                                           static_cast<uint64_t>(cols)));
+#pragma unroll
+    for (int w = 0; w < kPhiloxWords; ++w) factors[w] = dropout_keeps(words.word[w], p) ? keep_scale : 0.0f;
   }
 };
 
@@ -535,10 +548,11 @@ __global__ void __launch_bounds__(FwdTiles<DP>::kThreads, FwdTiles<DP>::kMinBloc
 #pragma unroll
   for (int c = 0; c < DP / kFrag; ++c) wmma::fill_fragment(o_acc[c], 0.0f);
 
-  // This lane's softmax row and column parity.
+  // This lane's softmax row and column parity: it owns key groups 2c + parity (keys 8c + 4 parity
+  // .. + 3) of every tile, so it draws their dropout factors with one Philox call per group.
   const int r = lane >> 1, parity = lane & 1;
   const int64_t i = q0 + warp * kFrag + r;
-  const uint64_t drop_row = static_cast<uint64_t>(((b * p.hq + h) * p.n + i) * p.m);
+  const uint64_t drop_row = static_cast<uint64_t>((b * p.hq + h) * p.n + i);
   OnlineSoftmax softmax;
 
   int64_t k_lo, k_hi;
@@ -585,26 +599,34 @@ __global__ void __launch_bounds__(FwdTiles<DP>::kThreads, FwdTiles<DP>::kMinBloc
     const bool full = geo.tile_fully_visible(q0, q0 + valid_q - 1, k0, L::kBlockN);
     float* s_row = s_w + r * L::kLdS;
     float tile_max = -INFINITY;
-#pragma unroll 4
-    for (int c = 0; c < L::kBlockN / 2; ++c) {
-      const int j = 2 * c + parity;
-      const float t2 = full || geo.visible(i, k0 + j) ? attention_logit(s_row[j], p.scale, p.softcap) * kLog2e
-                                                      : -INFINITY;
-      s_row[j] = t2;
-      tile_max = fmaxf(tile_max, t2);
+#pragma unroll 2
+    for (int c = 0; c < L::kBlockN / 8; ++c) {
+#pragma unroll
+      for (int w = 0; w < kPhiloxWords; ++w) {
+        const int j = 8 * c + 4 * parity + w;
+        const float t2 = full || geo.visible(i, k0 + j) ? attention_logit(s_row[j], p.scale, p.softcap) * kLog2e
+                                                        : -INFINITY;
+        s_row[j] = t2;
+        tile_max = fmaxf(tile_max, t2);
+      }
     }
     tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
     const float factor = softmax.rescale_for(tile_max);
     // Pass 2: probabilities; the row sum is of the undropped ones.
     T* p_row = p_w + r * L::kLdP;
     float tile_sum = 0.0f;
-#pragma unroll 4
-    for (int c = 0; c < L::kBlockN / 2; ++c) {
-      const int j = 2 * c + parity;
-      const float t2 = s_row[j];
-      const float w = t2 == -INFINITY ? 0.0f : softmax.weight(t2);
-      tile_sum += w;
-      p_row[j] = from_float<T>(w * dropout.factor(drop_row + static_cast<uint64_t>(k0 + j)));
+#pragma unroll 2
+    for (int c = 0; c < L::kBlockN / 8; ++c) {
+      const int j0 = 8 * c + 4 * parity;  // k0 + j0 is a multiple of 4 (k0 is: Geometry::key_range)
+      float keep[kPhiloxWords];
+      dropout.factors4(drop_row, k0 + j0, keep);
+#pragma unroll
+      for (int w = 0; w < kPhiloxWords; ++w) {
+        const float t2 = s_row[j0 + w];
+        const float weight = t2 == -INFINITY ? 0.0f : softmax.weight(t2);
+        tile_sum += weight;
+        p_row[j0 + w] = from_float<T>(weight * keep[w]);
+      }
     }
     tile_sum += __shfl_xor_sync(kFullMask, tile_sum, 1);
     softmax.sum += tile_sum;
@@ -754,26 +776,40 @@ struct BwdScalars {
 //            P_d = prob * keep, dS = prob * (dP * keep - Delta) * dlogit/ddot(t);
 //   masked:  P_d = dS = 0.
 // Rows past N carry lse = +inf and Delta = 0 (and zero q, dout), so they give 0 without a mask.
-// lse2_s holds lse * log2e per row. Writes P_d (when WANT_P) and dS rounded to T.
+// lse2_s holds lse * log2e per row. Writes P_d (when WANT_P) and dS rounded to T. Each thread
+// takes four consecutive keys at a time (k0 is a multiple of 4: key blocks, Geometry::key_range):
+// one Philox call for their dropout factors, 16-byte reads of S and dP (ld_s and the tile bases are
+// multiples of 4 floats), 4-element writes of P_d and dS (ld_p a multiple of 4 elements).
 template <typename T, int BM, int BN, int THREADS, bool WANT_P>
 __device__ __forceinline__ void backward_tile(const BwdScalars& sc, const float* s_s, const float* dp_s, int ld_s,
                                               T* pd_s, T* ds_s, int ld_p, const float* lse2_s,
                                               const float* delta_s, int64_t q0, int64_t k0, bool full,
                                               uint64_t drop_head) {
-#pragma unroll 4
-  for (int idx = static_cast<int>(threadIdx.x); idx < BM * BN; idx += THREADS) {
-    const int r = idx / BN, c = idx % BN;
-    const int64_t i = q0 + r, j = k0 + c;
-    float pd = 0.0f, ds = 0.0f;
-    if (full || sc.geo.visible(i, j)) {
-      const float t = attention_logit(s_s[r * ld_s + c], sc.scale, sc.softcap);
-      const float prob = exp2f(t * kLog2e - lse2_s[r]);
-      const float keep = sc.dropout.factor(drop_head + static_cast<uint64_t>(i * sc.dropout.cols + j));
-      pd = prob * keep;
-      ds = prob * (dp_s[r * ld_s + c] * keep - delta_s[r]) * attention_logit_grad(t, sc.scale, sc.softcap);
+  static_assert(BN % kPhiloxWords == 0, "key tiles hold whole Philox groups");
+  constexpr int kGroups = BN / kPhiloxWords;
+#pragma unroll 2
+  for (int idx = static_cast<int>(threadIdx.x); idx < BM * kGroups; idx += THREADS) {
+    const int r = idx / kGroups, c = kPhiloxWords * (idx % kGroups);
+    const int64_t i = q0 + r;
+    const Pack<float, 4> s4 = *reinterpret_cast<const Pack<float, 4>*>(s_s + r * ld_s + c);
+    const Pack<float, 4> dp4 = *reinterpret_cast<const Pack<float, 4>*>(dp_s + r * ld_s + c);
+    float keep[kPhiloxWords];
+    sc.dropout.factors4(drop_head + static_cast<uint64_t>(i), k0 + c, keep);
+    Pack<T, 4> pd4, ds4;
+#pragma unroll
+    for (int w = 0; w < kPhiloxWords; ++w) {
+      float pd = 0.0f, ds = 0.0f;
+      if (full || sc.geo.visible(i, k0 + c + w)) {
+        const float t = attention_logit(s4.v[w], sc.scale, sc.softcap);
+        const float prob = exp2f(t * kLog2e - lse2_s[r]);
+        pd = prob * keep[w];
+        ds = prob * (dp4.v[w] * keep[w] - delta_s[r]) * attention_logit_grad(t, sc.scale, sc.softcap);
+      }
+      pd4.v[w] = from_float<T>(pd);
+      ds4.v[w] = from_float<T>(ds);
     }
-    if constexpr (WANT_P) pd_s[r * ld_p + c] = from_float<T>(pd);
-    ds_s[r * ld_p + c] = from_float<T>(ds);
+    if constexpr (WANT_P) *reinterpret_cast<Pack<T, 4>*>(pd_s + r * ld_p + c) = pd4;
+    *reinterpret_cast<Pack<T, 4>*>(ds_s + r * ld_p + c) = ds4;
   }
 }
 
@@ -860,7 +896,7 @@ __global__ void __launch_bounds__(DkDvTiles<DP>::kThreads, DkDvTiles<DP>::kMinBl
   sc.geo.query_range(k0, k0 + valid_k - 1, q_lo, q_hi);
   for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
     const int64_t row_head = stats_row(p, seq, b, h);  // row (b, h, 0) of lse / Delta
-    const uint64_t drop_head = static_cast<uint64_t>((b * p.hq + h) * p.n * p.m);
+    const uint64_t drop_head = static_cast<uint64_t>((b * p.hq + h) * p.n);  // stream row (b, h, 0)
     const T* q_g = static_cast<const T*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride +
                    h * p.q_head_stride;
     const T* do_g = static_cast<const T*>(p.dout) + b * p.dout_batch_stride + seq.q_start * p.dout_row_stride +
@@ -1005,7 +1041,7 @@ __global__ void __launch_bounds__(DqTiles<DP>::kThreads, DqTiles<DP>::kMinBlocks
   const float* cos = rope_rows(p, p.cos, seq, b);
   const float* sin = rope_rows(p, p.sin, seq, b);
   const int64_t row_head = stats_row(p, seq, b, h);
-  const uint64_t drop_head = static_cast<uint64_t>((b * p.hq + h) * p.n * p.m);
+  const uint64_t drop_head = static_cast<uint64_t>((b * p.hq + h) * p.n);  // stream row (b, h, 0)
 
   load_tile<T, L::kBlockM, DP, L::kThreads>(
       q_s, L::kLdT,

@@ -1,5 +1,6 @@
-// Philox dropout on the CPU: the stream of common/philox.h (= Triton's tl.rand and the CUDA
-// kernel), in fixed chunks over the flat index so the result does not depend on the thread count.
+// Philox dropout on the CPU: the stream of common/philox.h (one Philox call per four consecutive
+// elements, all four words; = Triton's kernel and the CUDA kernel), in fixed chunks over the flat
+// index so the result does not depend on the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -14,7 +15,25 @@
 namespace remat {
 namespace {
 
+// A multiple of four, so every chunk starts at a group of four and draws whole Philox calls.
 constexpr int64_t kChunk = 4096;
+static_assert(kChunk % kPhiloxWords == 0, "chunks must hold whole Philox groups");
+
+// values[i] = keep(words[i]) ? values[i] / keep_divisor : 0 for i < count. The division runs on
+// every element first: a division under the condition is not if-converted (it may trap), which
+// would keep the loop scalar; this way both loops vectorise.
+REMAT_CPU_CLONES void apply_dropout(float* __restrict__ values, const uint32_t* __restrict__ words, int64_t count,
+                                    float p, float keep_divisor) {
+  for (int64_t i = 0; i < count; ++i) values[i] /= keep_divisor;
+  for (int64_t i = 0; i < count; ++i) values[i] = dropout_keeps(words[i], p) ? values[i] : 0.0f;
+}
+
+// The stream words of `count` elements from the group of `first_counter` on (one Philox call per
+// four elements; the last call's unused words land in the padding of `words`).
+REMAT_CPU_CLONES void stream_words(uint32_t* __restrict__ words, int64_t count, uint64_t seed,
+                                   uint64_t first_counter) {
+  philox_stream_block(words, (count + kPhiloxWords - 1) / kPhiloxWords, seed, first_counter);
+}
 
 at::Tensor philox_dropout_cpu(const at::Tensor& x, const at::Tensor& rng, double p) {
   check_philox_dropout_args(x, rng, p);
@@ -28,13 +47,13 @@ at::Tensor philox_dropout_cpu(const at::Tensor& x, const at::Tensor& rng, double
   char* dst = static_cast<char*>(y.data_ptr());
   at::parallel_for(0, (numel + kChunk - 1) / kChunk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> values(kChunk);
+    std::vector<uint32_t> words(kChunk);
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t start = chunk * kChunk, count = std::min(kChunk, numel - start);
       widen(src + start * element, values.data(), count, storage);
-      for (int64_t i = 0; i < count; ++i) {
-        const bool keep = dropout_keep(seed, offset, static_cast<uint64_t>(start + i), p_f);
-        values[i] = keep ? values[i] / keep_divisor : 0.0f;
-      }
+      // Flat dropout is one row of numel elements: element i takes word i % 4 of counter offset + i / 4.
+      stream_words(words.data(), count, seed, stream_counter(offset, 0, static_cast<uint64_t>(start), numel));
+      apply_dropout(values.data(), words.data(), count, p_f, keep_divisor);
       narrow(values.data(), dst + start * element, count, storage);
     }
   });

@@ -1,9 +1,11 @@
 """Dropout whose mask is never stored: a Philox4x32-10 stream keyed by a (seed, offset) pair drawn
-from PyTorch's generator (the stream of Triton's tl.rand and of csrc/common/philox.h).
+from PyTorch's generator (csrc/common/philox.h, remat.reference.dropout_keep; Triton's
+tl.randint4x words).
 
 Recompute contract: saves the 16-byte int64 (seed, offset) pair only; backward regenerates the
-mask by running the same operator on dy. Element i of the (contiguous) input is kept when
-uniform(offset + i) >= p.
+mask by running the same operator on dy. Element i of the (contiguous) input is kept when the
+uniform of word i % 4 of the Philox call at counter offset + i // 4 is >= p (one call per four
+elements: a call over n elements reads counters offset .. offset + ceil(n / 4) - 1).
 """
 
 import torch
