@@ -15,8 +15,17 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import remat
-from benchmarks.common import Progress, environment_tags, interleaved_ratios, measure, peak_memory_bytes
-from remat import backend as backend_mod
+from benchmarks.common import (
+    Progress,
+    autograd_step,
+    environment_tags,
+    interleaved_timings,
+    peak_memory_bytes,
+    remat_backends,
+    run_step,
+    timing_summary,
+    with_end_load,
+)
 from remat.memory import saved_bytes
 from remat.reference import attention_reference
 
@@ -45,16 +54,15 @@ def _flash_attn():
     return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)
 
 
-def _full_step(fn, leaves, causal, dout):
-    torch.autograd.grad(fn(*leaves, causal), leaves, dout)
+# time_vs_<label> columns: the provider's time over the named provider's in the same round.
+BASELINES = {"eager": "torch", "sdpa_flash": "sdpa-flash", "checkpoint": "torch+checkpoint",
+             "compile": "torch.compile", "flash_attn": "flash_attn"}
 
 
 def providers(device):
     """(name, fn(q, k, v, causal), layout): layout "bnhd" takes [B, N, H, D], "bhnd" [B, H, N, D]."""
     out = []
-    for name in backend_mod.BACKENDS:
-        if backend_mod.unavailable_reason(name, device) is not None or (name == "triton" and device.type == "cpu"):
-            continue
+    for name in remat_backends(device, attention=True):
         out.append((f"remat-{name}", lambda q, k, v, causal, n=name: remat.attention(q, k, v, causal=causal, backend=n),
                     "bnhd"))
     out.append(("sdpa-flash", _sdpa("flash"), "bhnd"))
@@ -71,17 +79,20 @@ def providers(device):
 
 
 def run(device, quick=False):
+    """Every provider's forward, backward and full step per case, timed in interleaved rounds
+    (benchmarks.common.interleaved_timings); returns the CSV rows: time ratios to each of BASELINES
+    with their spreads, absolute times, TFLOP/s, saved bytes per token, peak memory."""
     if device.type == "cuda":
         # (batch, heads, length, head dim): the issue's aim shape, N = 8K at head dim 128.
         shapes = [(2, 16, 8192, 128)] if not quick else [(1, 16, 4096, 128)]
         dtypes = [torch.bfloat16]
         causals = [False, True]
-        budget, min_reps = 0.5, 10
+        rounds = 4 if quick else 20
     else:
         shapes = [(1, 8, 256, 64)] if quick else [(1, 8, 512, 64)]
         dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
         causals = [True] if quick else [False, True]
-        budget, min_reps = 0.3, 3
+        rounds = 2 if quick else 12
     tags = environment_tags()
     rows = []
     cases = [(s, d, c) for s in shapes for d in dtypes for c in causals]
@@ -92,8 +103,7 @@ def run(device, quick=False):
         dout_bnhd = torch.randn(batch, length, heads, head_dim, generator=g, device=device).to(dtype)
         forward_flops = 4 * batch * heads * length * length * head_dim // (2 if causal else 1)
         flops = {"forward": forward_flops, "backward": 2.5 * forward_flops, "full": 3.5 * forward_flops}
-        results = []
-        full_steps = {}
+        steps, memory = {}, {}
         for name, fn, layout in providers(device):
             if layout == "bhnd":
                 leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in bnhd]
@@ -101,59 +111,29 @@ def run(device, quick=False):
             else:
                 leaves = [t.clone().requires_grad_() for t in bnhd]
                 dout = dout_bnhd
-
-            def forward():
-                with torch.no_grad():
-                    fn(*leaves, causal)
-
-            def setup_backward():
-                return fn(*leaves, causal)
-
-            def backward(out):
-                torch.autograd.grad(out, leaves, dout)
-
-            def full():
-                torch.autograd.grad(fn(*leaves, causal), leaves, dout)
-
+            step = autograd_step(fn, (*leaves, causal), leaves, dout)
             try:
-                full()
+                run_step(step)
             except RuntimeError as error:
                 # An SDPA kernel that does not take this device/dtype says so; record nothing.
                 progress.step(f"attention {name}: skipped ({str(error).splitlines()[0][:80]})")
                 continue
-            # Bound now: a closure over the loop variables would time the last provider for every name.
-            full_steps[name] = functools.partial(_full_step, fn, leaves, causal, dout)
-            saved = saved_bytes(fn, *leaves, causal)
-            peak = peak_memory_bytes(full, device)
-            timings = {"forward": measure(forward, device, budget_s=budget, min_reps=min_reps),
-                       "backward": measure(backward, device, budget_s=budget, min_reps=min_reps,
-                                           setup=setup_backward),
-                       "full": measure(full, device, budget_s=budget, min_reps=min_reps)}
-            for mode, (median, q20, q80) in timings.items():
-                results.append({"block": "attention", "batch": batch, "heads": heads, "length": length,
-                                "head_dim": head_dim, "causal": causal, "dtype": str(dtype).replace("torch.", ""),
-                                "provider": name, "mode": mode, "median_ms": median, "q20_ms": q20, "q80_ms": q80,
-                                "flops": flops[mode], "tflops": flops[mode] / (median * 1e-3) / 1e12,
-                                "saved_bytes": saved, "saved_bytes_per_token": saved / (batch * length),
-                                "peak_mem_bytes": peak})
-            progress.step(f"attention B{batch} H{heads} N{length} D{head_dim} {dtype} causal={causal} {name}")
-        # The full step's time ratio to SDPA's flash kernel, timed side by side in interleaved rounds.
-        ratios = interleaved_ratios(full_steps, "sdpa-flash", device) if "sdpa-flash" in full_steps else {}
-        for r in results:
-            median, q20, q80 = ratios.get(r["provider"], ("", "", "")) if r["mode"] == "full" else ("", "", "")
-            r.update(full_vs_sdpa_flash=median, full_vs_sdpa_flash_q20=q20, full_vs_sdpa_flash_q80=q80)
-        reference = {}
-        for r in results:
-            if r["provider"] in ("sdpa-flash", "torch"):
-                reference.setdefault(r["provider"], {})[r["mode"]] = r["median_ms"]
-        for r in results:
-            flash = reference.get("sdpa-flash", {}).get(r["mode"])
-            r["time_vs_sdpa_flash"] = r["median_ms"] / flash if flash else ""
-            r["time_vs_eager"] = r["median_ms"] / reference["torch"][r["mode"]]
-            rows.append({**r, **tags})
-    return rows
+            steps[name] = step
+            memory[name] = (saved_bytes(fn, *leaves, causal),
+                            peak_memory_bytes(functools.partial(run_step, step), device))
+            progress.step(f"attention B{batch} H{heads} N{length} D{head_dim} {dtype} causal={causal} {name} ready")
+        case = f"attention B{batch} H{heads} N{length} D{head_dim} {dtype} causal={causal}"
+        for (name, mode), columns in timing_summary(interleaved_timings(steps, device, rounds=rounds), BASELINES,
+                                                    case).items():
+            saved, peak = memory[name]
+            rows.append({"block": "attention", "batch": batch, "heads": heads, "length": length,
+                         "head_dim": head_dim, "causal": causal, "dtype": str(dtype).replace("torch.", ""),
+                         "provider": name, "mode": mode, **columns, "flops": flops[mode],
+                         "tflops": flops[mode] / (columns["median_ms"] * 1e-3) / 1e12, "saved_bytes": saved,
+                         "saved_bytes_per_token": saved / (batch * length), "peak_mem_bytes": peak, **tags})
+    return with_end_load(rows)
 
 
-summary_columns = ["length", "head_dim", "causal", "dtype", "provider", "mode", "median_ms", "q20_ms", "q80_ms",
-                   "tflops", "time_vs_sdpa_flash", "full_vs_sdpa_flash", "full_vs_sdpa_flash_q20",
-                   "full_vs_sdpa_flash_q80", "time_vs_eager", "saved_bytes_per_token", "peak_mem_bytes"]
+summary_columns = ["length", "head_dim", "causal", "dtype", "provider", "mode", "time_vs_sdpa_flash",
+                   "time_vs_sdpa_flash_q20", "time_vs_sdpa_flash_q80", "time_vs_sdpa_flash_verdict", "time_vs_eager",
+                   "time_vs_eager_verdict", "median_ms", "tflops", "saved_bytes_per_token", "peak_mem_bytes", "suspect"]

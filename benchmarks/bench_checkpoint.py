@@ -1,13 +1,26 @@
 """Checkpoint placement on a stack of L small MLP blocks: for each strategy (and budget), the
 peak of saved bytes alive over forward and backward (measured by saved-tensor hooks on the CPU;
 device memory, torch.cuda.max_memory_allocated, on a GPU) and the training-step time relative to
-no checkpointing, measured side by side in one run."""
+no checkpointing: every strategy of one stack length timed side by side in interleaved rounds
+(benchmarks.common.interleaved_timings), ``time_vs_none`` the median of the per-round ratios to
+"none" with its 20-80% band (``time_vs_none_q20`` / ``_q80``) and verdict."""
+
+import functools
 
 import torch
 from torch import nn
 
 import remat
-from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
+from benchmarks.common import (
+    Progress,
+    Step,
+    environment_tags,
+    interleaved_timings,
+    peak_memory_bytes,
+    run_step,
+    timing_summary,
+    with_end_load,
+)
 from remat.checkpoint.schedule import minimal_peak
 from remat.memory import PeakSavedBytes
 
@@ -41,12 +54,21 @@ def configurations(plan_none, length):
 
 
 def _step(chain, x, plan):
-    out = remat.checkpoint_sequential(chain, x, plan=plan)
-    out.mean().backward()  # mean saves nothing, so the peak is the chain's own
+    """One training step under ``plan``: forward, then backward from the mean of the output (the
+    mean saves nothing, so the peak is the chain's own)."""
+
+    def forward():
+        return remat.checkpoint_sequential(chain, x, plan=plan).mean()
+
+    def inference():
+        with torch.no_grad():
+            return remat.checkpoint_sequential(chain, x, plan=plan)
+
+    return Step(forward, torch.Tensor.backward, inference)
 
 
 def run(device, quick=False):
-    lengths = (8, 32) if quick else (8, 32, 128)
+    lengths = (4, 8) if quick else (8, 32, 128)
     width, hidden, batch = (256, 1024, 64) if device.type == "cpu" else (1024, 4096, 4096)
     tags = environment_tags()
     rows = []
@@ -56,21 +78,21 @@ def run(device, quick=False):
         chain = nn.Sequential(*[MLPBlock(width, hidden) for _ in range(length)]).to(device)
         x = torch.randn(batch, width, device=device, requires_grad=True)
         plan_none = remat.plan(chain, x, strategy="none")
-        results = []
+        results, steps = [], {}
         for label, strategy, kwargs in configurations(plan_none, length):
             try:
                 plan = remat.plan(chain, x, strategy=strategy, **kwargs)
             except ValueError as error:
                 print(f"skip {label} at L={length}: {error}")
                 continue
+            steps[label] = step = _step(chain, x, plan)
             if device.type == "cuda":
-                _step(chain, x, plan)  # the parameters' .grad exist before the peak is measured
-                measured = peak_memory_bytes(lambda: _step(chain, x, plan), device)
+                run_step(step)  # the parameters' .grad exist before the peak is measured
+                measured = peak_memory_bytes(functools.partial(run_step, step), device)
             else:
                 with PeakSavedBytes() as tracker:
-                    _step(chain, x, plan)
+                    run_step(step)
                 measured = tracker.peak
-            median, q20, q80 = measure(lambda: _step(chain, x, plan), device, budget_s=0.5, min_reps=5, max_reps=50)
             results.append({
                 "blocks": length,
                 "strategy": label,
@@ -80,24 +102,22 @@ def run(device, quick=False):
                 "memory_measure": "cuda max_memory_allocated" if device.type == "cuda" else "saved-tensor hooks",
                 "predicted_extra_forward": plan.extra_forward_fraction,
                 "block_forward_calls": plan.block_forward_calls,
-                "median_ms": median,
-                "q20_ms": q20,
-                "q80_ms": q80,
             })
-            chain.zero_grad(set_to_none=False)
-            x.grad = None
-        base_ms = next(r["median_ms"] for r in results if r["strategy"] == "none")
+        timings = timing_summary(interleaved_timings(steps, device, rounds=2 if quick else 6), {"none": "none"},
+                                 f"checkpoint L={length}")
         base_mem = next(r["measured_peak_bytes"] for r in results if r["strategy"] == "none")
         for r in results:
-            r["time_vs_none"] = r["median_ms"] / base_ms
+            r.update(timings[r["strategy"], "full"])
             r["memory_vs_none"] = r["measured_peak_bytes"] / base_mem
             rows.append({**r, "width": width, "hidden": hidden, "batch": batch, **tags})
+        chain.zero_grad(set_to_none=True)
         progress.step(f"L={length}")
-    return rows
+    return with_end_load(rows)
 
 
 summary_columns = ["blocks", "strategy", "budget_bytes", "predicted_peak_bytes", "measured_peak_bytes",
-                   "memory_vs_none", "predicted_extra_forward", "time_vs_none", "median_ms", "q20_ms", "q80_ms"]
+                   "memory_vs_none", "predicted_extra_forward", "time_vs_none", "time_vs_none_q20", "time_vs_none_q80",
+                   "time_vs_none_verdict", "median_ms", "suspect"]
 
 
 def plot(rows, path):

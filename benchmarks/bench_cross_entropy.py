@@ -3,16 +3,17 @@ backend that runs here) against eager ``F.cross_entropy(F.linear(x, w).float(), 
 torch.compile of the same, and Liger-Kernel's fused linear cross-entropy where installed (it is
 Triton: GPUs only).
 
-Timing (DESIGN.md section 8): the providers run side by side in interleaved rounds (A, B, C, A, B,
-C, ...; the order rotates every round) after a warm-up; each step is timed as forward, backward and
-their sum, and every round's time is divided by eager's time in the same round. Reported: the median
-of the per-round ratios with its 20% / 80% quantiles (``ratio_q20`` / ``ratio_q80``); a row whose
-quantile spread is wider than its distance from 1 is flagged (``spread_flag``: the effect is not
-resolved). Memory: peak bytes allocated above the start during one step (``torch.cuda`` on a GPU;
-on the CPU the profiler's allocation events, which see inside the C++ and Triton operators), and
-bytes saved for backward per token (saved-tensor hooks, everywhere). TFLOP/s by the FlashAttention
-convention: the model's FLOPs (2 T V H forward, 4 T V H backward), recompute not counted, so a
-faster step scores higher.
+Timing (DESIGN.md section 8): the providers run side by side in interleaved rounds
+(benchmarks.common.interleaved_timings: A, B, C, then B, C, A, ...) after a warm-up; each round times
+a provider's forward alone, its forward and backward apart, and the whole step, and divides each by
+eager's (and torch.compile's, Liger's) time in the same round. Reported: the median of the per-round
+ratios (``time_vs_eager``) with its 20% / 80% quantiles (``time_vs_eager_q20`` / ``_q80``) and
+``time_vs_eager_verdict`` ("inconclusive" where the band contains 1); ``suspect`` names a full step
+that measured faster than its parts. Memory: peak bytes allocated above the start during one step
+(``torch.cuda`` on a GPU; on the CPU the profiler's allocation events, which see inside the C++ and
+Triton operators), and bytes saved for backward per token (saved-tensor hooks, everywhere). TFLOP/s
+by the FlashAttention convention: the model's FLOPs (2 T V H forward, 4 T V H backward), recompute
+not counted, so a faster step scores higher.
 
 Shapes: on a GPU H = 4096 with V = 32K / 128K / 256K at 2K and 8K tokens (bf16). On the CPU (2 cores)
 scaled down to H = 512 with 1024 tokens at V = 32K and 128K, 256 tokens at V = 256K (bf16), and
@@ -20,16 +21,20 @@ V = 32K in fp32: T >= H, so that, as at the GPU shapes, the [T, V] logits outwei
 (and its gradient) that every provider holds anyway.
 """
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import remat
-from benchmarks.common import Progress, environment_tags
-from remat import backend as backend_mod
+from benchmarks.common import (
+    Progress,
+    autograd_step,
+    environment_tags,
+    interleaved_timings,
+    remat_backends,
+    timing_summary,
+    with_end_load,
+)
 from remat.memory import saved_bytes
 from remat.ops.cross_entropy import OPS
 
@@ -49,9 +54,8 @@ def _liger():
 def providers(device):
     """[(name, fn(x, w, t) -> loss)], eager first (the baseline)."""
     out = [("torch", eager), ("torch.compile", torch.compile(eager, dynamic=False))]
-    for name in backend_mod.BACKENDS:
-        if (name not in OPS or backend_mod.unavailable_reason(name, device) is not None
-                or (name == "triton" and device.type == "cpu")):
+    for name in remat_backends(device):
+        if name not in OPS:
             continue
         out.append((f"remat-{name}", lambda x, w, t, n=name: remat.linear_cross_entropy(x, w, t, backend=n)))
     liger = _liger() if device.type == "cuda" else None
@@ -60,22 +64,8 @@ def providers(device):
     return out
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _step(fn, x, w, t, device):
-    """(forward ms, backward ms) of one loss + backward to x and w."""
-    _sync(device)
-    start = time.perf_counter()
-    loss = fn(x, w, t)
-    _sync(device)
-    middle = time.perf_counter()
-    torch.autograd.grad(loss, (x, w))
-    _sync(device)
-    end = time.perf_counter()
-    return (middle - start) * 1e3, (end - middle) * 1e3
+# time_vs_<label> columns: the provider's time over the named provider's in the same round.
+BASELINES = {"eager": "torch", "compile": "torch.compile", "liger": "liger"}
 
 
 def peak_bytes(fn, x, w, t, device):
@@ -98,44 +88,24 @@ def peak_bytes(fn, x, w, t, device):
     return peak
 
 
-def _quantiles(values):
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=10, method="inclusive")
-    return q[1], q[7]
-
-
-def interleaved(cases, device, rounds, warmup):
-    """{name: {"forward": [ms...], "backward": [...], "full": [...]}} over ``rounds`` rounds, the
-    providers' order rotated every round."""
-    times = {name: {"forward": [], "backward": [], "full": []} for name, _, _ in cases}
-    for _ in range(warmup):
-        for _, fn, args in cases:
-            _step(fn, *args, device)
-    for r in range(rounds):
-        order = cases[r % len(cases):] + cases[:r % len(cases)]
-        for name, fn, args in order:
-            forward, backward = _step(fn, *args, device)
-            times[name]["forward"].append(forward)
-            times[name]["backward"].append(backward)
-            times[name]["full"].append(forward + backward)
-    return times
-
-
 def run(device, quick=False):
+    """Every provider's forward, backward and full step per case, timed in interleaved rounds;
+    returns the CSV rows (see the module docstring)."""
     if device.type == "cuda":
         hidden, dtype_cases = 4096, [(tokens, vocab, torch.bfloat16) for vocab in (32768, 131072, 262144)
                                      for tokens in (2048, 8192)]
         if quick:
             dtype_cases = [(4096, 131072, torch.bfloat16)]
-        rounds, warmup = (5, 1) if quick else (10, 2)
+        rounds, warmup = (4, 1) if quick else (10, 2)
     else:
         hidden = 512
         dtype_cases = [(1024, 32768, torch.bfloat16), (1024, 131072, torch.bfloat16), (256, 262144, torch.bfloat16),
                        (1024, 32768, torch.float32)]
         if quick:
-            dtype_cases = [(1024, 32768, torch.bfloat16)]
-        rounds, warmup = (4, 1) if quick else (6, 1)
+            dtype_cases = [(256, 32768, torch.bfloat16)]
+        # Each round runs about 2.3 steps per provider (forward alone, the step in parts, the
+        # whole step): six rounds of the four CPU cases take about twelve minutes on two cores.
+        rounds, warmup = (2, 1) if quick else (6, 1)
     tags = environment_tags()
     rows = []
     progress = Progress(len(dtype_cases), "cross_entropy")
@@ -144,32 +114,27 @@ def run(device, quick=False):
         x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype).requires_grad_()
         w = torch.nn.Parameter((torch.randn(vocab, hidden, generator=g, device=device) / hidden**0.5).to(dtype))
         t = torch.randint(0, vocab, (tokens,), generator=g, device=device)
-        cases = [(name, fn, (x, w, t)) for name, fn in providers(device)]
-        times = interleaved(cases, device, rounds, warmup)
+        loss_grad = torch.ones((), device=device)
+        fns = dict(providers(device))
+        steps = {name: autograd_step(fn, (x, w, t), (x, w), loss_grad) for name, fn in fns.items()}
+        times = interleaved_timings(steps, device, rounds=rounds, warmup=warmup)
+        memory = {name: (saved_bytes(fn, x, w, t), peak_bytes(fn, x, w, t, device)) for name, fn in fns.items()}
         model_flops = {"forward": 2 * tokens * vocab * hidden, "backward": 4 * tokens * vocab * hidden,
                        "full": 6 * tokens * vocab * hidden}
-        for name, fn, args in cases:
-            saved = saved_bytes(fn, *args)
-            peak = peak_bytes(fn, *args, device)
-            for mode, values in times[name].items():
-                ratios = [v / e for v, e in zip(values, times["torch"][mode])]
-                median = statistics.median(values)
-                q20, q80 = _quantiles(values)
-                ratio = statistics.median(ratios)
-                ratio_q20, ratio_q80 = _quantiles(ratios)
-                rows.append({
-                    "block": "linear_cross_entropy", "tokens": tokens, "hidden": hidden, "vocab": vocab,
-                    "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": mode, "rounds": rounds,
-                    "median_ms": median, "q20_ms": q20, "q80_ms": q80,
-                    "tflops": model_flops[mode] / (median * 1e-3) / 1e12,
-                    "time_vs_eager": ratio, "ratio_q20": ratio_q20, "ratio_q80": ratio_q80,
-                    "spread_flag": name != "torch" and (ratio_q80 - ratio_q20) > abs(ratio - 1.0),
-                    "peak_bytes": peak, "saved_bytes": saved, "saved_bytes_per_token": saved / tokens,
-                    "logits_fp32_bytes": 4 * tokens * vocab, **tags,
-                })
-        progress.step(f"cross_entropy T={tokens} V={vocab} H={hidden} {dtype}")
-    return rows
+        case = f"cross_entropy T={tokens} V={vocab} H={hidden} {dtype}"
+        for (name, mode), columns in timing_summary(times, BASELINES, case).items():
+            saved, peak = memory[name]
+            rows.append({
+                "block": "linear_cross_entropy", "tokens": tokens, "hidden": hidden, "vocab": vocab,
+                "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": mode, **columns,
+                "tflops": model_flops[mode] / (columns["median_ms"] * 1e-3) / 1e12,
+                "peak_bytes": peak, "saved_bytes": saved,
+                "saved_bytes_per_token": saved / tokens, "logits_fp32_bytes": 4 * tokens * vocab, **tags,
+            })
+        progress.step(case)
+    return with_end_load(rows)
 
 
-summary_columns = ["tokens", "vocab", "dtype", "provider", "mode", "median_ms", "time_vs_eager", "ratio_q20",
-                   "ratio_q80", "spread_flag", "tflops", "peak_bytes", "saved_bytes_per_token"]
+summary_columns = ["tokens", "vocab", "dtype", "provider", "mode", "time_vs_eager", "time_vs_eager_q20",
+                   "time_vs_eager_q80", "time_vs_eager_verdict", "time_vs_compile", "median_ms", "tflops", "peak_bytes",
+                   "saved_bytes_per_token", "suspect"]

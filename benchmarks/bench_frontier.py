@@ -1,7 +1,8 @@
 """The memory/time frontier of one training step of a small Llama (one batch shape): for each way
 of trading memory for compute, the peak of saved bytes (saved-tensor hooks over forward and
 backward; device memory on a GPU as well) and the step time as a ratio to the stock model, timed
-side by side in interleaved rounds (benchmarks.common.interleaved_ratios).
+side by side in interleaved rounds (benchmarks.common.interleaved_timings): ``time_vs_stock`` is the
+median of the per-round ratios, with its 20-80% band (``time_vs_stock_q20`` / ``_q80``) and verdict.
 
 Providers: the stock Hugging Face model (SDPA attention); torch.utils.checkpoint on every layer
 and on every k-th (Hugging Face's activation_checkpointing_enable, reentrant so that the hooks
@@ -11,12 +12,23 @@ budgets from the stock model's peak down to its floor.
 """
 
 import copy
+import functools
 import types
 
 import torch
 
 import remat
-from benchmarks.common import Progress, environment_tags, interleaved_ratios, peak_memory_bytes, pyplot_or_none
+from benchmarks.common import (
+    Progress,
+    environment_tags,
+    interleaved_timings,
+    loss_step,
+    peak_memory_bytes,
+    pyplot_or_none,
+    run_step,
+    timing_summary,
+    with_end_load,
+)
 from remat.checkpoint import model_plan
 from remat.memory import PeakSavedBytes
 
@@ -38,11 +50,6 @@ def make_batch(device):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 2048, (batch, length), generator=g).to(device)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-def _step(model, inputs):
-    model.zero_grad(set_to_none=True)
-    model(**inputs).loss.backward()
 
 
 def providers(base, inputs, quick):
@@ -104,23 +111,23 @@ def run(device, quick=False):
     tags = environment_tags()
     entries = providers(base, inputs, quick)
     progress = Progress(len(entries) + 1, "frontier")
-    measured = {}
+    measured, steps = {}, {}
     for entry in entries:
         label, model = entry[0], entry[2]
-        _step(model, inputs)  # warm-up (and compile)
+        steps[label] = step = loss_step(model, inputs)
+        run_step(step)  # warm-up (and compile)
         with PeakSavedBytes() as peak:
-            _step(model, inputs)
-        measured[label] = (peak.peak, peak_memory_bytes(lambda m=model: _step(m, inputs), device))
+            run_step(step)
+        measured[label] = (peak.peak, peak_memory_bytes(functools.partial(run_step, step), device))
         progress.step(f"{label}: peak saved {peak.peak} bytes")
-    steps = {entry[0]: (lambda m=entry[2]: _step(m, inputs)) for entry in entries}
-    ratios = interleaved_ratios(steps, "stock", device, rounds=5 if quick else 9)
+    timings = timing_summary(interleaved_timings(steps, device, rounds=2 if quick else 10), {"stock": "stock"},
+                             "frontier")
     progress.step("interleaved timing")
     rows = []
     shape = tuple(inputs["input_ids"].shape)
     for entry in entries:
         label, family = entry[0], entry[1]
         plan = entry[3] if len(entry) > 3 else None
-        median, low, high = ratios[label]
         rows.append({
             **tags, "model": f"llama h={base.config.hidden_size} L={base.config.num_hidden_layers}",
             "batch": f"{shape[0]}x{shape[1]}", "provider": label, "family": family,
@@ -128,9 +135,9 @@ def run(device, quick=False):
             "budget_bytes": plan.budget_bytes if plan else "",
             "predicted_peak_bytes": plan.predicted_peak_bytes if plan else "",
             "plan": _describe(plan) if plan else "",
-            "time_ratio": median, "ratio_q20": low, "ratio_q80": high,
+            **timings[label, "full"],
         })
-    return rows
+    return with_end_load(rows)
 
 
 def _describe(plan):
@@ -142,8 +149,8 @@ def _describe(plan):
     return text + (f" spans {spans}" if spans else "")
 
 
-summary_columns = ["provider", "peak_saved_bytes", "predicted_peak_bytes", "time_ratio", "ratio_q20", "ratio_q80",
-                   "plan"]
+summary_columns = ["provider", "peak_saved_bytes", "predicted_peak_bytes", "time_vs_stock", "time_vs_stock_q20",
+                   "time_vs_stock_q80", "time_vs_stock_verdict", "suspect", "plan"]
 
 
 def plot(rows, path):
@@ -155,8 +162,8 @@ def plot(rows, path):
     markers = {"stock": "*", "torch.utils.checkpoint": "s", "torch.compile": "^", "remat policy": "o",
                "remat auto": "D"}
     for family, marker in markers.items():
-        points = sorted((r["peak_saved_bytes"] / 2**20, r["time_ratio"], r["ratio_q20"], r["ratio_q80"], r["provider"])
-                        for r in rows if r["family"] == family)
+        points = sorted((r["peak_saved_bytes"] / 2**20, r["time_vs_stock"], r["time_vs_stock_q20"],
+                         r["time_vs_stock_q80"], r["provider"]) for r in rows if r["family"] == family)
         if not points:
             continue
         xs, ys = [p[0] for p in points], [p[1] for p in points]

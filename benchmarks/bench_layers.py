@@ -3,17 +3,32 @@ full, remat.nn.LlamaLayer with each policy against the stock Hugging Face layer 
 what `transformers` runs by default), the stock layer under per-layer torch.utils.checkpoint, and
 torch.compile of the stock layer. Reports saved-for-backward bytes per token per layer (everywhere),
 peak memory (GPU) and time ratios to the stock layer; FLOPs are not counted here. Plus LoRA rows
-(lora_rows): PEFT LoRA layers, stock, checkpointed and fused, full-step ratios from interleaved rounds.
-Plus one Mixtral (mixture-of-experts) layer against remat's MixtralLayer (_moe_rows) and one layer
-of each other family, Qwen3, Phi-3, Gemma 2/3, GPT-2, Qwen3-MoE (family_rows), against its remat
-layer: full-step ratios from interleaved rounds."""
+(lora_rows): PEFT LoRA layers, stock, checkpointed and fused. Plus one Mixtral (mixture-of-experts)
+layer against remat's MixtralLayer (_moe_rows) and one layer of each other family, Qwen3, Phi-3,
+Gemma 2/3, GPT-2, Qwen3-MoE (family_rows), against its remat layer. Every time is measured with the
+providers of a case side by side in interleaved rounds (benchmarks.common.interleaved_timings); the
+time_vs_* columns are medians of per-round ratios with their 20-80% bands."""
+
+import functools
 
 import torch
 import torch.utils.checkpoint
 
 import remat
-from benchmarks.common import Progress, environment_tags, interleaved_ratios, measure, peak_memory_bytes
+from benchmarks.common import (
+    Progress,
+    autograd_step,
+    environment_tags,
+    interleaved_timings,
+    peak_memory_bytes,
+    run_step,
+    timing_summary,
+    with_end_load,
+)
 from remat.memory import saved_bytes
+
+# time_vs_<label> columns: the provider's time over the named provider's in the same round.
+BASELINES = {"eager": "torch", "checkpoint": "torch+checkpoint", "compile": "torch.compile"}
 
 
 def _config(hidden, inter, heads, kv_heads):
@@ -58,14 +73,14 @@ def run(device, quick=False):
 
     if device.type == "cuda":
         shape = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, tokens=4096)
-        depths, dtype, budget = ([1] if quick else [1, 4]), torch.bfloat16, 0.5
+        depths, dtype, rounds = ([1] if quick else [1, 4]), torch.bfloat16, (4 if quick else 20)
     else:
         shape = dict(hidden=512, inter=1376, heads=8, kv_heads=4, tokens=128 if quick else 256)
-        depths, dtype, budget = ([1] if quick else [1, 4]), torch.float32, 0.3
+        depths, dtype, rounds = ([1] if quick else [1, 4]), torch.float32, (2 if quick else 12)
     config = _config(shape["hidden"], shape["inter"], shape["heads"], shape["kv_heads"])
     tags = environment_tags()
     rows = []
-    progress = Progress(len(depths) * 6, "layers")
+    progress = Progress(len(depths), "layers")
     for depth in depths:
         torch.manual_seed(0)
         stock_layers = [LlamaDecoderLayer(config, i).to(device=device, dtype=dtype) for i in range(depth)]
@@ -75,50 +90,31 @@ def run(device, quick=False):
         dy = torch.randn_like(x)
         rope = rotary(x, torch.arange(tokens, device=device)[None])
         params = [p for layer in stock_layers for p in layer.parameters()]
-        results = []
+        steps, memory = {}, {}
         for name, model in providers(stock_layers):
-
-            def forward():
-                with torch.no_grad():
-                    model(x, rope)
-
-            def setup_backward():
-                return model(x, rope)
-
-            def backward(out):
-                torch.autograd.grad(out, [x, *params], dy)
-
-            def full():
-                torch.autograd.grad(model(x, rope), [x, *params], dy)
-
-            full()
-            saved = saved_bytes(model, x, rope)
-            peak = peak_memory_bytes(full, device)
-            timings = {"forward": measure(forward, device, budget_s=budget, min_reps=3),
-                       "backward": measure(backward, device, budget_s=budget, min_reps=3, setup=setup_backward),
-                       "full": measure(full, device, budget_s=budget, min_reps=3)}
-            for mode, (median, q20, q80) in timings.items():
-                results.append({"block": "llama_layer", "depth": depth, "tokens": tokens, **shape,
-                                "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": mode,
-                                "median_ms": median, "q20_ms": q20, "q80_ms": q80, "saved_bytes": saved,
-                                "saved_bytes_per_token_per_layer": saved / (tokens * depth),
-                                "peak_mem_bytes": peak})
-            progress.step(f"layers depth {depth} {name}")
-        stock = {r["mode"]: r for r in results if r["provider"] == "torch"}
-        for r in results:
-            r["time_vs_eager"] = r["median_ms"] / stock[r["mode"]]["median_ms"]
-            r["saved_vs_eager"] = r["saved_bytes"] / stock[r["mode"]]["saved_bytes"]
-            rows.append({**r, **tags})
+            steps[name] = step = autograd_step(model, (x, rope), [x, *params], dy)
+            run_step(step)  # compiles where needed, before the peak is measured
+            memory[name] = (saved_bytes(model, x, rope), peak_memory_bytes(functools.partial(run_step, step),
+                                                                            device))
+        case = f"layers depth {depth}"
+        for (name, mode), columns in timing_summary(interleaved_timings(steps, device, rounds=rounds), BASELINES,
+                                                    case).items():
+            saved, peak = memory[name]
+            rows.append({"block": "llama_layer", "depth": depth, "tokens": tokens, **shape,
+                         "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": mode, **columns,
+                         "saved_bytes": saved, "saved_bytes_per_token_per_layer": saved / (tokens * depth),
+                         "saved_vs_eager": saved / memory["torch"][0], "peak_mem_bytes": peak, **tags})
+        progress.step(case)
     rows.extend(_moe_rows(device, quick, tags))
     rows.extend(family_rows(device, quick, tags))
     rows.extend(lora_rows(device, quick, tags))
-    return same_columns(rows)
+    return with_end_load(same_columns(rows))
 
 
 def _moe_rows(device, quick, tags):
     """One Mixtral decoder layer (8 experts, top-2; Hugging Face's default experts path, grouped_mm)
-    against remat.models.mixtral.MixtralLayer with each policy: the full step's time ratio to the
-    stock layer from interleaved rounds (benchmarks.common.interleaved_ratios), saved bytes per token."""
+    against remat.models.mixtral.MixtralLayer with each policy: time ratios to the stock layer from
+    interleaved rounds (see _policy_rows), saved bytes per token."""
     import transformers
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding
 
@@ -153,11 +149,12 @@ def _normal_init(stock):
 
 def _policy_rows(block, shape, stock, remat_cls, x, stock_kwargs, remat_kwargs, device, quick, tags):
     """Rows for one stock decoder layer against ``remat_cls.from_module(stock, policy=p)`` for each
-    policy: the full step's (forward + backward to x and every parameter) time ratio to the stock
-    layer from interleaved rounds (median, q20, q80) and saved-for-backward bytes per token. The stock
-    layer is called with ``stock_kwargs`` (its rope tables, mask), remat's with ``remat_kwargs``;
-    before timing, each remat layer's output is checked against the stock layer's (a wrong mask or
-    rope argument would otherwise time a different computation)."""
+    policy: forward, backward (to x and every parameter) and full step timed in interleaved rounds
+    (benchmarks.common.interleaved_timings), their time ratios to the stock layer ("time_vs_eager",
+    with the 20-80% band and verdict) and saved-for-backward bytes per token. The stock layer is
+    called with ``stock_kwargs`` (its rope tables, mask), remat's with ``remat_kwargs``; before
+    timing, each remat layer's output is checked against the stock layer's (a wrong mask or rope
+    argument would otherwise time a different computation)."""
     dy = torch.randn_like(x)
     params = list(stock.parameters())
     layers = {"torch": (stock, stock_kwargs),
@@ -169,25 +166,22 @@ def _policy_rows(block, shape, stock, remat_cls, x, stock_kwargs, remat_kwargs, 
         for name, (layer, kwargs) in layers.items():
             torch.testing.assert_close(layer(x, **kwargs), want, rtol=tolerance, atol=tolerance,
                                        msg=lambda m, name=name: f"{block} {name}: {m}")
-
-    def full_step(layer, kwargs):
-        return lambda: torch.autograd.grad(layer(x, **kwargs), [x, *params], dy)
-
-    ratios = interleaved_ratios({name: full_step(*entry) for name, entry in layers.items()}, "torch", device,
-                                rounds=5 if quick else 11)
+    steps = {name: autograd_step(functools.partial(layer, **kwargs), (x,), [x, *params], dy)
+             for name, (layer, kwargs) in layers.items()}
+    times = interleaved_timings(steps, device, rounds=2 if quick else 12)
     rows = []
-    for name, (layer, kwargs) in layers.items():
+    for (name, mode), columns in timing_summary(times, {"eager": "torch"}, block).items():
+        layer, kwargs = layers[name]
         saved = saved_bytes(layer, x, **kwargs)
-        median, q20, q80 = ratios[name]
         rows.append({"block": block, "depth": 1, **shape, "dtype": str(x.dtype).replace("torch.", ""),
-                     "provider": name, "mode": "full", "time_vs_eager": median, "ratio_q20": q20, "ratio_q80": q80,
-                     "saved_bytes": saved, "saved_bytes_per_token_per_layer": saved / shape["tokens"], **tags})
+                     "provider": name, "mode": mode, **columns, "saved_bytes": saved,
+                     "saved_bytes_per_token_per_layer": saved / shape["tokens"], **tags})
     return rows
 
 
 def family_rows(device, quick, tags):
-    """One decoder layer of each other patched family against its remat layer with each policy (full
-    step time ratio from interleaved rounds, saved bytes per token; see _policy_rows): Qwen3, Phi-3,
+    """One decoder layer of each other patched family against its remat layer with each policy (time
+    ratios from interleaved rounds, saved bytes per token; see _policy_rows): Qwen3, Phi-3,
     Gemma 2 (a sliding-window layer, window half the tokens, logit softcap 50; eager attention with
     the sliding mask, as Hugging Face refuses SDPA for softcapping), Gemma 3 (a global layer), GPT-2
     and Qwen3-MoE (8 experts, top-2, grouped_mm). The other stock layers use SDPA without a mask
@@ -262,9 +256,10 @@ def family_rows(device, quick, tags):
 
 
 def same_columns(rows):
-    """Rows of different blocks carry different columns (the LoRA rows: ratios from interleaved
-    rounds and no absolute times); every row gets every column ("" where it has none), so one CSV
-    (benchmarks.common.write_csv takes the first row's columns) and one table hold them all."""
+    """Rows of different blocks carry different columns (the LoRA rows: rank, lora_dropout; the
+    family rows: experts, window, softcap; no peak memory outside the Llama rows); every row gets
+    every column ("" where it has none), so one CSV (benchmarks.common.write_csv takes the first
+    row's columns) and one table hold them all."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
     return [{key: row.get(key, "") for key in columns} for row in rows]
 
@@ -278,10 +273,11 @@ def lora_rows(device, quick, tags):
     ("peft", the baseline), the same under per-layer torch.utils.checkpoint (what Hugging Face's
     gradient_checkpointing=True runs, "peft+checkpoint"), remat.nn.LlamaLayer built from the
     adapted layers with each policy ("remat-<policy>", the adapters inside the fused blocks), and
-    the balanced layer with its own gradient checkpointing ("remat-balanced+checkpoint"). One full
-    step (forward, backward to the input and the adapters) per provider, timed in interleaved
-    rounds (benchmarks.common.interleaved_ratios: median ratio to "peft" and its 20-80% band);
-    saved-for-backward bytes per token per layer."""
+    the balanced layer with its own gradient checkpointing ("remat-balanced+checkpoint"). Forward,
+    backward (to the input and the adapters) and full step per provider, timed in interleaved rounds
+    (benchmarks.common.interleaved_timings: "time_vs_eager" is the ratio to "peft",
+    "time_vs_checkpoint" to "peft+checkpoint", with 20-80% bands and verdicts); saved-for-backward
+    bytes per token per layer."""
     import transformers
     from peft import LoraConfig, inject_adapter_in_model
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -319,23 +315,21 @@ def lora_rows(device, quick, tags):
             layer.gradient_checkpointing = True
         models["remat-balanced+checkpoint"] = Stack(checkpointed)
 
-        def full_step(model):
-            return lambda: torch.autograd.grad(model(x, rope), [x, *adapters], dy)
-
-        ratios = interleaved_ratios({name: full_step(model) for name, model in models.items()}, "peft", device,
-                                    rounds=5 if quick else 11)
+        steps = {name: autograd_step(model, (x, rope), [x, *adapters], dy) for name, model in models.items()}
+        times = interleaved_timings(steps, device, rounds=2 if quick else 12)
+        case = f"layers+lora depth {depth} lora_dropout {dropout}"
         baseline = saved_bytes(models["peft"], x, rope)
-        for name, model in models.items():
-            saved = saved_bytes(model, x, rope)
-            median, q20, q80 = ratios[name]
+        for (name, mode), columns in timing_summary(times, {"eager": "peft", "checkpoint": "peft+checkpoint"},
+                                                    case).items():
+            saved = saved_bytes(models[name], x, rope)
             rows.append({"block": "llama_layer_lora", "depth": depth, **shape, "rank": rank, "lora_dropout": dropout,
-                         "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": "full",
-                         "time_vs_eager": median, "ratio_q20": q20, "ratio_q80": q80, "saved_bytes": saved,
-                         "saved_bytes_per_token_per_layer": saved / (tokens * depth),
+                         "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": mode, **columns,
+                         "saved_bytes": saved, "saved_bytes_per_token_per_layer": saved / (tokens * depth),
                          "saved_vs_eager": saved / baseline, **tags})
         progress.step(f"layers+lora depth {depth} lora_dropout {dropout}")
     return rows
 
 
-summary_columns = ["depth", "tokens", "hidden", "dtype", "provider", "mode", "median_ms", "q20_ms", "q80_ms",
-                   "time_vs_eager", "saved_bytes_per_token_per_layer", "saved_vs_eager", "peak_mem_bytes"]
+summary_columns = ["block", "depth", "tokens", "hidden", "dtype", "provider", "mode", "time_vs_eager",
+                   "time_vs_eager_q20", "time_vs_eager_q80", "time_vs_eager_verdict", "time_vs_checkpoint",
+                   "median_ms", "saved_bytes_per_token_per_layer", "saved_vs_eager", "peak_mem_bytes", "suspect"]

@@ -6,13 +6,25 @@ FLOPs (the TFLOP/s column) count the work each provider does, recompute included
 GEMM; forward 3 GEMMs, backward 6; recompute="block" re-runs the gate and up GEMMs (2 more),
 torch.utils.checkpoint the whole forward (3 more)."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import remat
-from benchmarks.common import Progress, environment_tags, measure, peak_memory_bytes
-from remat import backend as backend_mod
+from benchmarks.common import (
+    OPERATOR_BASELINES,
+    Progress,
+    autograd_step,
+    environment_tags,
+    interleaved_timings,
+    peak_memory_bytes,
+    remat_backends,
+    run_step,
+    timing_summary,
+    with_end_load,
+)
 from remat.memory import saved_bytes
 
 
@@ -31,9 +43,7 @@ def _liger():
 def providers(device):
     """(name, fn, extra forward GEMMs in backward)."""
     out = []
-    for name in backend_mod.BACKENDS:
-        if backend_mod.unavailable_reason(name, device) is not None or (name == "triton" and device.type == "cpu"):
-            continue
+    for name in remat_backends(device):
         for mode, recompute_gemms in (("block", 2), ("activation", 0), ("none", 0)):
             out.append((f"remat-{name}-{mode}",
                         lambda x, wg, wu, wd, n=name, m=mode: remat.swiglu_mlp(x, wg, wu, wd, recompute=m, backend=n),
@@ -49,18 +59,21 @@ def providers(device):
 
 
 def run(device, quick=False):
+    """Every provider's forward, backward and full step timed in interleaved rounds
+    (benchmarks.common.interleaved_timings) per case; returns the CSV rows: time ratios to each of
+    OPERATOR_BASELINES with their spreads, absolute times, TFLOP/s, saved bytes per token, peak memory."""
     if device.type == "cuda":
         shapes = [(8192, 4096, 14336)]
         dtypes = [torch.bfloat16]
-        budget = 0.5
+        rounds = 4 if quick else 20
     else:
         shapes = [(256, 1024, 2816)] if quick else [(512, 1024, 2816)]
         dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
-        budget = 0.5
+        rounds = 2 if quick else 16
     tags = environment_tags()
     rows = []
     cases = [(s, d) for s in shapes for d in dtypes]
-    progress = Progress(len(cases) * len(providers(device)), "mlp")
+    progress = Progress(len(cases), "mlp")
     for (tokens, hidden, inter), dtype in cases:
         g = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype).requires_grad_()
@@ -70,47 +83,26 @@ def run(device, quick=False):
         weights = [torch.nn.Parameter(w) for w in (wg, wu, wd)]
         dy = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
         gemm = 2 * tokens * hidden * inter
-        results = []
+        args = (x, *weights)
+        steps, memory, flops = {}, {}, {}
         for name, fn, recompute_gemms in providers(device):
-            args = (x, *weights)
-            leaves = [x, *weights]
-
-            def forward():
-                with torch.no_grad():
-                    fn(*args)
-
-            def setup_backward():
-                return fn(*args)
-
-            def backward(out):
-                torch.autograd.grad(out, leaves, dy)
-
-            def full():
-                torch.autograd.grad(fn(*args), leaves, dy)
-
-            full()
-            saved = saved_bytes(fn, *args)
-            peak = peak_memory_bytes(full, device)
-            flops = {"forward": 3 * gemm, "backward": (6 + recompute_gemms) * gemm,
-                     "full": (9 + recompute_gemms) * gemm}
-            timings = {"forward": measure(forward, device, budget_s=budget),
-                       "backward": measure(backward, device, budget_s=budget, setup=setup_backward),
-                       "full": measure(full, device, budget_s=budget)}
-            for mode, (median, q20, q80) in timings.items():
-                results.append({"block": "swiglu_mlp", "tokens": tokens, "hidden": hidden, "intermediate": inter,
-                                "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": mode,
-                                "median_ms": median, "q20_ms": q20, "q80_ms": q80, "flops": flops[mode],
-                                "tflops": flops[mode] / (median * 1e-3) / 1e12, "saved_bytes": saved,
-                                "saved_bytes_per_token": saved / tokens, "peak_mem_bytes": peak})
-            progress.step(f"mlp {tokens}x{hidden}x{inter} {dtype} {name}")
-        eager = {r["mode"]: r["median_ms"] for r in results if r["provider"] == "torch"}
-        ckpt = {r["mode"]: r["median_ms"] for r in results if r["provider"] == "torch+checkpoint"}
-        for r in results:
-            r["time_vs_eager"] = r["median_ms"] / eager[r["mode"]]
-            r["time_vs_checkpoint"] = r["median_ms"] / ckpt[r["mode"]]
-            rows.append({**r, **tags})
-    return rows
+            steps[name] = step = autograd_step(fn, args, args, dy)
+            run_step(step)  # compiles where needed, before the peak is measured
+            memory[name] = (saved_bytes(fn, *args), peak_memory_bytes(functools.partial(run_step, step), device))
+            flops[name] = {"forward": 3 * gemm, "backward": (6 + recompute_gemms) * gemm,
+                           "full": (9 + recompute_gemms) * gemm}
+        case = f"mlp {tokens}x{hidden}x{inter} {dtype}"
+        timings = timing_summary(interleaved_timings(steps, device, rounds=rounds), OPERATOR_BASELINES, case)
+        for (name, mode), columns in timings.items():
+            saved, peak = memory[name]
+            rows.append({"block": "swiglu_mlp", "tokens": tokens, "hidden": hidden, "intermediate": inter,
+                         "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": mode, **columns,
+                         "flops": flops[name][mode], "tflops": flops[name][mode] / (columns["median_ms"] * 1e-3) / 1e12,
+                         "saved_bytes": saved, "saved_bytes_per_token": saved / tokens, "peak_mem_bytes": peak, **tags})
+        progress.step(case)
+    return with_end_load(rows)
 
 
-summary_columns = ["tokens", "hidden", "intermediate", "dtype", "provider", "mode", "median_ms", "q20_ms", "q80_ms",
-                   "tflops", "time_vs_eager", "time_vs_checkpoint", "saved_bytes_per_token", "peak_mem_bytes"]
+summary_columns = ["tokens", "hidden", "intermediate", "dtype", "provider", "mode", "time_vs_eager",
+                   "time_vs_eager_q20", "time_vs_eager_q80", "time_vs_eager_verdict", "time_vs_checkpoint",
+                   "time_vs_compile", "median_ms", "tflops", "saved_bytes_per_token", "peak_mem_bytes", "suspect"]

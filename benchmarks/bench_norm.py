@@ -8,12 +8,25 @@ every provider, so GB/s is effective bandwidth and the ratios between providers 
             the weight-gradient partials (fp32, a few rows of [*, hidden]) are not counted.
 """
 
+import functools
+
 import torch
 import torch.utils.checkpoint
 
 import remat
-from benchmarks.common import Progress, copy_bandwidth_gbps, environment_tags, measure, peak_memory_bytes
-from remat import backend as backend_mod
+from benchmarks.common import (
+    OPERATOR_BASELINES,
+    Progress,
+    autograd_step,
+    copy_bandwidth_gbps,
+    environment_tags,
+    interleaved_timings,
+    peak_memory_bytes,
+    remat_backends,
+    run_step,
+    timing_summary,
+    with_end_load,
+)
 from remat.memory import saved_bytes
 
 
@@ -58,10 +71,7 @@ def _liger(kind, with_residual, hidden, dtype, device):
 
 def providers(kind, with_residual, hidden, dtype, device):
     """(name, fn) for every provider that runs on this device."""
-    out = []
-    for name in backend_mod.BACKENDS:
-        if backend_mod.unavailable_reason(name, device) is None and not (name == "triton" and device.type == "cpu"):
-            out.append((f"remat-{name}", _remat(kind, with_residual, name)))
+    out = [(f"remat-{name}", _remat(kind, with_residual, name)) for name in remat_backends(device)]
     stock = _stock(kind, with_residual)
     out.append(("torch", stock))
     out.append(("torch.compile", torch.compile(stock, dynamic=False)))
@@ -95,62 +105,38 @@ def _inputs(rows, hidden, dtype, device, kind, with_residual):
     return (x, w, b, r), dy
 
 
-def _outputs_and_grads(out, dy):
-    outs = list(out) if isinstance(out, tuple) else [out]
-    return outs, [dy] * len(outs)
-
-
-def bench_case(kind, with_residual, rows, hidden, dtype, device, budget_s, progress, copy_gbps):
+def bench_case(kind, with_residual, rows, hidden, dtype, device, rounds, progress, copy_gbps):
+    """The rows of one norm case: every provider's forward, backward and full step timed in
+    interleaved rounds (benchmarks.common.interleaved_timings), their time ratios to each of
+    OPERATOR_BASELINES with spreads, GB/s from the absolute median, saved and peak bytes."""
     args, dy = _inputs(rows, hidden, dtype, device, kind, with_residual)
     leaves = [a for a in args if a is not None]
     traffic = traffic_bytes(rows, hidden, dtype, kind, with_residual)
-    results = []
+    case = f"{kind} {'+residual ' if with_residual else ''}{rows}x{hidden} {dtype}"
+    steps, memory = {}, {}
     for name, fn in providers(kind, with_residual, hidden, dtype, device):
-        def forward():
-            with torch.no_grad():
-                fn(*args)
-
-        def backward(state):
-            outs, grads = state
-            torch.autograd.grad(outs, leaves, grads)
-
-        def setup_backward():
-            return _outputs_and_grads(fn(*args), dy)
-
-        def full():
-            outs, grads = _outputs_and_grads(fn(*args), dy)
-            torch.autograd.grad(outs, leaves, grads)
-
-        full()  # compiles where needed, outside the timing
-        saved = saved_bytes(fn, *args)
-        peak = peak_memory_bytes(full, device)
-        timings = {
-            "forward": measure(forward, device, budget_s=budget_s),
-            "backward": measure(backward, device, budget_s=budget_s, setup=setup_backward),
-            "full": measure(full, device, budget_s=budget_s),
-        }
-        for mode, (median, q20, q80) in timings.items():
-            gbps = traffic[mode] / (median * 1e-3) / 1e9
-            results.append({
-                "block": f"{'add+' if with_residual else ''}{kind}_norm",
-                "rows": rows,
-                "hidden": hidden,
-                "dtype": str(dtype).replace("torch.", ""),
-                "provider": name,
-                "mode": mode,
-                "median_ms": median,
-                "q20_ms": q20,
-                "q80_ms": q80,
-                "bytes": traffic[mode],
-                "gbps": gbps,
-                "copy_bw_fraction": gbps / copy_gbps,
-                "saved_bytes": saved,
-                "peak_mem_bytes": peak,
-            })
-        progress.step(f"{kind} {'+residual ' if with_residual else ''}{rows}x{hidden} {dtype} {name}")
-    eager = {r["mode"]: r["median_ms"] for r in results if r["provider"] == "torch"}
-    for r in results:
-        r["speedup_vs_eager"] = eager[r["mode"]] / r["median_ms"]
+        steps[name] = step = autograd_step(fn, args, leaves, dy)
+        run_step(step)  # compiles where needed, before the peak is measured
+        memory[name] = (saved_bytes(fn, *args), peak_memory_bytes(functools.partial(run_step, step), device))
+    timings = timing_summary(interleaved_timings(steps, device, rounds=rounds), OPERATOR_BASELINES, case)
+    results = []
+    for (name, mode), columns in timings.items():
+        gbps = traffic[mode] / (columns["median_ms"] * 1e-3) / 1e9
+        results.append({
+            "block": f"{'add+' if with_residual else ''}{kind}_norm",
+            "rows": rows,
+            "hidden": hidden,
+            "dtype": str(dtype).replace("torch.", ""),
+            "provider": name,
+            "mode": mode,
+            **columns,
+            "bytes": traffic[mode],
+            "gbps": gbps,
+            "copy_bw_fraction": gbps / copy_gbps,
+            "saved_bytes": memory[name][0],
+            "peak_mem_bytes": memory[name][1],
+        })
+    progress.step(case)
     return results
 
 
@@ -159,23 +145,23 @@ def run(device, quick=False):
     if device.type == "cuda":
         shapes = [(16384, 4096)] if quick else [(16384, 1024), (16384, 4096), (16384, 8192), (4096, 65536)]
         dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
-        budget = 0.3 if quick else 1.0
+        rounds = 4 if quick else 30
     else:
         shapes = [(1024, 4096)] if not quick else [(256, 4096)]
         dtypes = [torch.float32, torch.bfloat16]
-        budget = 0.4
+        rounds = 2 if quick else 20
     cases = [(k, res, rows, hidden, dt) for (rows, hidden) in shapes for dt in dtypes
              for k in ("rms", "layer") for res in (False, True)]
-    n_providers = len(providers("rms", False, 8, torch.float32, device))
-    progress = Progress(len(cases) * n_providers, "norm")
+    progress = Progress(len(cases), "norm")
     copy_gbps = copy_bandwidth_gbps(device)
     tags = environment_tags()
     rows_out = []
     for kind, res, rows, hidden, dt in cases:
-        for r in bench_case(kind, res, rows, hidden, dt, device, budget, progress, copy_gbps):
+        for r in bench_case(kind, res, rows, hidden, dt, device, rounds, progress, copy_gbps):
             rows_out.append({**r, "copy_gbps": copy_gbps, **tags})
-    return rows_out
+    return with_end_load(rows_out)
 
 
-summary_columns = ["block", "rows", "hidden", "dtype", "provider", "mode", "median_ms", "q20_ms", "q80_ms", "gbps",
-                   "copy_bw_fraction", "speedup_vs_eager", "saved_bytes", "peak_mem_bytes"]
+summary_columns = ["block", "rows", "hidden", "dtype", "provider", "mode", "time_vs_eager", "time_vs_eager_q20",
+                   "time_vs_eager_q80", "time_vs_eager_verdict", "time_vs_compile", "median_ms", "gbps",
+                   "copy_bw_fraction", "saved_bytes", "peak_mem_bytes", "suspect"]

@@ -13,9 +13,10 @@ The same documents (fixed seed, lengths spread over 16..256) are fed two ways:
   would ignore them, so stock runs the ``position_ids`` route alone).
 
 Per configuration: the step time (forward with labels + backward) as a ratio to stock-padded,
-measured side by side in interleaved rounds (benchmarks.common.interleaved_ratios, median and
-20-80% band), and its inverse, the ratio of real-token throughput (every configuration trains on
-the same real tokens, so tokens per second scale as 1 / time); the peak of bytes saved for
+measured side by side in interleaved rounds (benchmarks.common.interleaved_timings: median of the
+per-round ratios, ``time_vs_stock_padded``, with its 20-80% band and verdict), and its inverse,
+the ratio of real-token throughput (every configuration trains on the same real tokens, so tokens
+per second scale as 1 / time); the peak of bytes saved for
 backward over the step (remat.memory.PeakSavedBytes). The losses are checked before anything is
 timed: every configuration must give stock-padded's loss within rounding (the same targets: each
 document's tokens after its first), and the packed row run as one sequence (documents attending
@@ -27,7 +28,15 @@ import copy
 import torch
 
 import remat
-from benchmarks.common import Progress, environment_tags, interleaved_ratios
+from benchmarks.common import (
+    Progress,
+    environment_tags,
+    interleaved_timings,
+    loss_step,
+    run_step,
+    timing_summary,
+    with_end_load,
+)
 from remat.memory import PeakSavedBytes
 
 VOCAB = 2048
@@ -94,13 +103,6 @@ def configurations(base, documents, device):
     return out
 
 
-def _step(model, inputs):
-    model.zero_grad(set_to_none=True)
-    loss = model(**inputs).loss
-    loss.backward()
-    return loss.detach()
-
-
 def check_losses(losses, base, documents, device):
     """Raises AssertionError unless every configuration's loss equals stock-padded's within
     LOSS_RTOL, and unless the packed row run as one causal sequence (no position restarts: the
@@ -126,37 +128,40 @@ def run(device, quick=False):
     entries = configurations(base, documents, device)
     tags = environment_tags()
     progress = Progress(len(entries) + 2, "packing")
-    losses, peaks = {}, {}
+    losses, peaks, steps = {}, {}, {}
     for label, model, _, inputs in entries:
-        _step(model, inputs)  # warm-up
+        steps[label] = step = loss_step(model, inputs)
+        run_step(step)  # warm-up
         with PeakSavedBytes() as peak:
-            losses[label] = _step(model, inputs).item()
-        peaks[label] = peak.peak
+            loss = step.forward()
+            step.backward(loss)
+        losses[label], peaks[label] = loss.item(), peak.peak
         progress.step(f"{label}: loss {losses[label]:.6f}, peak saved {peak.peak} bytes")
     leak_loss = check_losses(losses, base, documents, device)
     progress.step(f"losses agree within rtol {LOSS_RTOL} (max |diff| "
                   f"{max(abs(v - losses['stock padded']) for v in losses.values()):.2e}); packed without restarts "
                   f"(leaking) gives {leak_loss:.6f}")
-    steps = {label: (lambda m=model, i=inputs: _step(m, i)) for label, model, _, inputs in entries}
-    ratios = interleaved_ratios(steps, "stock padded", device, rounds=5 if quick else 11, warmup=1)
+    timings = timing_summary(interleaved_timings(steps, device, rounds=2 if quick else 12),
+                             {"stock_padded": "stock padded"}, "packing")
     progress.step("interleaved timing")
     real_tokens = sum(len(d) for d in documents)
     rows = []
     for label, _, layout, inputs in entries:
-        median, low, high = ratios[label]
+        columns = timings[label, "full"]
+        median, low, high = (columns[f"time_vs_stock_padded{q}"] for q in ("", "_q20", "_q80"))
         rows.append({
             **tags, "model": f"llama h={base.config.hidden_size} L={base.config.num_hidden_layers} fp32",
             "documents": "/".join(str(len(d)) for d in documents), "configuration": label, "layout": layout,
             "real_tokens": real_tokens, "computed_tokens": inputs["input_ids"].numel(),
             "loss": losses[label], "loss_diff_vs_stock_padded": losses[label] - losses["stock padded"],
             "peak_saved_bytes": peaks[label], "saved_bytes_per_real_token": peaks[label] / real_tokens,
-            "time_ratio": median, "time_ratio_q20": low, "time_ratio_q80": high,
+            **columns,
             # Same real tokens everywhere: the throughput ratio is the inverse time ratio (band inverted).
             "tokens_per_s_ratio": 1 / median, "tokens_per_s_ratio_q20": 1 / high, "tokens_per_s_ratio_q80": 1 / low,
         })
-    return rows
+    return with_end_load(rows)
 
 
 summary_columns = ["configuration", "computed_tokens", "peak_saved_bytes", "saved_bytes_per_real_token",
                    "tokens_per_s_ratio", "tokens_per_s_ratio_q20", "tokens_per_s_ratio_q80",
-                   "loss_diff_vs_stock_padded"]
+                   "time_vs_stock_padded_verdict", "suspect", "loss_diff_vs_stock_padded"]

@@ -1,6 +1,14 @@
 """`make bench`: the microbenchmarks against stock PyTorch, on a GPU where there is one, else on
 the CPU. Prints a table, writes a CSV (and a PNG plot) under benchmarks/results/.
 
+Every benchmark times its providers side by side in interleaved rounds
+(benchmarks.common.interleaved_timings) and reports each time ratio as the median of per-round
+ratios with its 20-80% band and a verdict ("inconclusive" where the band contains 1); a provider
+whose full step measured faster than its own forward, or than its forward plus backward timed
+apart, gets a ``suspect`` column and a warning on stderr. Rows carry the 1-minute load average at
+the start and end of their benchmark (``load_1min_start`` / ``load_1min_end``). The whole run
+takes about half an hour on an idle 2-core CPU; ``--quick`` a few minutes per benchmark.
+
     python -m benchmarks.run [--quick] [--device cpu|cuda] [--out DIR]
 """
 
@@ -23,26 +31,33 @@ from benchmarks.common import RESULTS_DIR, print_table, pyplot_or_none, write_cs
 
 
 def plot(rows, path):
-    """Bar chart: full-step (forward+backward) speed relative to eager, per case and provider."""
+    """Bar chart: full-step (forward+backward) time relative to eager per case and provider, the
+    median of the per-round ratios with its 20-80% band as error bars."""
     plt = pyplot_or_none()
     if plt is None:
         return None
     full = [r for r in rows if r["mode"] == "full"]
-    cases = list(dict.fromkeys(f"{r['block']}\n{r['rows']}x{r['hidden']} {r['dtype']}" for r in full))
+
+    def case_of(r):
+        return f"{r['block']}\n{r['rows']}x{r['hidden']} {r['dtype']}"
+
+    cases = list(dict.fromkeys(case_of(r) for r in full))
     provs = list(dict.fromkeys(r["provider"] for r in full))
     fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(cases)), 4.5))
     width = 0.8 / len(provs)
     for i, p in enumerate(provs):
-        vals = []
+        vals, low, high = [], [], []
         for c in cases:
-            match = [r["speedup_vs_eager"] for r in full
-                     if r["provider"] == p and f"{r['block']}\n{r['rows']}x{r['hidden']} {r['dtype']}" == c]
-            vals.append(match[0] if match else 0)
-        ax.bar([k + i * width for k in range(len(cases))], vals, width, label=p)
+            match = [r for r in full if r["provider"] == p and case_of(r) == c]
+            median, q20, q80 = ([match[0][f"time_vs_eager{q}"] for q in ("", "_q20", "_q80")] if match else (0, 0, 0))
+            vals.append(median)
+            low.append(median - q20)
+            high.append(q80 - median)
+        ax.bar([k + i * width for k in range(len(cases))], vals, width, yerr=[low, high], capsize=2, label=p)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(cases))])
     ax.set_xticklabels(cases, fontsize=7)
-    ax.set_ylabel("forward+backward speed vs eager (x)")
+    ax.set_ylabel("forward+backward time / eager (median, 20-80% band)")
     ax.set_title(f"remat norms on {full[0]['device']}, commit {full[0]['commit']}")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -52,7 +67,9 @@ def plot(rows, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one shape per block, short timing budget")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller cases and two timing rounds (four on a GPU): a smoke test whose ratios and "
+                             "flags claim little")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     parser.add_argument("--out", default=None, help=f"output folder (default {RESULTS_DIR})")
     parser.add_argument("--no-plots", action="store_true", help="write CSVs only")

@@ -25,10 +25,12 @@ It shows that the patched model trains the same (its loss curve tracks the stock
 rounding), and what it saves for backward and costs in step time. Per run it records the loss of
 every step, the bytes one training step's forward keeps for backward
 (``remat.memory.saved_bytes``; for the checkpointed run, plus the layer inputs the checkpoint
-holds), the median step time (forward, backward and optimizer step) and,
-on CUDA, the peak memory one training step allocates above the resident parameters and optimizer
-state (``torch.cuda.max_memory_allocated``). The runs train in lockstep, one step of each in
-turn, so that changes in machine load fall on all of them alike. It writes
+holds), the step time (forward, backward and optimizer step) as a ratio to stock's with its
+spread (``time_vs_stock``, median of per-round ratios, ``_q20`` / ``_q80``, ``_verdict``; see
+``run``) and in milliseconds (``median_ms``), and, on CUDA, the peak memory one training step
+allocates above the resident parameters and optimizer state (``torch.cuda.max_memory_allocated``).
+The runs train in lockstep, timed in interleaved rounds, so that changes in machine load fall on
+all of them alike. It writes
 ``train_tiny_llama-<cpu|gpu>.png`` (the loss curves, and each run's distance to the stock curve)
 and ``train_tiny_llama-<cpu|gpu>.csv`` (one row per run) under ``--out``, and prints the same
 table as markdown.
@@ -56,7 +58,17 @@ import torch
 import transformers
 
 import remat
-from benchmarks.common import RESULTS_DIR, Progress, environment_tags, write_csv
+from benchmarks.common import (
+    RESULTS_DIR,
+    Progress,
+    Step,
+    environment_tags,
+    interleaved_timings,
+    run_step,
+    timing_summary,
+    with_end_load,
+    write_csv,
+)
 from remat.backend import default_backend, requested_backend
 from remat.memory import saved_bytes
 
@@ -67,7 +79,7 @@ LEARNING_RATE = 1e-3
 LR_WARMUP_STEPS = 20  # linear learning-rate warmup; without it the loss jumps back up near step 8
 MAX_GRAD_NORM = 1.0  # gradient clipping, as Hugging Face's Trainer does by default
 LAST = 20  # steps averaged for the "last steps" loss
-UNTIMED_STEPS = 5  # steps left out of the median step time (first calls, optimizer state allocation)
+UNTIMED_STEPS = 5  # warm-up steps left out of the timing (first calls, optimizer state allocation)
 SEED = 0
 ROUNDING_CONTROL = "stock, batch rows reversed"
 
@@ -162,19 +174,15 @@ def step_saved_bytes(model, ids, bf16, checkpointed):
     return autograd_bytes + sum(held.values())
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Run:
     """One training configuration: a fresh copy of the initial model, prepared (``how``: None for
     stock, "reversed" for stock on every batch with its rows in reverse order, "checkpoint" for
     per-layer torch.utils.checkpoint, else a remat.patch policy), its AdamW optimizer, and what
     was measured."""
 
-    def __init__(self, name, policy, how, initial, device, bf16):
+    def __init__(self, name, policy, how, initial, batches, device, bf16):
         self.name, self.policy, self.how, self.device, self.bf16 = name, policy, how, device, bf16
+        self.batches = batches
         self.model = copy.deepcopy(initial).to(device)
         if how == "checkpoint":
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -184,30 +192,43 @@ class Run:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                           lambda k: min(1.0, (k + 1) / LR_WARMUP_STEPS))
-        self.losses, self.times_ms = [], []
+        self.losses = []
 
-    def _update(self, ids):
-        """Forward, backward, gradient clipping, the AdamW step and the learning-rate schedule;
-        returns the loss tensor."""
+    def _ids(self):
+        """The batch of the next training step (rows reversed for the rounding control: the loss
+        is a mean over the same tokens; only the order of floating-point sums changes)."""
+        ids = self.batches[len(self.losses)]
+        return ids.flip(0) if self.how == "reversed" else ids
+
+    def _forward_on(self, ids):
+        """Zeroes the gradients, returns the loss tensor of ``ids``."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = _loss(self.model, ids, self.bf16)
+        return _loss(self.model, ids, self.bf16)
+
+    def _update(self, loss):
+        """Backward, gradient clipping, the AdamW step and the learning-rate schedule."""
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM)
         self.optimizer.step()
         self.schedule.step()
-        return loss
 
-    def step(self, ids):
-        """One timed training step; records its loss and time."""
-        if self.how == "reversed":
-            # The loss is a mean over the same tokens; only the order of floating-point sums changes.
-            ids = ids.flip(0)
-        _sync(self.device)
-        start = time.perf_counter()
-        loss = self._update(ids)
-        _sync(self.device)
-        self.times_ms.append((time.perf_counter() - start) * 1e3)
+    def forward(self):
+        """The next training step's forward: returns its loss tensor."""
+        return self._forward_on(self._ids())
+
+    def backward(self, loss):
+        """The rest of the next training step (see _update); records its loss."""
+        self._update(loss)
         self.losses.append(loss.item())
+
+    def inference(self):
+        """The next step's loss without a graph (torch.no_grad); trains nothing."""
+        with torch.no_grad():
+            return _loss(self.model, self._ids(), self.bf16)
+
+    def step(self):
+        """The parts the harness times (benchmarks.common.interleaved_timings)."""
+        return Step(self.forward, self.backward, self.inference)
 
     def saved_bytes(self, ids):
         """Bytes one training step on ``ids`` keeps for backward (see step_saved_bytes)."""
@@ -224,7 +245,7 @@ class Run:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         resident = torch.cuda.memory_allocated(self.device)
-        self._update(ids)
+        self._update(self._forward_on(ids))
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - resident
 
@@ -245,34 +266,55 @@ def _ratio(value, baseline):
     return value / baseline if value != "" and baseline != "" else ""
 
 
+def timed_rounds(steps):
+    """Rounds of interleaved timing in a run of ``steps`` training steps: UNTIMED_STEPS warm-up
+    steps, then two steps per round (one timed in parts, one whole), an even number of rounds (each
+    of the two goes first equally often); the remainder trains untimed."""
+    return (steps - UNTIMED_STEPS) // 4 * 2
+
+
 def run(device, steps, batch, policies, torch_checkpoint, rounding_control, bf16):
     """Trains every configuration from the same weights on the same batches; returns the CSV rows
     and the loss curves by run name.
 
-    The runs train in lockstep, one step of each in turn (the order rotating every step), so that
-    a change in machine load during the benchmark falls on all of them alike and the step-time
-    ratios stay comparable."""
+    The runs train in lockstep through benchmarks.common.interleaved_timings: UNTIMED_STEPS
+    warm-up steps, then rounds in which each run, in an order rotated every round, has its next
+    forward timed alone without a graph, one training step timed as forward and rest-of-step apart,
+    and one timed whole; a change in machine load thus falls on all runs of a round alike, and the
+    step-time ratios to stock are medians of per-round ratios with their 20-80% bands. Steps left
+    over after the last round train untimed."""
+    if timed_rounds(steps) < 2:
+        raise ValueError(f"steps must be at least {UNTIMED_STEPS + 4} (warm-up and two timed rounds), got {steps}")
     corpus = synthetic_corpus()
     vocab = sorted(set(corpus))
     batches = [ids.to(device) for ids in make_batches(corpus, vocab, steps, batch)]
     initial = build_model(len(vocab))
     tags = environment_tags()
     backend = requested_backend() or default_backend(device)
-    runs = [Run(name, policy, how, initial, device, bf16)
+    runs = [Run(name, policy, how, initial, batches, device, bf16)
             for name, policy, how in run_configurations(policies, torch_checkpoint, rounding_control)]
     saved = [r.saved_bytes(batches[0]) for r in runs]
-    report_every = max(1, steps // 10)
-    progress = Progress(-(-steps // report_every), "train_tiny_llama")
-    for k, ids in enumerate(batches):
-        for j in range(len(runs)):
-            runs[(k + j) % len(runs)].step(ids)
-        if (k + 1) % report_every == 0 or k + 1 == steps:
-            progress.step(f"step {k + 1}: " + ", ".join(f"{r.name} {r.losses[-1]:.4f}" for r in runs))
+    rounds = timed_rounds(steps)
+    report_every = max(1, rounds // 10)
+    progress = Progress(-(-rounds // report_every), "train_tiny_llama")
+
+    def report(k):
+        if (k + 1) % report_every == 0 or k + 1 == rounds:
+            progress.step(f"step {len(runs[0].losses)}: " + ", ".join(f"{r.name} {r.losses[-1]:.4f}" for r in runs))
+
+    times = interleaved_timings({r.name: r.step() for r in runs}, device, rounds=rounds, warmup=UNTIMED_STEPS,
+                                after_round=report)
+    while len(runs[0].losses) < steps:
+        for r in runs:
+            run_step(r.step())
+    baselines = {"stock": runs[0].name}
+    if torch_checkpoint:
+        baselines["checkpoint"] = "stock + torch checkpoint"
+    timings = timing_summary(times, baselines, "train_tiny_llama")
     peaks = [r.peak_step_memory(batches[0]) for r in runs]
     rows = []
     stock = runs[0]
-    medians = [statistics.median(r.times_ms[UNTIMED_STEPS:] if steps > UNTIMED_STEPS else r.times_ms) for r in runs]
-    for r, saved_r, median_ms, peak in zip(runs, saved, medians, peaks):
+    for r, saved_r, peak in zip(runs, saved, peaks):
         rows.append({
             "run": r.name,
             "policy": r.policy,
@@ -281,8 +323,9 @@ def run(device, steps, batch, policies, torch_checkpoint, rounding_control, bf16
             "max_abs_loss_diff_vs_stock": max(abs(a - b) for a, b in zip(r.losses, stock.losses)),
             "saved_bytes_per_step": saved_r,
             "saved_vs_stock": _ratio(saved_r, saved[0]),
-            "median_step_ms": median_ms,
-            "step_time_vs_stock": _ratio(median_ms, medians[0]),
+            **timings[r.name, "full"],
+            "forward_ms": timings[r.name, "forward"]["median_ms"],
+            "backward_ms": timings[r.name, "backward"]["median_ms"],
             "peak_step_memory_bytes": peak,
             "peak_step_memory_vs_stock": _ratio(peak, peaks[0]),
             "steps": steps,
@@ -293,7 +336,7 @@ def run(device, steps, batch, policies, torch_checkpoint, rounding_control, bf16
             "remat_backend": backend if r.how not in (None, "reversed", "checkpoint") else "",
             **tags,
         })
-    return rows, {r.name: r.losses for r in runs}
+    return with_end_load(rows), {r.name: r.losses for r in runs}
 
 
 def plot(curves, rows, path):
@@ -344,14 +387,18 @@ def _mib(nbytes):
 def markdown_table(rows):
     """The per-run results as a markdown table (bytes in MiB)."""
     header = ["run", "final loss", f"mean loss, last {LAST}", "max abs loss diff vs stock",
-              "saved for backward / step", "vs stock", "median step", "vs stock", "peak step memory", "vs stock"]
+              "saved for backward / step", "vs stock", "median step", "step time vs stock [20%, 80%]",
+              "peak step memory", "vs stock", "suspect"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for r in rows:
         peak_ratio = r["peak_step_memory_vs_stock"]
         cells = [r["run"], f"{r['final_loss']:.4f}", f"{r[f'mean_loss_last_{LAST}']:.4f}",
                  f"{r['max_abs_loss_diff_vs_stock']:.2g}", _mib(r["saved_bytes_per_step"]),
-                 f"{r['saved_vs_stock']:.2f}x", f"{r['median_step_ms']:.1f} ms", f"{r['step_time_vs_stock']:.2f}x",
-                 _mib(r["peak_step_memory_bytes"]), f"{peak_ratio:.2f}x" if peak_ratio != "" else "n/a"]
+                 f"{r['saved_vs_stock']:.2f}x", f"{r['median_ms']:.1f} ms",
+                 f"{r['time_vs_stock']:.2f}x [{r['time_vs_stock_q20']:.2f}, {r['time_vs_stock_q80']:.2f}] "
+                 f"{r['time_vs_stock_verdict']}",
+                 _mib(r["peak_step_memory_bytes"]), f"{peak_ratio:.2f}x" if peak_ratio != "" else "n/a",
+                 r["suspect"] or "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -374,8 +421,8 @@ def main(argv=None):
                         help="CPU threads for PyTorch (default: PyTorch's choice; 1 is faster on a CPU shared "
                              "with other work)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.batch < 1:
-        parser.error("--steps and --batch must be at least 1")
+    if args.steps < UNTIMED_STEPS + 4 or args.batch < 1:
+        parser.error(f"--steps must be at least {UNTIMED_STEPS + 4} and --batch at least 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

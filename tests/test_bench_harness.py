@@ -1,0 +1,188 @@
+"""The benchmark harness (benchmarks/common.py): interleaved rounds, per-round ratios with their
+spreads, and the flags for impossible or unresolved measurements. Logic only: no test here
+asserts a timing (the synthetic times below are chosen, not measured)."""
+
+import pytest
+import torch
+
+from benchmarks.common import (
+    Step,
+    autograd_step,
+    interleaved_timings,
+    loss_step,
+    median_band,
+    suspect_reasons,
+    timing_summary,
+    verdict,
+)
+
+CPU = torch.device("cpu")
+
+
+def _recording_step(name, calls):
+    """A Step whose parts append (name, part) to ``calls``."""
+
+    def forward():
+        calls.append((name, "forward"))
+        return name
+
+    def backward(state):
+        assert state == name, "backward must get its own forward's result"
+        calls.append((name, "backward"))
+
+    def inference():
+        calls.append((name, "inference"))
+
+    return Step(forward, backward, inference)
+
+
+def test_rounds_interleave_and_rotate():
+    calls = []
+    steps = {name: _recording_step(name, calls) for name in "ABC"}
+    times = interleaved_timings(steps, CPU, rounds=4, warmup=1)
+    # Warm-up: every provider's inference and one whole step, in order.
+    warm = calls[:9]
+    assert warm == [(n, p) for n in "ABC" for p in ("inference", "forward", "backward")]
+    timed = calls[9:]
+    # Each round: per provider inference, then split + whole (5 calls); the order rotates by one.
+    per_round = [timed[k * 15:(k + 1) * 15] for k in range(4)]
+    firsts = [[c[0] for c in r[::5]] for r in per_round]
+    assert firsts == [list("ABC"), list("BCA"), list("CAB"), list("ABC")]
+    for r in per_round:
+        for n in "ABC":
+            assert [p for name, p in r if name == n] == ["inference", "forward", "backward", "forward", "backward"]
+    for n in "ABC":
+        assert set(times[n]) == {"forward", "forward_graph", "backward", "full"}
+        assert all(len(v) == 4 and all(t >= 0 for t in v) for v in times[n].values())
+
+
+def test_plain_callables_time_the_full_step_only():
+    counts = {"a": 0, "b": 0}
+
+    def make(name):
+        def step():
+            counts[name] += 1
+
+        return step
+
+    times = interleaved_timings({"a": make("a"), "b": make("b")}, CPU, rounds=3, warmup=2)
+    assert counts == {"a": 5, "b": 5}
+    assert {name: set(modes) for name, modes in times.items()} == {"a": {"full"}, "b": {"full"}}
+    summary = timing_summary(times, {"eager": "a"})
+    assert set(summary) == {("a", "full"), ("b", "full")}
+    assert summary["a", "full"]["time_vs_eager_verdict"] == "baseline"
+    assert summary["a", "full"]["time_vs_eager"] == 1.0
+    assert summary["b", "full"]["full_vs_parts"] == ""
+
+
+def test_harness_on_real_autograd_steps_gives_every_column():
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(32, 32, requires_grad=True)
+    dy = torch.randn(64, 32)
+    steps = {"matmul": autograd_step(torch.matmul, (x, w), (x, w), dy),
+             "tanh-matmul": autograd_step(lambda a, b: torch.tanh(a @ b), (x, w), (x, w), dy)}
+    summary = timing_summary(interleaved_timings(steps, CPU, rounds=3, warmup=1),
+                             {"eager": "matmul", "liger": "liger"}, "test")
+    assert set(summary) == {(n, m) for n in steps for m in ("forward", "backward", "full")}
+    expected = {"rounds", "time_vs_eager", "time_vs_eager_q20", "time_vs_eager_q80", "time_vs_eager_verdict",
+                "time_vs_liger", "time_vs_liger_q20", "time_vs_liger_q80", "time_vs_liger_verdict",
+                "full_vs_parts", "full_vs_parts_q20", "full_vs_parts_q80", "suspect", "median_ms", "q20_ms", "q80_ms"}
+    for (name, mode), columns in summary.items():
+        assert set(columns) == expected
+        assert columns["rounds"] == 3
+        assert columns["q20_ms"] <= columns["median_ms"] <= columns["q80_ms"]
+        # A baseline that was not measured (no Liger here) leaves its columns empty, not missing.
+        assert columns["time_vs_liger"] == columns["time_vs_liger_verdict"] == ""
+        assert columns["time_vs_eager_verdict"] in (("baseline",) if name == "matmul" else
+                                                    ("faster", "slower", "inconclusive"))
+        assert (columns["full_vs_parts"] == "") == (mode != "full")
+    # The steps computed real gradients (autograd.grad, nothing accumulated into .grad).
+    assert x.grad is None and w.grad is None
+
+
+def test_loss_step_zeroes_gradients_and_backpropagates():
+    model = torch.nn.Linear(4, 1)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return type("Out", (), {"loss": self.inner(x).square().mean()})()
+
+    wrapped = WithLoss()
+    x = torch.randn(8, 4)
+    step = loss_step(wrapped, {"x": x})
+    step.backward(step.forward())
+    first = model.weight.grad.clone()
+    step.backward(step.forward())  # zeroed before the forward: equal, not doubled
+    torch.testing.assert_close(model.weight.grad, first)
+    assert step.inference().requires_grad is False
+
+
+def test_verdict_reads_the_band():
+    assert verdict(0.8, 0.95) == "faster"
+    assert verdict(1.02, 1.3) == "slower"
+    assert verdict(0.9, 1.1) == "inconclusive"
+    assert verdict(1.0, 1.2) == "inconclusive"
+
+
+def test_median_band_needs_two_values():
+    assert median_band([3.0, 1.0, 2.0, 5.0, 4.0]) == (3.0, pytest.approx(1.8), pytest.approx(4.2))
+    with pytest.raises(ValueError, match="two values"):
+        median_band([1.0])
+
+
+def _modes(forward, forward_graph, backward, full):
+    return {"forward": forward, "forward_graph": forward_graph, "backward": backward, "full": full}
+
+
+def test_suspect_flags_a_full_step_faster_than_its_forward():
+    reasons = suspect_reasons(_modes(forward=[10.0] * 5, forward_graph=[3.0] * 5, backward=[4.0] * 5,
+                                     full=[6.0, 7.0, 6.5, 6.0, 7.5]))
+    assert "faster than its forward alone" in reasons
+
+
+def test_suspect_flags_a_full_step_faster_than_its_parts_beyond_the_tolerance():
+    modes = _modes(forward=[1.0] * 5, forward_graph=[5.0] * 5, backward=[5.0] * 5, full=[8.0, 8.5, 8.2, 7.9, 8.1])
+    reasons = suspect_reasons(modes)
+    assert "forward plus backward timed apart" in reasons and "forward alone" not in reasons
+    # Within the tolerance (full 3% under its parts): not flagged.
+    assert suspect_reasons(dict(modes, full=[9.7] * 5)) == ""
+    # A noisy full step whose band reaches the parts: not flagged either.
+    assert suspect_reasons(dict(modes, full=[8.0, 8.5, 10.5, 11.0, 10.0])) == ""
+
+
+def test_summary_marks_suspect_rows_and_warns(capsys):
+    good = _modes(forward=[1.0] * 4, forward_graph=[1.2] * 4, backward=[2.0] * 4, full=[3.3, 3.2, 3.4, 3.3])
+    bad = _modes(forward=[1.0] * 4, forward_graph=[1.2] * 4, backward=[2.0] * 4, full=[2.0, 2.1, 1.9, 2.0])
+    summary = timing_summary({"stock": good, "remat": bad}, {"eager": "stock"}, "case X")
+    assert all(summary["stock", m]["suspect"] == "" for m in ("forward", "backward", "full"))
+    assert all("timed apart" in summary["remat", m]["suspect"] for m in ("forward", "backward", "full"))
+    assert "WARNING: case X remat: suspect measurement" in capsys.readouterr().err
+    full = summary["remat", "full"]
+    assert full["full_vs_parts"] == pytest.approx(2.0 / 3.2, rel=0.05)
+    assert full["time_vs_eager_verdict"] == "faster"
+
+
+def test_summary_ratios_are_per_round_and_inconclusive_across_one():
+    # The baseline's time drifts 4x over the rounds (load), the other provider's with it: the
+    # per-round ratio stays 0.5 although the absolute times overlap.
+    stock = {"full": [2.0, 4.0, 8.0, 4.0, 2.0]}
+    half = {"full": [1.0, 2.0, 4.0, 2.0, 1.0]}
+    noisy = {"full": [1.6, 4.4, 7.0, 4.8, 2.1]}
+    summary = timing_summary({"stock": stock, "half": half, "noisy": noisy}, {"eager": "stock"})
+    assert summary["half", "full"]["time_vs_eager"] == pytest.approx(0.5)
+    assert summary["half", "full"]["time_vs_eager_verdict"] == "faster"
+    assert summary["noisy", "full"]["time_vs_eager_verdict"] == "inconclusive"
+    assert summary["noisy", "full"]["time_vs_eager_q20"] < 1 < summary["noisy", "full"]["time_vs_eager_q80"]
+
+
+def test_harness_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="at least 2"):
+        interleaved_timings({"a": lambda: None}, CPU, rounds=1)
+    with pytest.raises(ValueError, match="at least one provider"):
+        interleaved_timings({}, CPU, rounds=3)
+    with pytest.raises(TypeError, match="neither a Step nor callable"):
+        interleaved_timings({"a": 3}, CPU, rounds=3)
