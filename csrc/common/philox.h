@@ -76,13 +76,6 @@ inline REMAT_HOST_DEVICE uint64_t stream_counter(uint64_t offset, uint64_t row, 
   return offset + row * ((row_length + kPhiloxWords - 1) / kPhiloxWords) + col / kPhiloxWords;
 }
 
-// The stream word of element (row, col) alone: one Philox call for one element. Loops over
-// consecutive elements call philox4 once per group of four (stream_counter) instead.
-inline REMAT_HOST_DEVICE uint32_t stream_word(uint64_t seed, uint64_t offset, uint64_t row, uint64_t col,
-                                              uint64_t row_length) {
-  return philox4(seed, stream_counter(offset, row, col, row_length)).word[col % kPhiloxWords];
-}
-
 // Host loop over consecutive groups of one row: words[4 * g + w] = word w of the Philox call at
 // counter first_counter + g, for g < groups (the stream words of elements 4 * groups from the
 // group of first_counter on). Written so that compilers vectorise it across groups; inlined into
