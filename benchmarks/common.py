@@ -295,7 +295,9 @@ def timing_summary(times, baselines, case=""):
     for name, modes in times.items():
         suspect = suspect_reasons(modes)
         if suspect:
-            print(f"WARNING: {case} {name}: suspect measurement: {suspect}", file=sys.stderr, flush=True)
+            rounds = len(next(iter(modes.values())))
+            print(f"WARNING: {case} {name}: suspect measurement over {rounds} rounds: {suspect}", file=sys.stderr,
+                  flush=True)
         for mode in REPORTED_MODES:
             if mode not in modes:
                 continue

@@ -41,7 +41,7 @@ table as markdown.
 
 (``--bf16`` writes ``train_tiny_llama-<cpu|gpu>-bf16.{png,csv}``.)
 
-The defaults (200 steps of batch 16, five runs) take about a minute and a half on an idle 2-core
+The defaults (200 steps of batch 16, five runs) take about two minutes on an idle 2-core
 CPU; with other work on the cores, ``--threads 1`` is several times faster than two threads.
 """
 
