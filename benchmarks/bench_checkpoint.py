@@ -110,7 +110,6 @@ def run(device, quick=False):
             r.update(timings[r["strategy"], "full"])
             r["memory_vs_none"] = r["measured_peak_bytes"] / base_mem
             rows.append({**r, "width": width, "hidden": hidden, "batch": batch, **tags})
-        chain.zero_grad(set_to_none=True)
         progress.step(f"L={length}")
     return with_end_load(rows)
 

@@ -169,10 +169,10 @@ def _policy_rows(block, shape, stock, remat_cls, x, stock_kwargs, remat_kwargs, 
     steps = {name: autograd_step(functools.partial(layer, **kwargs), (x,), [x, *params], dy)
              for name, (layer, kwargs) in layers.items()}
     times = interleaved_timings(steps, device, rounds=2 if quick else 12)
+    saved_by_name = {name: saved_bytes(layer, x, **kwargs) for name, (layer, kwargs) in layers.items()}
     rows = []
     for (name, mode), columns in timing_summary(times, {"eager": "torch"}, block).items():
-        layer, kwargs = layers[name]
-        saved = saved_bytes(layer, x, **kwargs)
+        saved = saved_by_name[name]
         rows.append({"block": block, "depth": 1, **shape, "dtype": str(x.dtype).replace("torch.", ""),
                      "provider": name, "mode": mode, **columns, "saved_bytes": saved,
                      "saved_bytes_per_token_per_layer": saved / shape["tokens"], **tags})
@@ -318,14 +318,14 @@ def lora_rows(device, quick, tags):
         steps = {name: autograd_step(model, (x, rope), [x, *adapters], dy) for name, model in models.items()}
         times = interleaved_timings(steps, device, rounds=2 if quick else 12)
         case = f"layers+lora depth {depth} lora_dropout {dropout}"
-        baseline = saved_bytes(models["peft"], x, rope)
+        saved_by_name = {name: saved_bytes(model, x, rope) for name, model in models.items()}
         for (name, mode), columns in timing_summary(times, {"eager": "peft", "checkpoint": "peft+checkpoint"},
                                                     case).items():
-            saved = saved_bytes(models[name], x, rope)
+            saved = saved_by_name[name]
             rows.append({"block": "llama_layer_lora", "depth": depth, **shape, "rank": rank, "lora_dropout": dropout,
                          "dtype": str(dtype).replace("torch.", ""), "provider": name, "mode": mode, **columns,
                          "saved_bytes": saved, "saved_bytes_per_token_per_layer": saved / (tokens * depth),
-                         "saved_vs_eager": saved / baseline, **tags})
+                         "saved_vs_eager": saved / saved_by_name["peft"], **tags})
         progress.step(f"layers+lora depth {depth} lora_dropout {dropout}")
     return rows
 

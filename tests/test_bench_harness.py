@@ -186,3 +186,36 @@ def test_harness_refuses_bad_arguments():
         interleaved_timings({}, CPU, rounds=3)
     with pytest.raises(TypeError, match="neither a Step nor callable"):
         interleaved_timings({"a": 3}, CPU, rounds=3)
+
+
+def _ratio_row(provider, median, q20, q80, verdict_text):
+    return {"block": "rms_norm", "provider": provider, "mode": "full", "time_vs_eager": str(median),
+            "time_vs_eager_q20": str(q20), "time_vs_eager_q80": str(q80), "time_vs_eager_verdict": verdict_text,
+            "median_ms": "1.0", "date": "today"}
+
+
+def test_compare_runs_lists_disjoint_bands_and_contradicting_verdicts():
+    from benchmarks.compare_runs import disagreements
+
+    first = [_ratio_row("torch", 1, 1, 1, "baseline"), _ratio_row("remat-cpp", 0.5, 0.45, 0.55, "faster"),
+             _ratio_row("remat-torch", 1.2, 1.1, 1.3, "slower"), _ratio_row("liger", 0.9, 0.8, 1.05, "inconclusive")]
+    second = [_ratio_row("torch", 1, 1, 1, "baseline"), _ratio_row("remat-cpp", 0.7, 0.6, 0.8, "faster"),
+              _ratio_row("remat-torch", 1.25, 1.15, 1.35, "slower"), _ratio_row("liger", 1.0, 0.9, 1.1, "inconclusive")]
+    found = disagreements(first, second)
+    assert [(key["provider"], column, why) for key, column, _, _, why in found] == [
+        ("remat-cpp", "time_vs_eager", "bands disjoint")]
+    # Overlapping bands whose verdicts contradict (only possible with inconsistent files) are listed too.
+    second[2] = _ratio_row("remat-torch", 1.2, 1.1, 1.3, "faster")
+    assert [key["provider"] for key, *_ in disagreements(first, second)] == ["remat-cpp", "remat-torch"]
+
+
+def test_compare_runs_refuses_different_benchmarks():
+    from benchmarks.compare_runs import disagreements
+
+    rows = [_ratio_row("torch", 1, 1, 1, "baseline")]
+    with pytest.raises(ValueError, match="different rows"):
+        disagreements(rows, [_ratio_row("remat-cpp", 1, 1, 1, "baseline")])
+    with pytest.raises(ValueError, match="different columns"):
+        disagreements(rows, [dict(rows[0], extra="1")])
+    with pytest.raises(ValueError, match="not unique"):
+        disagreements(rows * 2, rows * 2)
