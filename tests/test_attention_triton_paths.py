@@ -2,12 +2,14 @@
 dropout stream read four keys per Philox call at any row length and tile shape; the dK/dV kernel
 with each kv head's query heads split over several programs (GQA, MQA, rope, window, softcap,
 dropout, packed sequences, both backward modes) against the unsplit kernel and the float64
-reference, and the launcher's choice of the split.
+reference, and the launcher's choice of the split; TF32 dots following PyTorch's fp32 matmul
+setting.
 
 Runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (tiny shapes), or on a CUDA GPU
 without it.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -19,12 +21,13 @@ if not INTERPRETED and not torch.cuda.is_available():
                 allow_module_level=True)
 pytest.importorskip("triton")
 
+import remat  # noqa: E402
 from remat.autograd.common import draw_rng_state  # noqa: E402
 from remat.kernels.attention import launch, tuning  # noqa: E402
-from remat.reference import attention_dropout_keep  # noqa: E402
+from remat.reference import attention_dropout_keep, attention_reference  # noqa: E402
 
 from _checks import assert_within_2x_of_stock  # noqa: E402
-from helpers import mask_from_output, run_and_check  # noqa: E402
+from helpers import attention_eager, make_inputs, mask_from_output, run_and_check  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 
@@ -154,3 +157,73 @@ def test_dkdv_head_split_choice(monkeypatch):
     assert choose(500, 1, 132) == 1
     with pytest.raises(ValueError, match="does not divide"):
         choose(500, 3, 132)
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled):
+    """torch.backends.cuda.matmul.allow_tf32 = enabled inside the block, restored after."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def record_launch_constexprs(monkeypatch):
+    """(kernel name, constexprs) of every tuned attention launch from now on."""
+    seen = []
+    original = launch._launch
+
+    def recording(kernel, kernel_name, grid_of, args, constexprs, *rest, **options):
+        seen.append((kernel_name, constexprs))
+        return original(kernel, kernel_name, grid_of, args, constexprs, *rest, **options)
+
+    monkeypatch.setattr(launch, "_launch", recording)
+    return seen
+
+
+@pytest.mark.parametrize("dtype,allow,expected", [(torch.float32, True, True), (torch.float32, False, False),
+                                                  (torch.bfloat16, True, False)],
+                         ids=["fp32-tf32", "fp32-ieee", "bf16-tf32-ignored"])
+def test_tf32_constexpr_follows_pytorch_setting(dtype, allow, expected, monkeypatch):
+    """Every forward, dK/dV and dQ launch gets TF32 = PyTorch's fp32 matmul setting at the call
+    for fp32 operands, and False for 16-bit ones (their dots ignore it: no second variant); the
+    tuner keys the two variants apart. The interpreter multiplies in IEEE either way (numerics:
+    the gpu-marked test below)."""
+    seen = record_launch_constexprs(monkeypatch)
+    q, k, v = (torch.randn(1, 20, 2, 16, device=DEVICE).to(dtype).requires_grad_() for _ in range(3))
+    with tf32_matmuls(allow):
+        remat.attention(q, k, v, causal=True, backend="triton").sum().backward()
+    assert sorted(name for name, _ in seen) == ["dkdv", "dq", "fwd"]
+    assert all(constexprs["TF32"] is expected for _, constexprs in seen)
+    shape = tuning.LaunchShape(20, 20, 1, -1, 0, -1)
+    flags = dict(seen[0][1])
+    keys = {tuning.tuning_key("fwd", dtype, dict(flags, TF32=value), shape) for value in (False, True)}
+    assert len(keys) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+def test_tf32_numerics_on_gpu():
+    """fp32 attention with allow_tf32 on: within the 2x rule of stock PyTorch with TF32 matmuls
+    (error vs float64), and different from the IEEE result (the TF32 dots ran); with it off,
+    within the rule of stock IEEE fp32."""
+    spec = dict(b=2, n=200, m=200, hq=4, hkv=2, d=64, causal=True)
+    with tf32_matmuls(False):
+        ieee = run_and_check(spec, torch.float32, "triton", device=DEVICE)
+    with tf32_matmuls(True):
+        q, k, v, dout, _ = make_inputs(spec, torch.float32, device=DEVICE)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        o = remat.attention(*leaves, causal=True, backend="triton")
+        o.backward(dout)
+        got = [o.detach()] + [t.grad for t in leaves]
+        # Stock: the eager computation in fp32 on the GPU, its matmuls in TF32 too.
+        stock_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        stock_o = attention_reference(*stock_leaves, causal=True)
+        stock_o.backward(dout)
+        stock = [stock_o.detach()] + [t.grad for t in stock_leaves]
+    reference = attention_eager(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), None, spec, None, torch.float64)
+    for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
+        assert_within_2x_of_stock(name, value.cpu(), stock_value.cpu(), ref, torch.float32)
+    assert not torch.equal(got[0].cpu(), ieee[0])

@@ -194,6 +194,25 @@ def test_fp32_gemm_dots_follow_the_tf32_constexpr(case, precision, aot_results):
         f"{case}: tt.dot precisions {result['dot_precisions']}, expected [{precision!r}]")
 
 
+def fp32_attention_cases():
+    """(case id, expected dot precision) for every fp32 spec of the attention kernels
+    (kernels/attention): TF32=True (PyTorch's allow_tf32 on) must compile every dot to TF32,
+    TF32=False to IEEE fp32."""
+    from remat.kernels import attention
+
+    return [pytest.param(case_id(name, arch), "tf32" if constexprs["TF32"] else "ieee", id=case_id(name, arch))
+            for name, _, signature, constexprs, *_ in attention.aot_specs()
+            if signature.get("q_ptr") == "*fp32" for arch in ARCHS]
+
+
+@pytest.mark.parametrize("case,precision", fp32_attention_cases())
+def test_fp32_attention_dots_follow_the_tf32_constexpr(case, precision, aot_results):
+    result = aot_results[case]
+    assert "error" not in result, f"{case}: compile failed:\n{result.get('error')}"
+    assert result["dot_precisions"] == [precision], (
+        f"{case}: tt.dot precisions {result['dot_precisions']}, expected [{precision!r}]")
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET: triton.compile needs real JIT functions")

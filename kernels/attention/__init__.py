@@ -12,7 +12,8 @@ position i + M - N (bottom-right alignment) and sees key j iff (left < 0 or j >=
 (right < 0 or j <= pos + right); causal is right = 0.
 
 Rounding points are those of an unfused PyTorch computation in the input dtype; fp32 inputs skip
-every rounding (dots use IEEE fp32 products). Each module states the ones it implements:
+every rounding (dots use IEEE fp32 products, or TF32 when PyTorch's
+torch.backends.cuda.matmul.allow_tf32 is on at the call: the TF32 constexpr). Each module states the ones it implements:
 - launch.py: the host launchers attention_fwd, attention_bwd, their packed (variable-length)
   variants attention_varlen_fwd, attention_varlen_bwd (argument checks, outputs, grids) and
   aot_specs, the specs of the ahead-of-time compile check;

@@ -6,7 +6,7 @@ log2 e) from the forward's t bit for bit (logits.py), dS = P * (dP * keep/(1-p) 
 dt/ddot; P and dS are rounded to the input dtype before their dots (dV += P^T dO, dQ += dS K,
 dK += dS^T Q), the accumulators are fp32 and dq, dk get the transposed rotation
 (rope_rotate_grad, rope.py) before the one rounding to the input dtype. fp32 inputs skip every
-rounding.
+rounding; their dots multiply in IEEE fp32, or in TF32 with the TF32 constexpr (forward.py).
 
 Deterministic: a dK/dV kernel (program per key block and (batch, kv head), looping over the
 group's query heads and their visible query blocks; or, HEAD_SPLITS > 1, per key block and
@@ -66,6 +66,7 @@ def _bwd_kv_tile(
     MASKED, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
+    TF32: tl.constexpr,
 ):
     """One query tile's contribution to dv, dk (and with ATOMIC_DQ, dq) of a key block.
 
@@ -84,27 +85,27 @@ def _bwd_kv_tile(
     lse = tl.load(lse_ptr + row_base + rows, mask=row_mask, other=0.0)
     delta = tl.load(delta_ptr + row_base + rows, mask=row_mask, other=0.0)
     # Rows that saw no key have lse = +inf: P = exp2(-inf) = 0.
-    p, th = _recomputed_probs(_scores(k1, k2, q1, q2, ROPE, INTERPRETED), lse[None, :], scale,
+    p, th = _recomputed_probs(_scores(k1, k2, q1, q2, ROPE, INTERPRETED, TF32), lse[None, :], scale,
                               cap_scale, softcap, SOFTCAP)
     if MASKED:
         row_pos = tl.where(row_mask, positions, -_OUT)
         p = tl.where(_visible(row_pos[None, :], key_pos[:, None], lo_d, hi_d), p, 0.0)
     dtype = do.dtype
-    dp = _dot(v, tl.trans(do), tl.zeros([v.shape[0], BLOCK_M], dtype=tl.float32), INTERPRETED)
+    dp = _dot(v, tl.trans(do), tl.zeros([v.shape[0], BLOCK_M], dtype=tl.float32), INTERPRETED, TF32)
     if DROPOUT:
         # The [rows, keys] mask of the forward's stream, transposed to the [keys, rows] tiles.
         keep = tl.trans(_dropout_keep(seed, rng_base + rows.to(tl.int64) * drop_groups, start_n,
                                       dropout_p, BLOCK_N))
         dv = _dot(_round(tl.where(keep, p * inv_keep, 0.0), dtype, INTERPRETED), do, dv,
-                  INTERPRETED)
+                  INTERPRETED, TF32)
         dp = tl.where(keep, dp * inv_keep, 0.0)
     else:
-        dv = _dot(_round(p, dtype, INTERPRETED), do, dv, INTERPRETED)
+        dv = _dot(_round(p, dtype, INTERPRETED), do, dv, INTERPRETED, TF32)
     ds = _round(_times_logit_grad(p * (dp - delta[None, :]), th, scale, SOFTCAP), dtype,
                 INTERPRETED)
-    dk1 = _dot(ds, q1, dk1, INTERPRETED)
+    dk1 = _dot(ds, q1, dk1, INTERPRETED, TF32)
     if ROPE:
-        dk2 = _dot(ds, q2, dk2, INTERPRETED)
+        dk2 = _dot(ds, q2, dk2, INTERPRETED, TF32)
     if ATOMIC_DQ:
         ds_t = tl.trans(ds)
         cols = tl.arange(0, BLOCK_H)
@@ -113,13 +114,13 @@ def _bwd_kv_tile(
         if ROPE:
             half: tl.constexpr = HEAD_DIM // 2
             mask = row_mask[:, None] & (cols < half)[None, :]
-            tl.atomic_add(dq_ptr + offsets, _dot(ds_t, k1, zeros, INTERPRETED), mask=mask,
+            tl.atomic_add(dq_ptr + offsets, _dot(ds_t, k1, zeros, INTERPRETED, TF32), mask=mask,
                           sem="relaxed")
-            tl.atomic_add(dq_ptr + offsets + half, _dot(ds_t, k2, zeros, INTERPRETED),
+            tl.atomic_add(dq_ptr + offsets + half, _dot(ds_t, k2, zeros, INTERPRETED, TF32),
                           mask=mask, sem="relaxed")
         else:
             mask = row_mask[:, None] & (cols < HEAD_DIM)[None, :]
-            tl.atomic_add(dq_ptr + offsets, _dot(ds_t, k1, zeros, INTERPRETED), mask=mask,
+            tl.atomic_add(dq_ptr + offsets, _dot(ds_t, k1, zeros, INTERPRETED, TF32), mask=mask,
                           sem="relaxed")
     return dv, dk1, dk2
 
@@ -132,7 +133,7 @@ def _attn_bwd_dkdv_kernel(
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh, cs_stride_b,
     N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
     HEAD_SPLITS: tl.constexpr = 1,
 ):
@@ -202,7 +203,7 @@ def _attn_bwd_dkdv_kernel(
                 num_heads * HEAD_DIM, cos_ptr, sin_ptr, cs_base, n, m, lo_d, hi_d,
                 scale, cap_scale, softcap, seed, rng_base, drop_groups, dropout_p, inv_keep,
                 (start_m < int_start) | (start_m >= int_end), ATOMIC_DQ, HEAD_DIM, BLOCK_D,
-                BLOCK_H, BLOCK_M, BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED)
+                BLOCK_H, BLOCK_M, BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     # dk, dv are contiguous [B, M, Hkv, D] ([total_k, Hkv, D] with VARLEN), or the fp32
     # workspaces [B, M, Hkv * HEAD_SPLITS, D].
     out_base = (k_row0 * num_out_heads + out_head) * HEAD_DIM
@@ -222,7 +223,7 @@ def _bwd_q_tile(
     M, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p,
     inv_keep, MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
-    DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
+    DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """One key tile's contribution to the dq (of the rotated q) of a query block."""
     keys = start_n + tl.arange(0, BLOCK_N)
@@ -230,20 +231,20 @@ def _bwd_q_tile(
     k1, k2 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
                            keys, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
     v = _load_rows(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D)
-    p, th = _recomputed_probs(_scores(q1, q2, k1, k2, ROPE, INTERPRETED), lse[:, None], scale,
+    p, th = _recomputed_probs(_scores(q1, q2, k1, k2, ROPE, INTERPRETED, TF32), lse[:, None], scale,
                               cap_scale, softcap, SOFTCAP)
     if MASKED:
         key_pos = tl.where(key_mask, keys, _OUT)
         p = tl.where(_visible(positions[:, None], key_pos[None, :], lo_d, hi_d), p, 0.0)
-    dp = _dot(do, tl.trans(v), tl.zeros([do.shape[0], BLOCK_N], dtype=tl.float32), INTERPRETED)
+    dp = _dot(do, tl.trans(v), tl.zeros([do.shape[0], BLOCK_N], dtype=tl.float32), INTERPRETED, TF32)
     if DROPOUT:
         keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N)
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = _round(_times_logit_grad(p * (dp - delta[:, None]), th, scale, SOFTCAP), do.dtype,
                 INTERPRETED)
-    dq1 = _dot(ds, k1, dq1, INTERPRETED)
+    dq1 = _dot(ds, k1, dq1, INTERPRETED, TF32)
     if ROPE:
-        dq2 = _dot(ds, k2, dq2, INTERPRETED)
+        dq2 = _dot(ds, k2, dq2, INTERPRETED, TF32)
     return dq1, dq2
 
 
@@ -254,7 +255,7 @@ def _attn_bwd_dq_kernel(
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh, cs_stride_b,
     N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """dq of one query block x (query head, batch), over its visible key tiles in order (the
@@ -289,7 +290,7 @@ def _attn_bwd_dq_kernel(
             k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
             m, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p, inv_keep,
             (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
-            ROPE, SOFTCAP, DROPOUT, INTERPRETED)
+            ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     # dq is contiguous [B, N, Hq, D] ([total_q, Hq, D] with VARLEN).
     _store_unrotated(dq_ptr, (q_row0 * num_heads + h) * HEAD_DIM, rows, num_heads * HEAD_DIM,
                      row_mask, dq1, dq2, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,

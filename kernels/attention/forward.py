@@ -8,7 +8,8 @@ and the logits are rope.py's and logits.py's):
   row that sees no key;
 - P (dropped and scaled by 1/(1-p)) is rounded to v's dtype before the PV dot (FlashAttention's
   rounding point); o = acc / l is rounded once.
-fp32 inputs skip every rounding (dots use IEEE fp32 products).
+fp32 inputs skip every rounding; their dots use IEEE fp32 products, or TF32 products when the
+launcher passes TF32 (PyTorch's torch.backends.cuda.matmul.allow_tf32, read per call).
 
 The max and lse are kept in natural units and the difference t - m (t - lse) is taken before the
 scaling by log2 e, rather than the exp2-domain t2 = t * log2 e, m2, lse = (m2 + log2 l) * ln 2 and
@@ -50,7 +51,7 @@ def _fwd_tile(
     M, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
     MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
-    DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
+    DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (acc, m, row_sum).
 
@@ -63,7 +64,7 @@ def _fwd_tile(
     key_mask = keys < M
     k1, k2 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
                            keys, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
-    t, _ = _logits(_scores(q1, q2, k1, k2, ROPE, INTERPRETED), scale, cap_scale, softcap,
+    t, _ = _logits(_scores(q1, q2, k1, k2, ROPE, INTERPRETED, TF32), scale, cap_scale, softcap,
                    SOFTCAP)
     if MASKED:
         key_pos = tl.where(key_mask, keys, _OUT)
@@ -80,7 +81,7 @@ def _fwd_tile(
         keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N)
         p = tl.where(keep, p * inv_keep, 0.0)
     v = _load_rows(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D)
-    acc = _dot(_round(p, v.dtype, INTERPRETED), v, acc * alpha[:, None], INTERPRETED)
+    acc = _dot(_round(p, v.dtype, INTERPRETED), v, acc * alpha[:, None], INTERPRETED, TF32)
     return acc, m_new, row_sum
 
 
@@ -91,7 +92,7 @@ def _attn_fwd_kernel(
     stride_vb, stride_vn, stride_vh, cs_stride_b,
     N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """o and lse of one query block x (query head, batch). Grid (query blocks, Hq, B); the
@@ -121,7 +122,7 @@ def _attn_fwd_kernel(
             k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
             m_len, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
             (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
-            ROPE, SOFTCAP, DROPOUT, INTERPRETED)
+            ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     seen = row_sum > 0.0
     o = tl.math.div_rn(acc, tl.where(seen, row_sum, 1.0)[:, None])
     o = tl.where(seen[:, None], o, 0.0)

@@ -6,7 +6,7 @@ import functools
 import torch
 import triton
 
-from .._common import _INTERPRETED
+from .._common import _INTERPRETED, allow_tf32
 from . import tuning
 from .backward import (
     _attn_bwd_dkdv_kernel,
@@ -119,8 +119,10 @@ def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
         raise ValueError(f"softcap: expected 0 (off) or a positive float, got {softcap}")
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(head_dim // 2)) if rope else block_d
+    # TF32: fp32 dots follow PyTorch's fp32 matmul setting at this call (a compiled variant of
+    # its own); 16-bit operands ignore it, so it stays False for them (no second variant).
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, ROPE=rope,
-                      SOFTCAP=softcap > 0.0, DROPOUT=dropout)
+                      SOFTCAP=softcap > 0.0, DROPOUT=dropout, TF32=q.dtype == torch.float32 and allow_tf32())
     scalars = dict(
         cap_scale=scale / softcap if softcap > 0.0 else 0.0,
         dropout_p=float(dropout_p),
@@ -465,7 +467,8 @@ def aot_specs():
     8 (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Packed sequences
     (VARLEN, names '-varlen'): bf16 at head dim 64, the forward and the deterministic dK/dV and dQ
     kernels; bf16 at head dim 80 with RoPE, softcap and dropout, the forward, the atomic dK/dV
-    kernel and the postprocess. The dK/dV kernel with its query heads split (HEAD_SPLITS = 4,
+    kernel and the postprocess. fp32 with TF32 dots (names 'fp32-tf32') at head dim 64: the
+    forward, dK/dV and dQ kernels. The dK/dV kernel with its query heads split (HEAD_SPLITS = 4,
     names '-split4', fp32 dk/dv workspaces): bf16 at head dims 64 and 128, fp32 at 64, bf16 at 80
     with RoPE, softcap and dropout (deterministic and atomic), packed bf16 at 64. Each main kernel
     takes its default configuration (`_configs_for`); the compile check passes num_warps only,
@@ -483,10 +486,12 @@ def aot_specs():
     cases += [(kind, "bf16", 8, False, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 64, False, True) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 80, True, True) for kind in ("fwd", "bwd_dkdv_atomic", "bwd_dq_postprocess")]
+    cases += [(kind, "fp32-tf32", 64, False, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [("bwd_dkdv_split4", "bf16", 64, False, False), ("bwd_dkdv_split4", "bf16", 128, False, False),
               ("bwd_dkdv_split4", "fp32", 64, False, False), ("bwd_dkdv_split4", "bf16", 80, True, False),
               ("bwd_dkdv_atomic_split4", "bf16", 80, True, False), ("bwd_dkdv_split4", "bf16", 64, False, True)]
-    torch_types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    torch_types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                   "fp32-tf32": torch.float32}
     scalars = {"scale": "fp32", "cap_scale": "fp32", "softcap": "fp32", "left": "i32",
                "right": "i32", "dropout_p": "fp32", "inv_keep": "fp32"}
     strides = dict.fromkeys(
@@ -496,10 +501,11 @@ def aot_specs():
     tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     offsets = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
     for kind, type_name, head_dim, features, varlen in cases:
-        element = f"*{type_name}"
+        element = "*fp32" if type_name == "fp32-tf32" else f"*{type_name}"
         block_d = max(16, triton.next_power_of_2(head_dim))
         block_h = max(16, triton.next_power_of_2(head_dim // 2)) if features else block_d
-        flags = dict(ROPE=features, SOFTCAP=features, DROPOUT=features, VARLEN=varlen)
+        flags = dict(ROPE=features, SOFTCAP=features, DROPOUT=features, VARLEN=varlen,
+                     TF32=type_name == "fp32-tf32")
         constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, **flags)
         config_name = None
         if kind == "fwd":

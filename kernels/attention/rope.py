@@ -85,11 +85,11 @@ def _store_unrotated(ptr, base, rows, row_stride, row_mask, g1, g2, cos_ptr, sin
 
 
 @triton.jit
-def _scores(a1, a2, b1, b2, ROPE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _scores(a1, a2, b1, b2, ROPE: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr):
     """a @ b^T in fp32 for rotated operands: a1 b1^T + a2 b2^T over the halves with ROPE,
-    a1 b1^T over the whole tiles without."""
+    a1 b1^T over the whole tiles without. TF32: fp32 operands multiply as TF32 (`_dot`)."""
     acc = tl.zeros([a1.shape[0], b1.shape[0]], dtype=tl.float32)
-    acc = _dot(a1, tl.trans(b1), acc, INTERPRETED)
+    acc = _dot(a1, tl.trans(b1), acc, INTERPRETED, TF32)
     if ROPE:
-        acc = _dot(a2, tl.trans(b2), acc, INTERPRETED)
+        acc = _dot(a2, tl.trans(b2), acc, INTERPRETED, TF32)
     return acc

@@ -3,10 +3,10 @@
 Compiled, each launch takes a configuration from `_configs_for`'s short list (per kernel, padded
 head dim, dtype class and feature weight) through `Tuner`, remat's own small tuner; under the
 interpreter, a fixed 16 x 16 tile. The tuner's key holds the kernel, the device, the dtype, the
-head dim, the feature flags, the dK/dV kernel's head split, the query-group size, the window
-sides (unbounded, 0 = causal, or a bucketed extent) and the sequence lengths (N and M, or the
-packed maxima) bucketed to the next power of two in [64, 65536], so a shape in another bucket is
-tuned again instead of inheriting the first call's tiles. Candidates whose compiled kernel needs
+head dim, the feature flags (TF32 included), the dK/dV kernel's head split, the query-group size,
+the window sides (unbounded, 0 = causal, or a bucketed extent) and the sequence lengths (N and
+M, or the packed maxima) bucketed to the next power of two in [64, 65536], so a shape in another
+bucket is tuned again instead of inheriting the first call's tiles. Candidates whose compiled kernel needs
 more shared memory per block than the device grants (e.g. 99 KiB on sm_86/89/120) are dropped
 before any launch.
 
@@ -178,10 +178,10 @@ class LaunchShape(NamedTuple):
 
 def tuning_key(kernel_name, dtype, constexprs, shape):
     """The tuner's cache key of a launch: kernel ("dkdv_atomic" for the fast mode's dK/dV),
-    device, dtype, head dim, feature flags, the dK/dV kernel's head split (another grid),
-    group size, window classes, length buckets."""
+    device, dtype, head dim, feature flags, TF32 (another compiled variant), the dK/dV kernel's
+    head split (another grid), group size, window classes, length buckets."""
     flags = tuple((name, constexprs[name]) for name in sorted(constexprs)
-                  if name in ("HEAD_DIM", "BLOCK_D", "ROPE", "SOFTCAP", "DROPOUT", "VARLEN", "HEAD_SPLITS"))
+                  if name in ("HEAD_DIM", "BLOCK_D", "ROPE", "SOFTCAP", "DROPOUT", "VARLEN", "HEAD_SPLITS", "TF32"))
     return (kernel_name, shape.device_index, dtype, flags, shape.group,
             _window_class(shape.window_left), _window_class(shape.window_right),
             _length_bucket(shape.n), _length_bucket(shape.m))
