@@ -5,11 +5,12 @@ Query i sits at position i + M - N (bottom-right alignment) and sees key j iff (
 j >= pos - left) and (right < 0 or j <= pos + right); causal is right = 0.
 
 Work per program only covers the visible band: a query block visits the key range
-[max(0, first_pos - left), min(M, last_pos + right + 1)), and a key block the matching query
-range (`_key_range`, `_query_range`). One loop walks those tiles; a scalar per tile says whether
-it straddles an edge of the band (the causal diagonal, a window edge, the end of the keys or
-queries), and only those tiles run the mask arithmetic, two compares per score on key - position
-offsets (`_visible`), under a branch uniform across the program. Three loops (masked lead,
+[max(0, first_pos - left), min(M, last_pos + right + 1)), its start rounded down to a multiple
+of BLOCK_N, and a key block the matching query range (`_key_range`, `_query_range`). One loop
+walks those tiles; a scalar per tile says whether it straddles an edge of the band (the causal
+diagonal, a window edge, the end of the keys or queries), and only those tiles run the mask
+arithmetic, two compares per score on key - position offsets (`_visible`), under a branch
+uniform across the program. Three loops (masked lead,
 unmasked interior, masked tail) cost 56-120 bytes of register spills per thread in the sm_80
 build of the forward at D 64, where this single loop has none.
 

@@ -60,7 +60,8 @@ def _configs(*entries):
 # (kernel, padded head dim class, dtype class, heavy) -> configurations (BLOCK_M = query tile,
 # BLOCK_N = key tile, warps, stages); the first is the default, used without autotuning and by
 # aot_specs. Head-dim classes: 64 (D 1-64), 128, 256. "heavy": RoPE (two more [tile, D/2]
-# operands and the fp32 cos/sin tiles) or dropout (Philox per score element) is on.
+# operands and the fp32 cos/sin tiles) or dropout (a Philox call per four scores since the
+# four-words stream; the measurements below predate it, when it was one call per score) is on.
 # Measured with ptxas (cuobjdump --dump-resource-usage) on sm_80 and sm_90a builds compiled with
 # the 16-byte divisibility an aligned launch gets (pointers, strides) and each config's
 # num_stages, bf16, heavy measured with RoPE + softcap and with RoPE + softcap + dropout. The
