@@ -227,3 +227,23 @@ def test_tf32_numerics_on_gpu():
     for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
         assert_within_2x_of_stock(name, value.cpu(), stock_value.cpu(), ref, torch.float32)
     assert not torch.equal(got[0].cpu(), ieee[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+def test_dkdv_head_split_chosen_on_gpu(monkeypatch):
+    """MQA with one kv head and batch 1 (the per-kv-head grid far below the SM count): the launcher
+    splits the group (the smallest divisor that fills the device), and both the split and the
+    forced unsplit backward are within the 2x rule of the float64 reference."""
+    spec = dict(b=1, n=512, m=512, hq=8, hkv=1, d=64, causal=True)
+    seen = record_head_splits(monkeypatch)
+    monkeypatch.setattr(launch, "DKDV_HEAD_SPLITS", None)
+    run_and_check(spec, torch.bfloat16, "triton", device=DEVICE)
+    block_n = tuning._configs_for("dkdv", dict(BLOCK_D=64, ROPE=False, DROPOUT=False, ATOMIC_DQ=False),
+                                  torch.bfloat16)[0].kwargs["BLOCK_N"]
+    multiprocessors = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    assert seen == [launch._dkdv_head_splits(-(-512 // block_n), 8, multiprocessors)]
+    assert seen[0] > 1
+    monkeypatch.setattr(launch, "DKDV_HEAD_SPLITS", 1)
+    run_and_check(spec, torch.bfloat16, "triton", device=DEVICE)
+    assert seen[-1] == 1
