@@ -125,6 +125,7 @@ def _dropout_keep(seed, row_counters, start_n, dropout_p, BLOCK_N: tl.constexpr)
     >= dropout_p. One tl.randint4x per four keys; tl.join(tl.join(w0, w2), tl.join(w1, w3)) is
     [rows, BLOCK_N / 4, 2, 2] with word 2 * a + b at [.., a, b], so the row-major reshape puts
     key 4 * g + w at word w of group g."""
+    tl.static_assert(BLOCK_N % 4 == 0, "dropout key tiles hold whole groups of four keys")
     groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
     w0, w1, w2, w3 = tl.randint4x(seed, row_counters[:, None] + groups[None, :])
     words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [row_counters.shape[0], BLOCK_N])
