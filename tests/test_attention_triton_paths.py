@@ -27,7 +27,13 @@ from remat.kernels.attention import launch, tuning  # noqa: E402
 from remat.reference import attention_dropout_keep, attention_reference  # noqa: E402
 
 from _checks import assert_within_2x_of_stock  # noqa: E402
-from helpers import attention_eager, make_inputs, mask_from_output, run_and_check  # noqa: E402
+from helpers import (  # noqa: E402
+    attention_eager,
+    deterministic_mode,
+    make_inputs,
+    mask_from_output,
+    run_and_check,
+)
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 
@@ -247,3 +253,79 @@ def test_dkdv_head_split_chosen_on_gpu(monkeypatch):
     monkeypatch.setattr(launch, "DKDV_HEAD_SPLITS", 1)
     run_and_check(spec, torch.bfloat16, "triton", device=DEVICE)
     assert seen[-1] == 1
+
+
+# Split head dims (launch._head_dim_parts): without RoPE, a D that is not a power of two runs as two
+# power-of-two column parts when they are narrower than the padded tile. name: spec, the expected
+# (BLOCK_D, BLOCK_D2) of the forward, dK/dV and dQ launches.
+SPLIT_HEAD_DIM_CASES = [
+    pytest.param(dict(b=1, n=17, m=19, hq=4, hkv=2, d=80, causal=True), (64, 16), id="d80-gqa2-causal"),
+    pytest.param(dict(b=2, n=9, m=18, hq=2, hkv=1, d=96, window=(5, 2), softcap=5.0, dropout=0.2), (64, 32),
+                 id="d96-mqa-window-softcap-dropout"),
+    pytest.param(dict(b=1, n=17, m=17, hq=2, hkv=1, d=192, causal=True), (128, 64), id="d192-mqa-causal"),
+]
+
+
+def test_head_dim_parts_and_their_tile_class():
+    """80 -> 64 + 16, 96 -> 64 + 32, 192 -> 128 + 64, 40 -> 32 + 16; powers of two, 112 (64 + 64 is
+    no narrower than 128) and every RoPE call stay padded; the split's tuning class is that of the
+    held columns' next power of two (80, 96: the 128 class; 192: the 256 class)."""
+    parts = launch._head_dim_parts
+    assert [parts(d, False) for d in (80, 96, 192, 40)] == [(64, 64, 16), (64, 64, 32), (128, 128, 64),
+                                                           (32, 32, 16)]
+    assert [parts(d, False) for d in (8, 24, 64, 112, 128, 200)] == [(16, 16, 0), (32, 32, 0), (64, 64, 0),
+                                                                    (128, 128, 0), (128, 128, 0), (256, 256, 0)]
+    assert [parts(d, True) for d in (80, 96, 192)] == [(128, 64, 0), (128, 64, 0), (256, 128, 0)]
+    for d, padded in ((80, 128), (96, 128), (192, 256)):
+        block_d, _, block_d2 = parts(d, False)
+        for name in ("fwd", "dq", "dkdv"):
+            flags = dict(ROPE=False, DROPOUT=False)
+            assert (tuning._configs_for(name, dict(flags, BLOCK_D=block_d, BLOCK_D2=block_d2), torch.bfloat16)
+                    is tuning._configs_for(name, dict(flags, BLOCK_D=padded, BLOCK_D2=0), torch.bfloat16))
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+@pytest.mark.parametrize("spec,blocks", SPLIT_HEAD_DIM_CASES)
+def test_split_head_dim_within_reference(spec, blocks, deterministic, monkeypatch):
+    """Forward and backward at split head dims within the 2x rule of the float64 reference
+    (run_and_check, fp32), and every forward, dK/dV and dQ launch gets the split tiles."""
+    seen = record_launch_constexprs(monkeypatch)
+    run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
+    assert sorted(name for name, _ in seen) == (["dkdv", "dq", "fwd"] if deterministic else ["dkdv", "fwd"])
+    assert all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"]) == (blocks[0], blocks[0], blocks[1]) for _, c in seen)
+
+
+def test_split_head_dim_bf16_within_reference(monkeypatch):
+    """bf16 at D = 96 (64 + 32), GQA, both backward modes: the 2x rule against float64."""
+    seen = record_launch_constexprs(monkeypatch)
+    spec = dict(b=1, n=18, m=18, hq=4, hkv=2, d=96, causal=True)
+    for deterministic in (True, False):
+        run_and_check(spec, torch.bfloat16, "triton", deterministic=deterministic, device=DEVICE)
+    assert seen and all(c["BLOCK_D2"] == 32 for _, c in seen)
+
+
+def test_rope_keeps_the_padded_head_dim(monkeypatch):
+    """With RoPE a D of 80 launches the padded tiles (BLOCK_D 128, halves of 64, BLOCK_D2 = 0: the
+    rotation halves are not split) and stays within the 2x rule."""
+    seen = record_launch_constexprs(monkeypatch)
+    spec = dict(b=1, n=17, m=17, hq=2, hkv=1, d=80, causal=True, rope="shared")
+    run_and_check(spec, torch.float32, "triton", device=DEVICE)
+    assert seen and all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"]) == (128, 64, 0) for _, c in seen)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+def test_split_head_dim_varlen(deterministic, monkeypatch):
+    """Packed sequences at D = 80 (64 + 16), GQA, a sequence without queries: within the 2x rule of
+    the float64 per-sequence reference, launched with the split tiles."""
+    from test_varlen_attention import make_varlen_inputs, reference_outputs, run_varlen
+
+    spec = dict(lens_q=[9, 0, 17], lens_k=[9, 3, 19], hq=4, hkv=2, d=80, causal=True, window=(7, None))
+    seen = record_launch_constexprs(monkeypatch)
+    q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(spec, torch.float32)
+    with contextlib.nullcontext() if deterministic else deterministic_mode(False):
+        got = run_varlen(spec, q, k, v, dout, cu_q, cu_k, rope, "triton", device=DEVICE, deterministic=deterministic)
+    reference = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, None, torch.float64)
+    stock = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, None, torch.float32)
+    for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
+        assert_within_2x_of_stock(name, value, stock_value, ref, torch.float32)
+    assert seen and all((c["BLOCK_D"], c["BLOCK_D2"]) == (64, 16) for _, c in seen)

@@ -213,6 +213,21 @@ def test_fp32_attention_dots_follow_the_tf32_constexpr(case, precision, aot_resu
         f"{case}: tt.dot precisions {result['dot_precisions']}, expected [{precision!r}]")
 
 
+def test_attention_specs_cover_the_split_head_dims():
+    """The attention specs compile the split head-dim variant (BLOCK_D2 > 0, kernels/attention/launch.py
+    `_head_dim_parts`) of every main kernel at D = 80 and of the forward, dK/dV and dQ kernels at 96 and
+    192, and the RoPE specs at D = 80 its padded variant (BLOCK_D2 = 0)."""
+    from remat.kernels import attention
+
+    blocks = {name: constexprs.get("BLOCK_D2") for name, _, _, constexprs, *_ in attention.aot_specs()}
+    kinds = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "bwd_dq_postprocess")
+    assert all(blocks[f"attn_{kind}-bf16-d80"] == 16 for kind in kinds)
+    for head_dim, second in ((96, 32), (192, 64)):
+        assert all(blocks[f"attn_{kind}-bf16-d{head_dim}"] == second for kind in ("fwd", "bwd_dkdv", "bwd_dq"))
+    assert blocks["attn_fwd-bf16-d80-varlen"] == 16
+    assert blocks["attn_fwd-bf16-d80-rope-softcap-dropout"] == 0
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET: triton.compile needs real JIT functions")

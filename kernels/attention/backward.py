@@ -7,6 +7,8 @@ dt/ddot; P and dS are rounded to the input dtype before their dots (dV += P^T dO
 dK += dS^T Q), the accumulators are fp32 and dq, dk get the transposed rotation
 (rope_rotate_grad, rope.py) before the one rounding to the input dtype. fp32 inputs skip every
 rounding; their dots multiply in IEEE fp32, or in TF32 with the TF32 constexpr (forward.py).
+With a split head dim (BLOCK_D2 > 0, rope.py) every [rows, D] operand and accumulator is two
+column parts: dP = dO_1 V_1^T + dO_2 V_2^T, each part of dv, dk, dq its own dot.
 
 Deterministic: a dK/dV kernel (program per key block and (batch, kv head), looping over the
 group's query heads and their visible query blocks; or, HEAD_SPLITS > 1, per key block and
@@ -35,40 +37,44 @@ from .masks import (
     _stats_base,
     _visible,
 )
-from .rope import _load_rotated, _load_rows, _scores, _store_unrotated
+from .rope import _load_pair, _load_rotated, _pair_zeros, _scores, _store_pair, _store_unrotated
 
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
     o_ptr, do_ptr, delta_ptr,
     stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh, N,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D2: tl.constexpr = 0,
 ):
     """Delta [B, Hq, N] fp32 = rowsum(dout * o) of one row block x (head, batch)."""
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < N
-    o = _load_rows(o_ptr, b * stride_ob + h * stride_oh, rows, stride_on, row_mask, HEAD_DIM,
-                   BLOCK_D)
-    do = _load_rows(do_ptr, b * stride_dob + h * stride_doh, rows, stride_don, row_mask,
-                    HEAD_DIM, BLOCK_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    o1, o2 = _load_pair(o_ptr, b * stride_ob + h * stride_oh, rows, stride_on, row_mask, HEAD_DIM,
+                        BLOCK_D, BLOCK_D2)
+    do1, do2 = _load_pair(do_ptr, b * stride_dob + h * stride_doh, rows, stride_don, row_mask,
+                          HEAD_DIM, BLOCK_D, BLOCK_D2)
+    delta = tl.sum(o1.to(tl.float32) * do1.to(tl.float32), 1)
+    if BLOCK_D2 > 0:
+        delta += tl.sum(o2.to(tl.float32) * do2.to(tl.float32), 1)
     tl.store(delta_ptr + (b * tl.num_programs(1) + h) * N + rows, delta, mask=row_mask)
 
 
 @triton.jit
 def _bwd_kv_tile(
-    dv, dk1, dk2, k1, k2, v, start_n, key_pos, start_m, q_ptr, do_ptr, q_base, do_base,
+    dv, dv2, dk1, dk2, k1, k2, v, v2, start_n, key_pos, start_m, q_ptr, do_ptr, q_base, do_base,
     stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base, dq_row_stride,
     cos_ptr, sin_ptr, cs_base, N, M, lo_d, hi_d,
     scale, cap_scale, softcap, seed, rng_base, drop_groups, dropout_p, inv_keep,
     MASKED, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
     TF32: tl.constexpr,
 ):
-    """One query tile's contribution to dv, dk (and with ATOMIC_DQ, dq) of a key block.
+    """One query tile's contribution to dv, dk (and with ATOMIC_DQ, dq) of a key block: returns
+    (dv, dv2, dk1, dk2), the column parts (rope.py; the second ones placeholders when unused).
 
     Works on the transposed [keys, queries] tiles, so dv and dk accumulate as plain dots.
     MASKED (a runtime scalar) applies the window and the row/key bounds; the caller clears it
@@ -80,31 +86,35 @@ def _bwd_kv_tile(
     row_mask = rows < N
     positions = rows + (M - N)
     q1, q2 = _load_rotated(q_ptr, q_base, rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base,
-                           positions, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
-    do = _load_rows(do_ptr, do_base, rows, stride_don, row_mask, HEAD_DIM, BLOCK_D)
+                           positions, HEAD_DIM, BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
+    do, do2 = _load_pair(do_ptr, do_base, rows, stride_don, row_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     lse = tl.load(lse_ptr + row_base + rows, mask=row_mask, other=0.0)
     delta = tl.load(delta_ptr + row_base + rows, mask=row_mask, other=0.0)
     # Rows that saw no key have lse = +inf: P = exp2(-inf) = 0.
-    p, th = _recomputed_probs(_scores(k1, k2, q1, q2, ROPE, INTERPRETED, TF32), lse[None, :], scale,
-                              cap_scale, softcap, SOFTCAP)
+    p, th = _recomputed_probs(_scores(k1, k2, q1, q2, ROPE, BLOCK_D2, INTERPRETED, TF32), lse[None, :],
+                              scale, cap_scale, softcap, SOFTCAP)
     if MASKED:
         row_pos = tl.where(row_mask, positions, -_OUT)
         p = tl.where(_visible(row_pos[None, :], key_pos[:, None], lo_d, hi_d), p, 0.0)
     dtype = do.dtype
     dp = _dot(v, tl.trans(do), tl.zeros([v.shape[0], BLOCK_M], dtype=tl.float32), INTERPRETED, TF32)
+    if BLOCK_D2 > 0:
+        dp = _dot(v2, tl.trans(do2), dp, INTERPRETED, TF32)
     if DROPOUT:
         # The [rows, keys] mask of the forward's stream, transposed to the [keys, rows] tiles.
         keep = tl.trans(_dropout_keep(seed, rng_base + rows.to(tl.int64) * drop_groups, start_n,
                                       dropout_p, BLOCK_N))
-        dv = _dot(_round(tl.where(keep, p * inv_keep, 0.0), dtype, INTERPRETED), do, dv,
-                  INTERPRETED, TF32)
+        p_dropped = _round(tl.where(keep, p * inv_keep, 0.0), dtype, INTERPRETED)
         dp = tl.where(keep, dp * inv_keep, 0.0)
     else:
-        dv = _dot(_round(p, dtype, INTERPRETED), do, dv, INTERPRETED, TF32)
+        p_dropped = _round(p, dtype, INTERPRETED)
+    dv = _dot(p_dropped, do, dv, INTERPRETED, TF32)
+    if BLOCK_D2 > 0:
+        dv2 = _dot(p_dropped, do2, dv2, INTERPRETED, TF32)
     ds = _round(_times_logit_grad(p * (dp - delta[None, :]), th, scale, SOFTCAP), dtype,
                 INTERPRETED)
     dk1 = _dot(ds, q1, dk1, INTERPRETED, TF32)
-    if ROPE:
+    if ROPE or BLOCK_D2 > 0:
         dk2 = _dot(ds, q2, dk2, INTERPRETED, TF32)
     if ATOMIC_DQ:
         ds_t = tl.trans(ds)
@@ -122,7 +132,12 @@ def _bwd_kv_tile(
             mask = row_mask[:, None] & (cols < HEAD_DIM)[None, :]
             tl.atomic_add(dq_ptr + offsets, _dot(ds_t, k1, zeros, INTERPRETED, TF32), mask=mask,
                           sem="relaxed")
-    return dv, dk1, dk2
+            if BLOCK_D2 > 0:
+                cols2 = BLOCK_H + tl.arange(0, BLOCK_D2)
+                tl.atomic_add(dq_ptr + dq_base + rows.to(tl.int64)[:, None] * dq_row_stride + cols2[None, :],
+                              _dot(ds_t, k2, tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32), INTERPRETED, TF32),
+                              mask=row_mask[:, None] & (cols2 < HEAD_DIM)[None, :], sem="relaxed")
+    return dv, dv2, dk1, dk2
 
 
 @triton.jit
@@ -135,7 +150,7 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
-    HEAD_SPLITS: tl.constexpr = 1,
+    HEAD_SPLITS: tl.constexpr = 1, BLOCK_D2: tl.constexpr = 0,
 ):
     """dk, dv of one key block x (kv head, batch), summed over the GROUP query heads of the kv
     head and their visible query blocks in a fixed order. Grid (key blocks, Hkv, B).
@@ -167,16 +182,16 @@ def _attn_bwd_dkdv_kernel(
     key_mask = keys < m
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
     k1, k2 = _load_rotated(k_ptr, _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN),
-                           keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, ROPE,
-                           INTERPRETED)
-    v = _load_rows(v_ptr, _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN), keys,
-                   stride_vn, key_mask, HEAD_DIM, BLOCK_D)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dk1 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+                           keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, BLOCK_D2,
+                           ROPE, INTERPRETED)
+    v, v2 = _load_pair(v_ptr, _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN), keys,
+                       stride_vn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
+    dv, dv2 = _pair_zeros(BLOCK_N, BLOCK_D, BLOCK_D2)
     if ROPE:
+        dk1 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
         dk2 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
     else:
-        dk2 = tl.zeros([1, 1], dtype=tl.float32)
+        dk1, dk2 = _pair_zeros(BLOCK_N, BLOCK_H, BLOCK_D2)
     if DROPOUT:
         seed = tl.load(rng_ptr)
         rng_offset = tl.load(rng_ptr + 1)
@@ -197,31 +212,29 @@ def _attn_bwd_dkdv_kernel(
         rng_base = rng_offset + (b * num_heads + h) * N * drop_groups
         dq_base = (q_row0 * num_heads + h) * HEAD_DIM
         for start_m in range(lo, hi, BLOCK_M):
-            dv, dk1, dk2 = _bwd_kv_tile(
-                dv, dk1, dk2, k1, k2, v, start_n, key_pos, start_m, q_ptr, do_ptr, q_base,
+            dv, dv2, dk1, dk2 = _bwd_kv_tile(
+                dv, dv2, dk1, dk2, k1, k2, v, v2, start_n, key_pos, start_m, q_ptr, do_ptr, q_base,
                 do_base, stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base,
                 num_heads * HEAD_DIM, cos_ptr, sin_ptr, cs_base, n, m, lo_d, hi_d,
                 scale, cap_scale, softcap, seed, rng_base, drop_groups, dropout_p, inv_keep,
-                (start_m < int_start) | (start_m >= int_end), ATOMIC_DQ, HEAD_DIM, BLOCK_D,
+                (start_m < int_start) | (start_m >= int_end), ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_D2,
                 BLOCK_H, BLOCK_M, BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     # dk, dv are contiguous [B, M, Hkv, D] ([total_k, Hkv, D] with VARLEN), or the fp32
     # workspaces [B, M, Hkv * HEAD_SPLITS, D].
     out_base = (k_row0 * num_out_heads + out_head) * HEAD_DIM
     out_row_stride = num_out_heads * HEAD_DIM
     _store_unrotated(dk_ptr, out_base, keys, out_row_stride, key_mask, dk1, dk2, cos_ptr,
-                     sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
-    cols = tl.arange(0, BLOCK_D)
-    dv_offsets = out_base + keys.to(tl.int64)[:, None] * out_row_stride + cols[None, :]
-    tl.store(dv_ptr + dv_offsets, _round(dv, dv_ptr.dtype.element_ty, INTERPRETED),
-             mask=key_mask[:, None] & (cols < HEAD_DIM)[None, :])
+                     sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
+    _store_pair(dv_ptr, out_base, keys, out_row_stride, key_mask, dv, dv2, HEAD_DIM, BLOCK_D, BLOCK_D2,
+                INTERPRETED)
 
 
 @triton.jit
 def _bwd_q_tile(
-    dq1, dq2, q1, q2, do, lse, delta, positions, start_n,
+    dq1, dq2, q1, q2, do, do2, lse, delta, positions, start_n,
     k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
     M, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p,
-    inv_keep, MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    inv_keep, MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
     DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
@@ -229,21 +242,23 @@ def _bwd_q_tile(
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < M
     k1, k2 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
-                           keys, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
-    v = _load_rows(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D)
-    p, th = _recomputed_probs(_scores(q1, q2, k1, k2, ROPE, INTERPRETED, TF32), lse[:, None], scale,
+                           keys, HEAD_DIM, BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
+    v, v2 = _load_pair(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
+    p, th = _recomputed_probs(_scores(q1, q2, k1, k2, ROPE, BLOCK_D2, INTERPRETED, TF32), lse[:, None], scale,
                               cap_scale, softcap, SOFTCAP)
     if MASKED:
         key_pos = tl.where(key_mask, keys, _OUT)
         p = tl.where(_visible(positions[:, None], key_pos[None, :], lo_d, hi_d), p, 0.0)
     dp = _dot(do, tl.trans(v), tl.zeros([do.shape[0], BLOCK_N], dtype=tl.float32), INTERPRETED, TF32)
+    if BLOCK_D2 > 0:
+        dp = _dot(do2, tl.trans(v2), dp, INTERPRETED, TF32)
     if DROPOUT:
         keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N)
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = _round(_times_logit_grad(p * (dp - delta[:, None]), th, scale, SOFTCAP), do.dtype,
                 INTERPRETED)
     dq1 = _dot(ds, k1, dq1, INTERPRETED, TF32)
-    if ROPE:
+    if ROPE or BLOCK_D2 > 0:
         dq2 = _dot(ds, k2, dq2, INTERPRETED, TF32)
     return dq1, dq2
 
@@ -256,7 +271,7 @@ def _attn_bwd_dq_kernel(
     N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_D2: tl.constexpr = 0,
 ):
     """dq of one query block x (query head, batch), over its visible key tiles in order (the
     deterministic mode). Grid (query blocks, Hq, B), query blocks last-first. VARLEN: batch
@@ -266,42 +281,42 @@ def _attn_bwd_dq_kernel(
         n, m, GROUP, BLOCK_M)
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
     q1, q2 = _load_rotated(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN), rows,
-                           stride_qn, row_mask, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, ROPE,
-                           INTERPRETED)
-    do = _load_rows(do_ptr, _operand_base(b, q_row0, stride_dob, stride_don, h, stride_doh, VARLEN), rows,
-                    stride_don, row_mask, HEAD_DIM, BLOCK_D)
+                           stride_qn, row_mask, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, BLOCK_D2,
+                           ROPE, INTERPRETED)
+    do, do2 = _load_pair(do_ptr, _operand_base(b, q_row0, stride_dob, stride_don, h, stride_doh, VARLEN), rows,
+                         stride_don, row_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     stats = _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN) + rows
     lse = tl.load(lse_ptr + stats, mask=row_mask, other=0.0)
     delta = tl.load(delta_ptr + stats, mask=row_mask, other=0.0)
     k_base = _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN)
     v_base = _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN)
     seed, rng_rows = _dropout_rows(rng_ptr, (b * num_heads + h) * N + rows, M, DROPOUT)
-    dq1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     if ROPE:
+        dq1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         dq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     else:
-        dq2 = tl.zeros([1, 1], dtype=tl.float32)
+        dq1, dq2 = _pair_zeros(BLOCK_M, BLOCK_H, BLOCK_D2)
     lo, hi, int_start, int_end = _key_range(start_m, n, m, left, right, BLOCK_M, BLOCK_N)
     hi = tl.where(start_m < n, hi, lo)
     lo_d, hi_d = _offset_bounds(left, right)
     for start_n in range(lo, hi, BLOCK_N):
         dq1, dq2 = _bwd_q_tile(
-            dq1, dq2, q1, q2, do, lse, delta, positions, start_n,
+            dq1, dq2, q1, q2, do, do2, lse, delta, positions, start_n,
             k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
             m, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p, inv_keep,
-            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
+            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_H, BLOCK_N,
             ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     # dq is contiguous [B, N, Hq, D] ([total_q, Hq, D] with VARLEN).
     _store_unrotated(dq_ptr, (q_row0 * num_heads + h) * HEAD_DIM, rows, num_heads * HEAD_DIM,
                      row_mask, dq1, dq2, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
-                     BLOCK_H, ROPE, INTERPRETED)
+                     BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
 
 
 @triton.jit
 def _attn_bwd_dq_postprocess_kernel(
     dq_acc_ptr, dq_ptr, cos_ptr, sin_ptr, cu_q_ptr, cu_k_ptr, cs_stride_b, N, M,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_D2: tl.constexpr = 0,
 ):
     """dq = rope_rotate_grad(dq_acc) rounded to dq's dtype, for one row block x (head, batch);
     both [B, N, Hq, D] contiguous ([total_q, Hq, D] with VARLEN: batch entries are the packed
@@ -322,9 +337,7 @@ def _attn_bwd_dq_postprocess_kernel(
         g1 = tl.load(dq_acc_ptr + offsets, mask=mask, other=0.0)
         g2 = tl.load(dq_acc_ptr + offsets + half, mask=mask, other=0.0)
     else:
-        g1 = tl.load(dq_acc_ptr + offsets,
-                     mask=row_mask[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)
-        g2 = g1
+        g1, g2 = _load_pair(dq_acc_ptr, base, rows, row_stride, row_mask, HEAD_DIM, BLOCK_H, BLOCK_D2)
     _store_unrotated(dq_ptr, base, rows, row_stride, row_mask, g1, g2, cos_ptr, sin_ptr,
-                     _rope_base(b, k_row0, cs_stride_b, VARLEN), rows + (m - n), HEAD_DIM, BLOCK_H, ROPE,
-                     INTERPRETED)
+                     _rope_base(b, k_row0, cs_stride_b, VARLEN), rows + (m - n), HEAD_DIM, BLOCK_H, BLOCK_D2,
+                     ROPE, INTERPRETED)

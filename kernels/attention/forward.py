@@ -7,7 +7,8 @@ and the logits are rope.py's and logits.py's):
   log2 e), the row sum l of the undropped p; lse = m + log2(l) * ln 2, +inf (and o = 0) for a
   row that sees no key;
 - P (dropped and scaled by 1/(1-p)) is rounded to v's dtype before the PV dot (FlashAttention's
-  rounding point); o = acc / l is rounded once.
+  rounding point); o = acc / l is rounded once. With a split head dim (BLOCK_D2 > 0, rope.py) v,
+  the accumulator and o are two column parts, each part's PV dot its own (the same sums).
 fp32 inputs skip every rounding; their dots use IEEE fp32 products, or TF32 products when the
 launcher passes TF32 (PyTorch's torch.backends.cuda.matmul.allow_tf32, read per call).
 
@@ -41,30 +42,31 @@ from .masks import (
     _stats_base,
     _visible,
 )
-from .rope import _load_rotated, _load_rows, _scores
+from .rope import _load_pair, _load_rotated, _pair_zeros, _scores, _store_pair
 
 
 @triton.jit
 def _fwd_tile(
-    acc, m, row_sum, q1, q2, positions, rng_rows, start_n,
+    acc, acc2, m, row_sum, q1, q2, positions, rng_rows, start_n,
     k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
     M, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
-    MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
     DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
-    """One key tile of the online softmax: returns the updated (acc, m, row_sum).
+    """One key tile of the online softmax: returns the updated (acc, acc2, m, row_sum).
 
     m is the running max of the logits (natural units), row_sum the running sum of the undropped
-    probabilities exp2((t - m) * log2 e), acc the fp32 sum of round(P_dropped) @ V. MASKED (a
+    probabilities exp2((t - m) * log2 e), acc the fp32 sum of round(P_dropped) @ V (its column
+    parts acc, acc2 with BLOCK_D2 > 0; acc2 a placeholder otherwise). MASKED (a
     runtime scalar, uniform over the program) applies the window and the key bound; the caller
     clears it only for tiles that lie wholly inside every row's band.
     """
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < M
     k1, k2 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
-                           keys, HEAD_DIM, BLOCK_H, ROPE, INTERPRETED)
-    t, _ = _logits(_scores(q1, q2, k1, k2, ROPE, INTERPRETED, TF32), scale, cap_scale, softcap,
+                           keys, HEAD_DIM, BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
+    t, _ = _logits(_scores(q1, q2, k1, k2, ROPE, BLOCK_D2, INTERPRETED, TF32), scale, cap_scale, softcap,
                    SOFTCAP)
     if MASKED:
         key_pos = tl.where(key_mask, keys, _OUT)
@@ -80,9 +82,12 @@ def _fwd_tile(
     if DROPOUT:
         keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N)
         p = tl.where(keep, p * inv_keep, 0.0)
-    v = _load_rows(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D)
-    acc = _dot(_round(p, v.dtype, INTERPRETED), v, acc * alpha[:, None], INTERPRETED, TF32)
-    return acc, m_new, row_sum
+    v1, v2 = _load_pair(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
+    p = _round(p, v1.dtype, INTERPRETED)
+    acc = _dot(p, v1, acc * alpha[:, None], INTERPRETED, TF32)
+    if BLOCK_D2 > 0:
+        acc2 = _dot(p, v2, acc2 * alpha[:, None], INTERPRETED, TF32)
+    return acc, acc2, m_new, row_sum
 
 
 @triton.jit
@@ -93,7 +98,7 @@ def _attn_fwd_kernel(
     N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_D2: tl.constexpr = 0,
 ):
     """o and lse of one query block x (query head, batch). Grid (query blocks, Hq, B); the
     query blocks run last-first, so under a causal mask the longest rows start first. VARLEN:
@@ -105,32 +110,33 @@ def _attn_fwd_kernel(
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
     q1, q2 = _load_rotated(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN),
                            rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
-                           BLOCK_H, ROPE, INTERPRETED)
+                           BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
     k_base = _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN)
     v_base = _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN)
     # The dropout counters of key 0 of each row (row index into [B, Hq, N]; masks.py).
     seed, rng_rows = _dropout_rows(rng_ptr, (b * num_heads + h) * N + rows, M, DROPOUT)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, acc2 = _pair_zeros(BLOCK_M, BLOCK_D, BLOCK_D2)
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, hi, int_start, int_end = _key_range(start_m, n, m_len, left, right, BLOCK_M, BLOCK_N)
     hi = tl.where(start_m < n, hi, lo)
     lo_d, hi_d = _offset_bounds(left, right)
     for start_n in range(lo, hi, BLOCK_N):
-        acc, m, row_sum = _fwd_tile(
-            acc, m, row_sum, q1, q2, positions, rng_rows, start_n,
+        acc, acc2, m, row_sum = _fwd_tile(
+            acc, acc2, m, row_sum, q1, q2, positions, rng_rows, start_n,
             k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
             m_len, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
-            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
+            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_H, BLOCK_N,
             ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     seen = row_sum > 0.0
-    o = tl.math.div_rn(acc, tl.where(seen, row_sum, 1.0)[:, None])
-    o = tl.where(seen[:, None], o, 0.0)
+    divisor = tl.where(seen, row_sum, 1.0)[:, None]
+    o = tl.where(seen[:, None], tl.math.div_rn(acc, divisor), 0.0)
+    if BLOCK_D2 > 0:
+        o2 = tl.where(seen[:, None], tl.math.div_rn(acc2, divisor), 0.0)
+    else:
+        o2 = o
     lse = tl.where(seen, m + tl.math.log2(tl.where(seen, row_sum, 1.0)) * _LN2, float("inf"))
     # o is contiguous [B, N, Hq, D] ([total_q, Hq, D] with VARLEN).
-    o_base = (q_row0 * num_heads + h) * HEAD_DIM
-    cols = tl.arange(0, BLOCK_D)
-    o_offsets = o_base + rows.to(tl.int64)[:, None] * (num_heads * HEAD_DIM) + cols[None, :]
-    tl.store(o_ptr + o_offsets, _round(o, o_ptr.dtype.element_ty, INTERPRETED),
-             mask=row_mask[:, None] & (cols < HEAD_DIM)[None, :])
+    _store_pair(o_ptr, (q_row0 * num_heads + h) * HEAD_DIM, rows, num_heads * HEAD_DIM, row_mask, o, o2,
+                HEAD_DIM, BLOCK_D, BLOCK_D2, INTERPRETED)
     tl.store(lse_ptr + _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN) + rows, lse, mask=row_mask)

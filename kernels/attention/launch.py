@@ -103,6 +103,27 @@ def _prepare(q, k, v, cos, sin, rng, scale, softcap, dropout_p):
     return (batch, n, m, num_heads, num_kv_heads), cs_stride_b, tables, scalars, constexprs
 
 
+def _head_dim_parts(head_dim, rope):
+    """(BLOCK_D, BLOCK_H, BLOCK_D2): the column tiles of a head dim (rope.py).
+
+    Padded (BLOCK_D2 = 0): BLOCK_D = max(16, next_pow2(D)), BLOCK_H = max(16, next_pow2(D / 2))
+    with RoPE, else BLOCK_D. Split, when D is not a power of two, RoPE is off and the two parts
+    are narrower than the padded tile: BLOCK_D = BLOCK_H = the largest power of two below D and
+    BLOCK_D2 = max(16, next_pow2(the rest)), e.g. 80 -> 64 + 16, 96 -> 64 + 32, 192 -> 128 + 64,
+    48 -> 32 + 16 (112 -> 64 + 64 is no narrower than 128: padded). With RoPE the head dim stays
+    padded: its rotation halves would need four column parts (D = 80: halves of 40 as 32 + 8),
+    which the kernels do not implement.
+    """
+    padded = max(16, triton.next_power_of_2(head_dim))
+    if rope:
+        return padded, max(16, triton.next_power_of_2(head_dim // 2)), 0
+    first = padded // 2
+    second = max(16, triton.next_power_of_2(head_dim - first)) if head_dim > first else 0
+    if first >= 16 and 0 < second and first + second < padded:
+        return first, first, second
+    return padded, padded, 0
+
+
 def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
     """Checks the scalar options and rng (the tables are checked by the caller); returns the
     kernels' table arguments (placeholders where absent), scalars and constexprs."""
@@ -117,11 +138,10 @@ def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
         raise ValueError(f"scale: expected a positive float, got {scale}")
     if softcap < 0.0:
         raise ValueError(f"softcap: expected 0 (off) or a positive float, got {softcap}")
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_h = max(16, triton.next_power_of_2(head_dim // 2)) if rope else block_d
+    block_d, block_h, block_d2 = _head_dim_parts(head_dim, rope)
     # TF32: fp32 dots follow PyTorch's fp32 matmul setting at this call (a compiled variant of
     # its own); 16-bit operands ignore it, so it stays False for them (no second variant).
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, ROPE=rope,
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, ROPE=rope,
                       SOFTCAP=softcap > 0.0, DROPOUT=dropout, TF32=q.dtype == torch.float32 and allow_tf32())
     scalars = dict(
         cap_scale=scale / softcap if softcap > 0.0 else 0.0,
@@ -295,7 +315,7 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
     elementwise_grid = (triton.cdiv(n, rows), num_heads, batch)
     _attn_bwd_preprocess_kernel[elementwise_grid](
         o, dout, delta, *_strides(o), *_strides(dout), n,
-        HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_M=rows,
+        HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_D2=constexprs["BLOCK_D2"], BLOCK_M=rows,
         num_warps=_ELEMENTWISE_WARPS)
     group = num_heads // num_kv_heads
     common = (*tables, q, q, *_strides(q), *_strides(k), *_strides(v), *_strides(dout), cs_stride_b,
@@ -314,7 +334,8 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
         _launch_dkdv(inputs, dk, dv, dq_acc, common, dict(constexprs, VARLEN=False, ATOMIC_DQ=True), shape, batch)
         _attn_bwd_dq_postprocess_kernel[elementwise_grid](
             dq_acc, dq, tables[0], tables[1], q, q, cs_stride_b, n, m,
-            HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], ROPE=constexprs["ROPE"], VARLEN=False,
+            HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], BLOCK_D2=constexprs["BLOCK_D2"],
+            ROPE=constexprs["ROPE"], VARLEN=False,
             BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
     return dq, dk, dv
 
@@ -430,7 +451,7 @@ def attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_
     # Delta = rowsum(dout * o) needs no sequence boundaries: the packed rows as one batch entry.
     _attn_bwd_preprocess_kernel[(triton.cdiv(total_q, rows), num_heads, 1)](
         o[None], dout[None], delta, *_strides(o[None]), *_strides(dout[None]), total_q,
-        HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_M=rows,
+        HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_D2=constexprs["BLOCK_D2"], BLOCK_M=rows,
         num_warps=_ELEMENTWISE_WARPS)
     common = (*tables, cu_seqlens_q, cu_seqlens_k, *_packed_strides(q), *_packed_strides(k), *_packed_strides(v),
               *_packed_strides(dout), cs_stride, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads,
@@ -449,7 +470,8 @@ def attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_
         _launch_dkdv(inputs, dk, dv, dq_acc, common, dict(constexprs, ATOMIC_DQ=True), shape, sequences)
         _attn_bwd_dq_postprocess_kernel[(triton.cdiv(max(max_seqlen_q, 1), rows), num_heads, sequences)](
             dq_acc, dq, tables[0], tables[1], cu_seqlens_q, cu_seqlens_k, cs_stride, max_seqlen_q, max_seqlen_k,
-            HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], ROPE=constexprs["ROPE"], VARLEN=True,
+            HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], BLOCK_D2=constexprs["BLOCK_D2"],
+            ROPE=constexprs["ROPE"], VARLEN=True,
             BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
     return dq, dk, dv
 
@@ -470,7 +492,10 @@ def aot_specs():
     kernel and the postprocess. fp32 with TF32 dots (names 'fp32-tf32') at head dim 64: the
     forward, dK/dV and dQ kernels. The dK/dV kernel with its query heads split (HEAD_SPLITS = 4,
     names '-split4', fp32 dk/dv workspaces): bf16 at head dims 64 and 128, fp32 at 64, bf16 at 80
-    with RoPE, softcap and dropout (deterministic and atomic), packed bf16 at 64. Each main kernel
+    with RoPE, softcap and dropout (deterministic and atomic), packed bf16 at 64. Split head dims
+    (`_head_dim_parts`; no RoPE): bf16 at 80 (64 + 16) every main kind, at 96 (64 + 32) and 192
+    (128 + 64) the forward, dK/dV and dQ kernels, packed bf16 at 80 the forward and dK/dV
+    kernels (about 1 s per spec and arch more on 2 CPU cores). Each main kernel
     takes its default configuration (`_configs_for`); the compile check passes num_warps only,
     so num_stages is Triton's default 3. Sizes are 32-bit and strides 64-bit (a launch gets i64
     for a stride past 2^31 - 1). About 35 s of compiling for both archs on 2 CPU cores, and
@@ -490,6 +515,10 @@ def aot_specs():
     cases += [("bwd_dkdv_split4", "bf16", 64, False, False), ("bwd_dkdv_split4", "bf16", 128, False, False),
               ("bwd_dkdv_split4", "fp32", 64, False, False), ("bwd_dkdv_split4", "bf16", 80, True, False),
               ("bwd_dkdv_atomic_split4", "bf16", 80, True, False), ("bwd_dkdv_split4", "bf16", 64, False, True)]
+    cases += [(kind, "bf16", 80, False, False) for kind in main_kinds]
+    cases += [(kind, "bf16", head_dim, False, False) for head_dim in (96, 192)
+              for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
+    cases += [(kind, "bf16", 80, False, True) for kind in ("fwd", "bwd_dkdv")]
     torch_types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "fp32-tf32": torch.float32}
     scalars = {"scale": "fp32", "cap_scale": "fp32", "softcap": "fp32", "left": "i32",
@@ -502,11 +531,10 @@ def aot_specs():
     offsets = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
     for kind, type_name, head_dim, features, varlen in cases:
         element = "*fp32" if type_name == "fp32-tf32" else f"*{type_name}"
-        block_d = max(16, triton.next_power_of_2(head_dim))
-        block_h = max(16, triton.next_power_of_2(head_dim // 2)) if features else block_d
+        block_d, block_h, block_d2 = _head_dim_parts(head_dim, features)
         flags = dict(ROPE=features, SOFTCAP=features, DROPOUT=features, VARLEN=varlen,
                      TF32=type_name == "fp32-tf32")
-        constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, **flags)
+        constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, **flags)
         config_name = None
         if kind == "fwd":
             kernel, config_name = _attn_fwd_kernel, "fwd"
@@ -519,12 +547,12 @@ def aot_specs():
             signature = {"o_ptr": element, "do_ptr": element, "delta_ptr": "*fp32",
                          "stride_ob": "i64", "stride_on": "i64", "stride_oh": "i64",
                          **do_strides, "N": "i32"}
-            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=_ROWS_PER_PROGRAM)
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_D2=block_d2, BLOCK_M=_ROWS_PER_PROGRAM)
         elif kind == "bwd_dq_postprocess":
             kernel = _attn_bwd_dq_postprocess_kernel
             signature = {"dq_acc_ptr": "*fp32", "dq_ptr": element, **tables, **offsets,
                          "cs_stride_b": "i64", "N": "i32", "M": "i32"}
-            constexprs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, ROPE=features, VARLEN=varlen,
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D2=block_d2, ROPE=features, VARLEN=varlen,
                               BLOCK_M=_ROWS_PER_PROGRAM, INTERPRETED=False)
         else:
             common = {**tables, "rng_ptr": "*i64", **offsets, **strides, **do_strides,

@@ -59,9 +59,12 @@ def _configs(*entries):
 
 # (kernel, padded head dim class, dtype class, heavy) -> configurations (BLOCK_M = query tile,
 # BLOCK_N = key tile, warps, stages); the first is the default, used without autotuning and by
-# aot_specs. Head-dim classes: 64 (D 1-64), 128, 256. "heavy": RoPE (two more [tile, D/2]
-# operands and the fp32 cos/sin tiles) or dropout (a Philox call per four scores since the
-# four-words stream; the measurements below predate it, when it was one call per score) is on.
+# aot_specs. Head-dim classes: 64 (D 1-64), 128, 256, by the columns the kernels hold
+# (BLOCK_D + BLOCK_D2: a split head dim of 80 or 96 is class 128, 192 class 256): the split
+# tiles hold fewer columns than the class's, so its tiles fit them (not measured on a GPU yet).
+# "heavy": RoPE (two more [tile, D/2] operands and the fp32 cos/sin tiles) or dropout (a Philox
+# call per four scores since the four-words stream; the measurements below predate it, when it was
+# one call per score) is on.
 # Measured with ptxas (cuobjdump --dump-resource-usage) on sm_80 and sm_90a builds compiled with
 # the 16-byte divisibility an aligned launch gets (pointers, strides) and each config's
 # num_stages, bf16, heavy measured with RoPE + softcap and with RoPE + softcap + dropout. The
@@ -132,10 +135,11 @@ for (_name, _size, _kind, _heavy), _entries in list(_CONFIGS.items()):
 
 def _configs_for(kernel_name, constexprs, dtype):
     """The configuration list of a launch: by kernel (the fast mode's dK/dV kernel has its
-    own), padded head dim, dtype and whether RoPE or dropout is on."""
+    own), head-dim class (the next power of two of the held columns BLOCK_D + BLOCK_D2, at least
+    64), dtype and whether RoPE or dropout is on."""
     if kernel_name == "dkdv" and constexprs.get("ATOMIC_DQ"):
         kernel_name = "dkdv_atomic"
-    size = max(constexprs["BLOCK_D"], 64)
+    size = max(triton.next_power_of_2(constexprs["BLOCK_D"] + constexprs.get("BLOCK_D2", 0)), 64)
     kind = "fp32" if dtype == torch.float32 else "16bit"
     heavy = bool(constexprs["ROPE"] or constexprs["DROPOUT"])
     return _CONFIGS[(kernel_name, size, kind, heavy)]
@@ -182,7 +186,8 @@ def tuning_key(kernel_name, dtype, constexprs, shape):
     device, dtype, head dim, feature flags, TF32 (another compiled variant), the dK/dV kernel's
     head split (another grid), group size, window classes, length buckets."""
     flags = tuple((name, constexprs[name]) for name in sorted(constexprs)
-                  if name in ("HEAD_DIM", "BLOCK_D", "ROPE", "SOFTCAP", "DROPOUT", "VARLEN", "HEAD_SPLITS", "TF32"))
+                  if name in ("HEAD_DIM", "BLOCK_D", "BLOCK_D2", "ROPE", "SOFTCAP", "DROPOUT", "VARLEN", "HEAD_SPLITS",
+                              "TF32"))
     return (kernel_name, shape.device_index, dtype, flags, shape.group,
             _window_class(shape.window_left), _window_class(shape.window_right),
             _length_bucket(shape.n), _length_bucket(shape.m))
