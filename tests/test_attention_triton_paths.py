@@ -255,9 +255,10 @@ def test_dkdv_head_split_chosen_on_gpu(monkeypatch):
     assert seen[-1] == 1
 
 
-# Split head dims (launch._head_dim_parts): without RoPE, a D that is not a power of two runs as two
-# power-of-two column parts when they are narrower than the padded tile. name: spec, the expected
-# (BLOCK_D, BLOCK_D2) of the forward, dK/dV and dQ launches.
+# Split head dims (launch._head_dim_parts): a D that is not a power of two runs as two power-of-two
+# column parts when they are narrower than the padded tile (with RoPE only v, o, dout, dv; the
+# rotation halves of q, k stay padded). name: spec, the expected (BLOCK_D, BLOCK_D2) of the
+# forward, dK/dV and dQ launches.
 SPLIT_HEAD_DIM_CASES = [
     pytest.param(dict(b=1, n=17, m=19, hq=4, hkv=2, d=80, causal=True), (64, 16), id="d80-gqa2-causal"),
     pytest.param(dict(b=2, n=9, m=18, hq=2, hkv=1, d=96, window=(5, 2), softcap=5.0, dropout=0.2), (64, 32),
@@ -267,15 +268,17 @@ SPLIT_HEAD_DIM_CASES = [
 
 
 def test_head_dim_parts_and_their_tile_class():
-    """80 -> 64 + 16, 96 -> 64 + 32, 192 -> 128 + 64, 40 -> 32 + 16; powers of two, 112 (64 + 64 is
-    no narrower than 128) and every RoPE call stay padded; the split's tuning class is that of the
-    held columns' next power of two (80, 96: the 128 class; 192: the 256 class)."""
+    """80 -> 64 + 16, 96 -> 64 + 32, 192 -> 128 + 64, 40 -> 32 + 16; powers of two and 112 (64 + 64
+    is no narrower than 128) stay padded; with RoPE the same split of BLOCK_D, BLOCK_D2 and padded
+    rotation halves BLOCK_H; the split's tuning class is that of the held columns' next power of
+    two (80, 96: the 128 class; 192: the 256 class)."""
     parts = launch._head_dim_parts
     assert [parts(d, False) for d in (80, 96, 192, 40)] == [(64, 64, 16), (64, 64, 32), (128, 128, 64),
                                                            (32, 32, 16)]
     assert [parts(d, False) for d in (8, 24, 64, 112, 128, 200)] == [(16, 16, 0), (32, 32, 0), (64, 64, 0),
                                                                     (128, 128, 0), (128, 128, 0), (256, 256, 0)]
-    assert [parts(d, True) for d in (80, 96, 192)] == [(128, 64, 0), (128, 64, 0), (256, 128, 0)]
+    assert [parts(d, True) for d in (80, 96, 192, 40, 64, 112)] == [
+        (64, 64, 16), (64, 64, 32), (128, 128, 64), (32, 32, 16), (64, 32, 0), (128, 64, 0)]
     for d, padded in ((80, 128), (96, 128), (192, 256)):
         block_d, _, block_d2 = parts(d, False)
         for name in ("fwd", "dq", "dkdv"):
@@ -304,22 +307,30 @@ def test_split_head_dim_bf16_within_reference(monkeypatch):
     assert seen and all(c["BLOCK_D2"] == 32 for _, c in seen)
 
 
-def test_rope_keeps_the_padded_head_dim(monkeypatch):
-    """With RoPE a D of 80 launches the padded tiles (BLOCK_D 128, halves of 64, BLOCK_D2 = 0: the
-    rotation halves are not split) and stays within the 2x rule."""
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+@pytest.mark.parametrize("spec,blocks", [
+    pytest.param(dict(b=1, n=17, m=17, hq=2, hkv=1, d=80, causal=True, rope="shared"), (64, 64, 16),
+                 id="d80-mqa-causal"),
+    pytest.param(dict(b=2, n=9, m=18, hq=4, hkv=2, d=96, rope="per_batch", dropout=0.2, softcap=5.0), (64, 64, 32),
+                 id="d96-gqa2-dropout-softcap"),
+])
+def test_rope_splits_the_v_side_only(spec, blocks, deterministic, monkeypatch):
+    """With RoPE a D of 80 (96) launches v, o, dout, dv as 64 + 16 (64 + 32) columns and q, k as
+    padded rotation halves of 64 (BLOCK_H), and stays within the 2x rule of float64."""
     seen = record_launch_constexprs(monkeypatch)
-    spec = dict(b=1, n=17, m=17, hq=2, hkv=1, d=80, causal=True, rope="shared")
-    run_and_check(spec, torch.float32, "triton", device=DEVICE)
-    assert seen and all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"]) == (128, 64, 0) for _, c in seen)
+    run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
+    assert seen and all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"]) == blocks for _, c in seen)
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
 def test_split_head_dim_varlen(deterministic, monkeypatch):
-    """Packed sequences at D = 80 (64 + 16), GQA, a sequence without queries: within the 2x rule of
-    the float64 per-sequence reference, launched with the split tiles."""
+    """Packed sequences at D = 80 (v side 64 + 16, RoPE halves of 64), GQA, a sequence without
+    queries: within the 2x rule of the float64 per-sequence reference, launched with the split
+    tiles."""
     from test_varlen_attention import make_varlen_inputs, reference_outputs, run_varlen
 
-    spec = dict(lens_q=[9, 0, 17], lens_k=[9, 3, 19], hq=4, hkv=2, d=80, causal=True, window=(7, None))
+    spec = dict(lens_q=[9, 0, 17], lens_k=[9, 3, 19], hq=4, hkv=2, d=80, causal=True, window=(7, None),
+                rope="per_token")
     seen = record_launch_constexprs(monkeypatch)
     q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(spec, torch.float32)
     with contextlib.nullcontext() if deterministic else deterministic_mode(False):

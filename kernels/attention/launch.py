@@ -106,22 +106,21 @@ def _prepare(q, k, v, cos, sin, rng, scale, softcap, dropout_p):
 def _head_dim_parts(head_dim, rope):
     """(BLOCK_D, BLOCK_H, BLOCK_D2): the column tiles of a head dim (rope.py).
 
-    Padded (BLOCK_D2 = 0): BLOCK_D = max(16, next_pow2(D)), BLOCK_H = max(16, next_pow2(D / 2))
-    with RoPE, else BLOCK_D. Split, when D is not a power of two, RoPE is off and the two parts
-    are narrower than the padded tile: BLOCK_D = BLOCK_H = the largest power of two below D and
-    BLOCK_D2 = max(16, next_pow2(the rest)), e.g. 80 -> 64 + 16, 96 -> 64 + 32, 192 -> 128 + 64,
-    48 -> 32 + 16 (112 -> 64 + 64 is no narrower than 128: padded). With RoPE the head dim stays
-    padded: its rotation halves would need four column parts (D = 80: halves of 40 as 32 + 8),
-    which the kernels do not implement.
+    BLOCK_D, BLOCK_D2 (v, o, dout, dv and, without RoPE, q, k, dq, dk): split when D is not a
+    power of two and the two parts are narrower than the padded tile: BLOCK_D = the largest power
+    of two below D, BLOCK_D2 = max(16, next_pow2(the rest)), e.g. 80 -> 64 + 16, 96 -> 64 + 32,
+    192 -> 128 + 64, 48 -> 32 + 16; else padded, BLOCK_D = max(16, next_pow2(D)) and BLOCK_D2 = 0
+    (112 -> 64 + 64 is no narrower than 128). BLOCK_H: the q/k tiles, BLOCK_D without RoPE; with
+    RoPE the rotation halves stay padded, max(16, next_pow2(D / 2)) each (D = 80: 2 x 64 for
+    2 x 40): splitting them too would need four column parts (32 + 8 per half), which the kernels
+    do not implement, so with RoPE only the v side is split.
     """
     padded = max(16, triton.next_power_of_2(head_dim))
-    if rope:
-        return padded, max(16, triton.next_power_of_2(head_dim // 2)), 0
     first = padded // 2
     second = max(16, triton.next_power_of_2(head_dim - first)) if head_dim > first else 0
-    if first >= 16 and 0 < second and first + second < padded:
-        return first, first, second
-    return padded, padded, 0
+    block_d, block_d2 = (first, second) if first >= 16 and 0 < second and first + second < padded else (padded, 0)
+    block_h = max(16, triton.next_power_of_2(head_dim // 2)) if rope else block_d
+    return block_d, block_h, block_d2
 
 
 def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
@@ -484,7 +483,8 @@ def aot_specs():
     128: the forward, the backward preprocess, the deterministic dK/dV and dQ kernels, the fast
     (atomic dQ) dK/dV kernel and its postprocess, without RoPE, softcap or dropout (the window,
     causal or not, is a runtime argument). fp32 at head dim 64: the forward, dK/dV and dQ
-    kernels (FMA dots). bf16 at head dim 80 (padded to 128) with RoPE, softcap and dropout:
+    kernels (FMA dots). bf16 at head dim 80 (v side split 64 + 16, rotation halves padded to 64)
+    with RoPE, softcap and dropout:
     the forward, the dQ kernel, the atomic dK/dV kernel and the postprocess. bf16 at head dim
     8 (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Packed sequences
     (VARLEN, names '-varlen'): bf16 at head dim 64, the forward and the deterministic dK/dV and dQ
@@ -493,7 +493,7 @@ def aot_specs():
     forward, dK/dV and dQ kernels. The dK/dV kernel with its query heads split (HEAD_SPLITS = 4,
     names '-split4', fp32 dk/dv workspaces): bf16 at head dims 64 and 128, fp32 at 64, bf16 at 80
     with RoPE, softcap and dropout (deterministic and atomic), packed bf16 at 64. Split head dims
-    (`_head_dim_parts`; no RoPE): bf16 at 80 (64 + 16) every main kind, at 96 (64 + 32) and 192
+    without RoPE (`_head_dim_parts`, q and k split too): bf16 at 80 (64 + 16) every main kind, at 96 (64 + 32) and 192
     (128 + 64) the forward, dK/dV and dQ kernels, packed bf16 at 80 the forward and dK/dV
     kernels (about 1 s per spec and arch more on 2 CPU cores). Each main kernel
     takes its default configuration (`_configs_for`); the compile check passes num_warps only,

@@ -13,12 +13,14 @@ BLOCK_D = max(16, next_pow2(D)) columns (BLOCK_H = max(16, next_pow2(D / 2)) per
 RoPE); the columns past D (past D/2 in each half) load as zeros and are never stored, so every
 D in 1..256 (even with RoPE) runs on the same tiles.
 
-Split head dims (BLOCK_D2 > 0, launch.py's `_head_dim_parts`, without RoPE only): every [rows, D]
-operand (q, k, v, o, dout and the dq, dk, dv accumulators) is held as two column parts, columns
-[0, BLOCK_D) and [BLOCK_D, BLOCK_D + BLOCK_D2), both powers of two >= 16, the second zero past D;
-e.g. D = 80 runs as 64 + 16 instead of 128, 96 as 64 + 32, 192 as 128 + 64. Every dot over D
-is then the sum of the two parts' dots (`_scores`, the dP dots of backward.py). BLOCK_D2 = 0:
-one part (the second of each pair a placeholder that no caller reads).
+Split head dims (BLOCK_D2 > 0, launch.py's `_head_dim_parts`): every [rows, D] operand (v, o,
+dout and the dv accumulator; without RoPE also q, k and the dq, dk accumulators) is held as two
+column parts, columns [0, BLOCK_D) and [BLOCK_D, BLOCK_D + BLOCK_D2), both powers of two >= 16,
+the second zero past D; e.g. D = 80 runs as 64 + 16 instead of 128, 96 as 64 + 32, 192 as
+128 + 64. Every dot over D is then the sum of the two parts' dots (`_scores`, the dP dots of
+backward.py). With RoPE, q and k (and dq, dk) stay the two padded rotation halves (BLOCK_H each),
+whatever BLOCK_D2. BLOCK_D2 = 0: one part (the second of each pair a placeholder that no caller
+reads).
 """
 
 import triton
