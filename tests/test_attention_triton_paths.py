@@ -340,3 +340,29 @@ def test_split_head_dim_varlen(deterministic, monkeypatch):
     for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
         assert_within_2x_of_stock(name, value, stock_value, ref, torch.float32)
     assert seen and all((c["BLOCK_D"], c["BLOCK_D2"]) == (64, 16) for _, c in seen)
+
+
+def padded_head_dim_parts(head_dim, rope):
+    """launch._head_dim_parts without the split: today's padded tiles (BLOCK_D2 = 0)."""
+    padded = max(16, 1 << (head_dim - 1).bit_length())
+    return padded, max(16, 1 << (head_dim // 2 - 1).bit_length()) if rope else padded, 0
+
+
+@pytest.mark.parametrize("spec", [
+    pytest.param(dict(b=1, n=17, m=19, hq=4, hkv=2, d=80, causal=True), id="d80-gqa2-causal"),
+    pytest.param(dict(b=1, n=12, m=12, hq=2, hkv=1, d=96, rope="shared", dropout=0.2), id="d96-rope-dropout"),
+])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+def test_split_head_dim_matches_padded_tiles(spec, deterministic, monkeypatch):
+    """The split tiles compute what the padded ones do (fp32: the same products, the dots' sums
+    split in two, so equal up to fp32 summation order): o, dq, dk, dv against a run with the
+    padded tiles forced; the padded run launches BLOCK_D2 = 0, the split one BLOCK_D2 > 0."""
+    seen = record_launch_constexprs(monkeypatch)
+    split = run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
+    assert seen and all(c["BLOCK_D2"] > 0 for _, c in seen)
+    seen.clear()
+    monkeypatch.setattr(launch, "_head_dim_parts", padded_head_dim_parts)
+    padded = run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
+    assert seen and all(c["BLOCK_D2"] == 0 and c["BLOCK_D"] == 128 for _, c in seen)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), split, padded):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=name)
