@@ -61,7 +61,12 @@ def _configs(*entries):
 # BLOCK_N = key tile, warps, stages); the first is the default, used without autotuning and by
 # aot_specs. Head-dim classes: 64 (D 1-64), 128, 256, by the columns the kernels hold
 # (BLOCK_D + BLOCK_D2: a split head dim of 80 or 96 is class 128, 192 class 256): the split
-# tiles hold fewer columns than the class's, so its tiles fit them (not measured on a GPU yet).
+# tiles hold fewer columns than the class's, so its tiles fit them (not timed on a GPU yet). Stack
+# bytes per thread (cuobjdump --dump-resource-usage, bf16, no alignment hints, split vs padded at
+# the same default tile): sm_90, never more (fwd 0 vs 0-208, dq 0-144 vs 32-176, dkdv 0 vs 0);
+# sm_80, less for fwd at 80/96 (0 vs 8), the atomic dK/dV at 80 (104 vs 232) and dq at 192 (248
+# vs 392), more for dq at 80/96 (200/312 vs 0), dK/dV at 80/96 (24/136 vs 0) and fwd at 192 (816
+# vs 352): the autotuner's smaller candidates of the class may win there on a GPU.
 # "heavy": RoPE (two more [tile, D/2] operands and the fp32 cos/sin tiles) or dropout (a Philox
 # call per four scores since the four-words stream; the measurements below predate it, when it was
 # one call per score) is on.
