@@ -29,31 +29,35 @@ functional_attention = importlib.import_module("remat.functional.attention")
 CUDA0 = torch.device("cuda", 0)
 
 
-def reason(capability, monkeypatch, *, dtype=torch.bfloat16, head_dim=64, deterministic=False, **options):
+def reason(capability, monkeypatch, *, dtype=torch.bfloat16, head_dim=64, deterministic=False, n=7, m=11,
+           **options):
     monkeypatch.setattr(attention_ops, "device_capability", lambda index: capability)
     opts = AttentionOptions(0.125, deterministic=deterministic, **options)
-    return attention_ops.aten_unsupported_reason(7, 11, 4, 2, head_dim, dtype, CUDA0, opts)
+    return attention_ops.aten_unsupported_reason(n, m, 4, 2, head_dim, dtype, CUDA0, opts)
 
 
 def test_flashattention_limits_on_each_gpu(monkeypatch):
     """FlashAttention-2 takes GQA, windows and causal with N != M (bottom-right, as remat) on
-    sm_80 .. sm_121, fp16/bf16, head dims multiples of 8 up to 256 (192 on sm_86/89/120); not
-    softcap or remat's dropout stream; nor older GPUs."""
-    for capability in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
+    sm_8x/90/10x/120/121, fp16/bf16, head dims multiples of 8 up to 256 (192 but on sm_80/sm_90);
+    not softcap or remat's dropout stream; nor other GPUs."""
+    for capability in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1)):
         assert reason(capability, monkeypatch) is None
         assert reason(capability, monkeypatch, window_left=5, window_right=0) is None
         assert reason(capability, monkeypatch, window_left=3, window_right=2) is None
         assert reason(capability, monkeypatch, dtype=torch.float16, head_dim=192) is None
-    assert "sm_80 .. sm_121" in reason((7, 5), monkeypatch)
-    assert "sm_80 .. sm_121" in reason((13, 0), monkeypatch)
+    for capability in ((7, 5), (9, 4), (11, 0), (13, 0)):
+        assert "sm_8x, sm_90" in reason(capability, monkeypatch)
     assert "float16/bfloat16" in reason((9, 0), monkeypatch, dtype=torch.float32)
     assert "multiples of 8" in reason((9, 0), monkeypatch, head_dim=100)
     assert "multiples of 8" in reason((9, 0), monkeypatch, head_dim=264)
-    assert reason((9, 0), monkeypatch, head_dim=256) is None and reason((8, 0), monkeypatch, head_dim=256) is None
-    for capability in ((8, 6), (8, 9), (12, 0)):
-        assert "above 192" in reason(capability, monkeypatch, head_dim=256)
+    assert reason((9, 0), monkeypatch, head_dim=256) is None and reason((8, 0), monkeypatch, head_dim=200) is None
+    for capability in ((8, 6), (8, 9), (10, 0), (12, 0)):
+        assert "above 192" in reason(capability, monkeypatch, head_dim=200)
     assert "softcap" in reason((9, 0), monkeypatch, softcap=30.0)
     assert "Philox" in reason((9, 0), monkeypatch, dropout_p=0.1)
+    assert "N >= M + 2" in reason((9, 0), monkeypatch, n=10, m=4, window_right=5)
+    monkeypatch.setattr(attention_ops, "_flash_built", lambda: False)
+    assert "ROCm" in reason((9, 0), monkeypatch)
 
 
 def test_flashattention_is_deterministic_only_under_pytorchs_mode(monkeypatch):
@@ -97,30 +101,58 @@ def test_cuda_default_order_is_flashattention_then_triton_then_cuda(monkeypatch,
     sizes = (100, 300, 8, 2, 128)
     plain = AttentionOptions(0.1, window_left=64, window_right=0, deterministic=False)
     expected = "aten" if capability == (9, 0) else "triton"
-    assert functional_attention._default_attention_backend(t, sizes[2:], plain, sizes=sizes) == expected
-    assert functional_attention._default_attention_backend(t, sizes[2:], plain, varlen=True) == expected
+    assert functional_attention._default_attention_backend(t, sizes, plain) == expected
+    assert functional_attention._default_attention_backend(t, sizes, plain, varlen=True) == expected
     capped = plain._replace(softcap=30.0)
-    assert functional_attention._default_attention_backend(t, sizes[2:], capped, sizes=sizes) == "triton"
+    assert functional_attention._default_attention_backend(t, sizes, capped) == "triton"
     monkeypatch.setattr(functional_attention, "unavailable_reason", lambda name, device: "Triton is not installed")
-    assert functional_attention._default_attention_backend(t, sizes[2:], capped, sizes=sizes) == "cuda"
+    assert functional_attention._default_attention_backend(t, sizes, capped) == "cuda"
 
 
-@pytest.mark.parametrize("n,m", [(5, 5), (3, 9), (9, 4)])
-@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 0), (3, 2), (-1, 1), (0, 0), (4, -1)])
-def test_remat_window_is_flashattentions_band(n, m, window):
-    """_flash_window's (is_causal, left, right) under FlashAttention-2's documented rule (query i
-    sees keys i + M - N - left .. i + M - N + right; None unbounded; is_causal sets right = 0) is
-    the band remat's kernels mask (remat.ops.attention._visible)."""
-    causal, left, right = attention_ops._flash_window(*window)
-    right = 0 if causal else right
+def flash_band(n, m, causal, left, right):
+    """The keys FlashAttention-2 lets query i see (bool [N, M]), from its entry code (flash_api.cpp
+    mha_fwd / set_params_fprop): a side of >= seqlen_k keys becomes unbounded (-1); one query is
+    never causal; causal sets right = 0; an unbounded side beside a bounded one becomes seqlen_k;
+    then key j is visible iff i + M - N - left <= j <= i + M - N + right."""
+    left = -1 if left is None or left >= m else left
+    right = -1 if right is None or right >= m else right
+    causal = causal and n > 1
+    if causal:
+        right = 0
+    if left < 0 and right >= 0 and not causal:
+        left = m
+    if left >= 0 and right < 0:
+        right = m
     position = torch.arange(n)[:, None] + (m - n)
     key = torch.arange(m)[None, :]
-    flash = torch.ones(n, m, dtype=torch.bool)
-    if left is not None:
-        flash &= key >= position - left
-    if right is not None:
-        flash &= key <= position + right
-    assert torch.equal(flash, attention_ops._visible(0, n, n, m, *window, torch.device("cpu")))
+    band = torch.ones(n, m, dtype=torch.bool)
+    if left >= 0:
+        band &= key >= position - left
+    if right >= 0:
+        band &= key <= position + right
+    return band
+
+
+WINDOWS = [(-1, -1), (-1, 0), (2, 0), (3, 2), (-1, 1), (0, 0), (4, -1), (-1, 6), (1, 9), (8, -1), (12, 3)]
+
+
+def test_flashattention_band_is_remats_where_the_core_takes_the_call():
+    """For every N, M in 1..8 and window: where _flash_window_differs lets the call through,
+    FlashAttention-2's band (its entry code's rewrites, flash_band) under _flash_window's
+    arguments is exactly remat's (remat.ops.attention._visible); the refused cases include ones
+    where the bands really differ."""
+    refused_and_different = 0
+    for n in range(1, 9):
+        for m in range(1, 9):
+            for window in WINDOWS:
+                remat_band = attention_ops._visible(0, n, n, m, *window, torch.device("cpu"))
+                flash = flash_band(n, m, *attention_ops._flash_window(*window))
+                if attention_ops._flash_window_differs(n, m, *window, varlen=False):
+                    refused_and_different += not torch.equal(flash, remat_band)
+                else:
+                    assert torch.equal(flash, remat_band), (n, m, window)
+    assert refused_and_different > 0
+    assert attention_ops._flash_window_differs(3, 3, -1, 3, varlen=True)  # packed: by max_seqlen_k alone
 
 
 @pytest.mark.parametrize("rope", [False, True])

@@ -121,7 +121,8 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     options = _attention_options(q.shape[-1], causal, scale, softcap, window, dropout_p, deterministic)
     cos, sin = rope if rope is not None else (None, None)
     (q, k, v), autocast_off = checks.autocast_cast(q, k, v)
-    name = _varlen_attention_backend(backend, q, (q.shape[1], k.shape[1], q.shape[2]), options)
+    name = _varlen_attention_backend(backend, q, (max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2]),
+                                     options)
     options = _respect_deterministic_mode(options, name)
     checks.check_attention_dtype(name, q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -132,21 +133,21 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                              options, name)
 
 
-def _varlen_attention_backend(explicit, t, heads, options):
-    """The backend of a packed attention call on tensors like ``t`` with heads (Hq, Hkv, D): the
-    one asked for, which must have packed kernels and take the call, else the per-op default
-    (_default_attention_backend). The aten core's packed entry is FlashAttention-2's (CUDA only):
-    PyTorch's CPU flash kernel takes no sequence offsets."""
+def _varlen_attention_backend(explicit, t, sizes, options):
+    """The backend of a packed attention call on tensors like ``t`` with sizes (max_seqlen_q,
+    max_seqlen_k, Hq, Hkv, D): the one asked for, which must have packed kernels and take the call,
+    else the per-op default (_default_attention_backend). The aten core's packed entry is
+    FlashAttention-2's (CUDA only): PyTorch's CPU flash kernel takes no sequence offsets."""
     name = requested_backend(explicit)
     if name is None:
-        return _default_attention_backend(t, heads, options, varlen=True)
+        return _default_attention_backend(t, sizes, options, varlen=True)
     name = resolve_backend(name, t)
     if name == "aten":
         if t.device.type != "cuda":
             raise BackendUnavailableError("remat backend 'aten' has packed (cu_seqlens) attention on CUDA only: "
                                           "PyTorch's CPU flash core takes no sequence offsets; use backend='cpp', "
                                           "'triton' or 'torch'")
-        _check_aten_takes(t, heads, options)
+        _check_aten_takes(t, sizes, options, varlen=True)
     if ops_for("attention", name).attention_varlen_fwd is None:
         raise BackendUnavailableError(f"remat backend {name!r} has no packed (cu_seqlens) attention kernels yet; use "
                                       f"backend='torch'")
@@ -159,23 +160,22 @@ def _attention_backend(explicit, t, sizes, options):
     default (_default_attention_backend)."""
     name = requested_backend(explicit)
     if name is None:
-        return _default_attention_backend(t, sizes[2:], options, sizes=sizes)
+        return _default_attention_backend(t, sizes, options)
     name = resolve_backend(name, t)
     if name == "aten":
-        _check_aten_takes(t, sizes[2:], options, sizes=sizes)
+        _check_aten_takes(t, sizes, options)
     return name
 
 
-def _default_attention_backend(t, heads, options, sizes=None, varlen=False):
+def _default_attention_backend(t, sizes, options, varlen=False):
     """Attention's default backend, the one expected fastest that takes the call (README "Default
     backends"). CPU tensors: PyTorch's flash kernel (the aten core, dense calls only; measured
     faster than remat's C++ kernel in benchmarks/results/attention-cpu.csv), else remat's C++
     kernels. CUDA tensors, by expectation until GPU numbers replace it: FlashAttention-2 (the aten
     core: pipelined, warp-specialised tiles tuned per architecture), else remat's Triton kernels
     (software-pipelined, autotuned tiles), else remat's CUDA kernels (WMMA without pipelining: the
-    slowest). sizes: (N, M, Hq, Hkv, D) of a dense call; heads: (Hq, Hkv, D)."""
-    n, m = (sizes[0], sizes[1]) if sizes is not None else (0, 0)
-    aten_takes = aten_unsupported_reason(n, m, *heads, t.dtype, t.device, options) is None
+    slowest). sizes: (N, M, Hq, Hkv, D), for packed calls (max_seqlen_q, max_seqlen_k, Hq, Hkv, D)."""
+    aten_takes = aten_unsupported_reason(*sizes, t.dtype, t.device, options, varlen=varlen) is None
     if t.device.type == "cuda":
         if aten_takes:
             return "aten"
@@ -185,9 +185,8 @@ def _default_attention_backend(t, heads, options, sizes=None, varlen=False):
     return default_backend(t.device)
 
 
-def _check_aten_takes(t, heads, options, sizes=None):
-    n, m = (sizes[0], sizes[1]) if sizes is not None else (0, 0)
-    reason = aten_unsupported_reason(n, m, *heads, t.dtype, t.device, options)
+def _check_aten_takes(t, sizes, options, varlen=False):
+    reason = aten_unsupported_reason(*sizes, t.dtype, t.device, options, varlen=varlen)
     if reason is not None:
         raise BackendUnavailableError(f"remat backend 'aten' cannot run this attention call: {reason}; use "
                                       "backend='cpp', 'cuda', 'triton' or 'torch'")
@@ -324,7 +323,8 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     if cu_seqlens is None:
         name = _attention_backend(backend, x, (n, n, num_heads, num_kv_heads, head_dim), attention_options)
     else:
-        name = _varlen_attention_backend(backend, x, (num_heads, num_kv_heads, head_dim), attention_options)
+        name = _varlen_attention_backend(backend, x, (max_seqlen, max_seqlen, num_heads, num_kv_heads, head_dim),
+                                         attention_options)
     attention_options = _respect_deterministic_mode(attention_options, name)
     checks.check_attention_dtype(name, x.dtype)
     # The aten core is attention only: the norm kernels then take the device's default backend.

@@ -344,11 +344,38 @@ TORCH_OPS = AttentionOps(torch_attention_fwd, torch_attention_bwd, torch_attenti
 # rounded to the dtype, as every backend's kernels do) into temporaries before the core, again in
 # backward from the saved unrotated q and k, and the core's dq/dk (which it returns in the input
 # dtype) are rotated back in fp32 and rounded again: with rope, dq and dk are two roundings from the
-# exact value where remat's own kernels take one. The rotated copies are never saved.
+# exact value where remat's own kernels take one. With GQA, FlashAttention-2 also rounds each query
+# head's dk/dv to the dtype before summing a group (one rounding more than remat's kernels). The
+# rotated copies are never saved.
 
-# FlashAttention-2 in PyTorch: sm_80 .. sm_121 (sdp_utils.cpp check_flash_attention_hardware_support);
-# its backward refuses head dims above 192 on sm_86/89 and sm_120/121 (too little shared memory).
-_FLASH_ARCHS = ((8, 0), (12, 1))
+# FlashAttention-2 in PyTorch runs on sm_8x, sm_90, sm_10x and sm_120/121 (flash_api.cpp's arch check;
+# sdp_utils.cpp check_flash_attention_hardware_support), and its backward takes head dims above 192 on
+# sm_80 and sm_90 only (upstream: 193..224, or any above 192 with dropout, need them; PyTorch's SDPA
+# refuses all above 192 on sm_86/89/120, and remat does so everywhere but sm_80/sm_90).
+_FLASH_MAJORS = (8, 10)
+_FLASH_EXACT = ((9, 0), (12, 0), (12, 1))
+_FLASH_BIG_HEAD_ARCHS = ((8, 0), (9, 0))
+
+
+@torch.compiler.assume_constant_result
+def _flash_built():
+    """Whether this PyTorch build has FlashAttention-2 for CUDA (not a ROCm build, whose flash op
+    masks windows and returns lse differently)."""
+    return torch.version.hip is None and torch.backends.cuda.is_flash_attention_available()
+
+
+def _flash_window_differs(n, m, window_left, window_right, varlen):
+    """Whether FlashAttention-2's rewrite of the window (flash_api.cpp: a side of at least seqlen_k
+    keys (max_seqlen_k packed) becomes unbounded, and an unbounded right side beside a left window
+    becomes seqlen_k) changes the band remat masks. It does only when some query sits at least two
+    positions before the first key (N >= M + 2, bottom-right alignment): a right window of >= M keys
+    then still hides keys from those rows in remat's band, and the seqlen_k bound FlashAttention-2
+    puts on an unbounded right side hides keys that remat's shows. Packed calls are judged on the
+    bounds: n, m = max_seqlen_q, max_seqlen_k, and any right window >= max_seqlen_k is refused (a
+    sequence's own M_s may be shorter)."""
+    if window_right > 0 and window_right >= m:
+        return varlen or n >= m + 2
+    return window_left >= 0 and window_right < 0 and n >= m + 2
 
 
 def _flash_backward_is_deterministic():
@@ -358,22 +385,24 @@ def _flash_backward_is_deterministic():
     return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
-def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options):
+def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options, varlen=False):
     """Why the aten core cannot run attention of N queries and M keys (Hq / Hkv heads of dim D,
-    ``dtype`` on ``device``) with these :class:`remat.options.AttentionOptions`, or None.
+    ``dtype`` on ``device``) with these :class:`remat.options.AttentionOptions`, or None. Packed
+    calls (``varlen``) pass max_seqlen_q, max_seqlen_k as N, M.
 
     Neither core has a logit softcap, and remat's dropout mask is remat's own Philox stream, which
-    they do not draw, so dropout stays with remat's kernels. On the CPU (the flash kernel): no
-    sliding window, and its causal mask aligns top-left, so causal needs N == M. On CUDA
-    (FlashAttention-2): an sm_80 .. sm_121 GPU, float16/bfloat16, head dims that are multiples of 8
-    up to 256 (up to 192 on sm_86/89/120/121), and a deterministic backward only under PyTorch's
-    deterministic mode (so ``options.deterministic`` needs it)."""
+    they do not draw, so dropout stays with remat's kernels. On the CPU (the flash kernel, dense
+    only): no sliding window, and its causal mask aligns top-left, so causal needs N == M. On CUDA
+    (FlashAttention-2): a CUDA (not ROCm) build with it, an sm_8x/90/10x/120/121 GPU,
+    float16/bfloat16, head dims that are multiples of 8 up to 256 (up to 192 but on sm_80/sm_90),
+    windows whose band FlashAttention-2 keeps (_flash_window_differs), and a deterministic backward
+    only under PyTorch's deterministic mode (so ``options.deterministic`` needs it)."""
     if options.softcap > 0:
         return "PyTorch's fused attention has no logit softcap"
     if options.dropout_p > 0:
         return "remat's dropout mask is its own Philox stream, which PyTorch's fused attention does not draw"
     if device.type == "cuda":
-        return _flash_unsupported_reason(head_dim, dtype, device, options)
+        return _flash_unsupported_reason(n, m, head_dim, dtype, device, options, varlen)
     if device.type != "cpu":
         return f"no PyTorch fused attention kernel for {device.type} tensors"
     if options.window_left >= 0 or options.window_right > 0:
@@ -383,19 +412,24 @@ def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options):
     return None
 
 
-def _flash_unsupported_reason(head_dim, dtype, device, options):
+def _flash_unsupported_reason(n, m, head_dim, dtype, device, options, varlen):
     """aten_unsupported_reason for a CUDA tensor: FlashAttention-2's limits (see there)."""
+    if not _flash_built():
+        return "this PyTorch build has no CUDA FlashAttention-2 (a ROCm build, or built without it)"
     index = device.index if device.index is not None else torch.cuda.current_device()
     capability = device_capability(index)
-    if not _FLASH_ARCHS[0] <= capability <= _FLASH_ARCHS[1]:
-        return f"PyTorch's FlashAttention-2 runs on sm_80 .. sm_121 GPUs; this one is sm_{capability[0]}{capability[1]}"
+    if capability[0] not in _FLASH_MAJORS and capability not in _FLASH_EXACT:
+        return (f"PyTorch's FlashAttention-2 runs on sm_8x, sm_90, sm_10x and sm_120/121 GPUs; this one is "
+                f"sm_{capability[0]}{capability[1]}")
     if dtype not in (torch.float16, torch.bfloat16):
         return "FlashAttention-2 takes float16/bfloat16"
     if head_dim % 8 or head_dim > 256:
         return "FlashAttention-2 takes head dims that are multiples of 8 up to 256"
-    small_shared_memory = capability[0] == 12 or (capability[0] == 8 and capability[1] >= 6)
-    if head_dim > 192 and small_shared_memory:
-        return "PyTorch's FlashAttention-2 backward refuses head dims above 192 on sm_86/89/120/121"
+    if head_dim > 192 and capability not in _FLASH_BIG_HEAD_ARCHS:
+        return "FlashAttention-2's backward takes head dims above 192 on sm_80 and sm_90 only"
+    if _flash_window_differs(n, m, options.window_left, options.window_right, varlen):
+        return ("FlashAttention-2 rewrites windows of at least M keys, which changes the band for queries two or "
+                "more positions before the first key (N >= M + 2)")
     if options.deterministic and not _flash_backward_is_deterministic():
         return ("FlashAttention-2's backward accumulates dq with atomics unless "
                 "torch.use_deterministic_algorithms(True) is set (without warn_only), and this call asks for a "
@@ -420,9 +454,12 @@ def _flash_window(window_left, window_right):
     return causal, left, right
 
 
-def _check_aten_call(q, k, options):
-    reason = aten_unsupported_reason(q.shape[-3] if q.dim() == 4 else 0, k.shape[-3] if k.dim() == 4 else 0,
-                                     q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device, options)
+def _check_aten_call(q, k, options, max_seqlens=None):
+    """Raises ValueError when the aten core cannot run this dense call (q [B, N, Hq, D]) or packed
+    call (q [total_q, Hq, D], max_seqlens = (max_seqlen_q, max_seqlen_k))."""
+    n, m = max_seqlens if max_seqlens is not None else (q.shape[1], k.shape[1])
+    reason = aten_unsupported_reason(n, m, q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device, options,
+                                     varlen=max_seqlens is not None)
     if reason is not None:
         raise ValueError(f"the aten attention core cannot run this call: {reason}")
 
@@ -479,7 +516,8 @@ def aten_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     token as torch_attention_varlen_fwd computes them. Returns o [total_q, Hq, D], lse [Hq, total_q]."""
     if q.device.type != "cuda":
         raise ValueError("the aten attention core has packed (cu_seqlens) attention on CUDA only")
-    _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False))
+    _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False),
+                     (max_seqlen_q, max_seqlen_k))
     q_core, k_core = _varlen_core_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k)
     causal, left, right = _flash_window(window_left, window_right)
     o, lse = torch.ops.aten._flash_attention_forward(
