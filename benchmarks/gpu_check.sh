@@ -35,8 +35,9 @@ echo "== gpu tests"
 REMAT_ATTENTION_AUTOTUNE=0 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests \
   2>&1 | tee "$OUT/tests.log" | tail -n 30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-REMAT_ATTENTION_AUTOTUNE=0 timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_matmul.py \
-  tests/test_triton_attention.py 2>&1 | tee -a "$OUT/tests.log" | tail -n 10
+REMAT_ATTENTION_AUTOTUNE=0 timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_matmul.py \
+  tests/test_triton_attention.py tests/test_triton_gemm_paths.py tests/test_attention_triton_paths.py \
+  2>&1 | tee -a "$OUT/tests.log" | tail -n 10
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== benchmark"
