@@ -56,7 +56,42 @@ def _flash_attn():
 
 # time_vs_<label> columns: the provider's time over the named provider's in the same round.
 BASELINES = {"eager": "torch", "sdpa_flash": "sdpa-flash", "checkpoint": "torch+checkpoint",
-             "compile": "torch.compile", "flash_attn": "flash_attn"}
+             "compile": "torch.compile", "flash_attn": "flash_attn", "rope_in_kernel": "remat-triton-rope-in-kernel"}
+
+
+def rope_tables(length, head_dim, device):
+    """fp32 rotate-half tables [length, D/2] (Llama's, theta 10000)."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def rotate_once(x, cos, sin):
+    """x [B, L, H, D] rotated (rotate-half, tables [L, D/2]) in fp32 and rounded to x's dtype, as
+    remat's kernels rotate their tiles. Autograd keeps only the tables for its backward (a product
+    with a constant), so with remat's attention after it the saved bytes are those of the in-kernel
+    rope call (the rotated q, k replace the unrotated ones)."""
+    half = x.shape[-1] // 2
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def rope_providers(device, cos, sin):
+    """Rope inside the Triton kernels (rotated per (query block, key tile) in forward and again in
+    the backward recompute) against rotating q and k once into temporaries before the same kernels
+    (never saved; autograd rotates the gradients back): the measurement issue #12 asks for before
+    choosing one. The aten core, which rotates once by design, where it runs."""
+    out = [("remat-triton-rope-in-kernel",
+            lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton"), "bnhd"),
+           ("remat-triton-rope-once",
+            lambda q, k, v, causal: remat.attention(rotate_once(q, cos, sin), rotate_once(k, cos, sin), v,
+                                                    causal=causal, backend="triton"), "bnhd")]
+    if "aten" in remat_backends(device, attention=True):
+        out.append(("remat-aten-rope",
+                    lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="aten"),
+                    "bnhd"))
+    return out
 
 
 def providers(device):
@@ -95,16 +130,21 @@ def run(device, quick=False):
         rounds = 2 if quick else 12
     tags = environment_tags()
     rows = []
-    cases = [(s, d, c) for s in shapes for d in dtypes for c in causals]
-    progress = Progress(len(cases) * len(providers(device)), "attention")
-    for (batch, heads, length, head_dim), dtype, causal in cases:
+    cases = [(s, d, c, False) for s in shapes for d in dtypes for c in causals]
+    if device.type == "cuda":
+        # Rope inside the kernels or rotated once (rope_providers), causal: GPU only (the CPU has no
+        # compiled Triton kernels).
+        cases += [(s, d, True, True) for s in shapes for d in dtypes]
+    progress = Progress(sum(3 if rope else len(providers(device)) for *_, rope in cases), "attention")
+    for (batch, heads, length, head_dim), dtype, causal, rope in cases:
+        case_providers = rope_providers(device, *rope_tables(length, head_dim, device)) if rope else providers(device)
         g = torch.Generator(device=device).manual_seed(0)
         bnhd = [torch.randn(batch, length, heads, head_dim, generator=g, device=device).to(dtype) for _ in range(3)]
         dout_bnhd = torch.randn(batch, length, heads, head_dim, generator=g, device=device).to(dtype)
         forward_flops = 4 * batch * heads * length * length * head_dim // (2 if causal else 1)
         flops = {"forward": forward_flops, "backward": 2.5 * forward_flops, "full": 3.5 * forward_flops}
         steps, memory = {}, {}
-        for name, fn, layout in providers(device):
+        for name, fn, layout in case_providers:
             if layout == "bhnd":
                 leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in bnhd]
                 dout = dout_bnhd.transpose(1, 2).contiguous()
@@ -122,18 +162,20 @@ def run(device, quick=False):
             memory[name] = (saved_bytes(fn, *leaves, causal),
                             peak_memory_bytes(functools.partial(run_step, step), device))
             progress.step(f"attention B{batch} H{heads} N{length} D{head_dim} {dtype} causal={causal} {name} ready")
-        case = f"attention B{batch} H{heads} N{length} D{head_dim} {dtype} causal={causal}"
+        case = f"attention B{batch} H{heads} N{length} D{head_dim} {dtype} causal={causal} rope={rope}"
         for (name, mode), columns in timing_summary(interleaved_timings(steps, device, rounds=rounds), BASELINES,
                                                     case).items():
             saved, peak = memory[name]
             rows.append({"block": "attention", "batch": batch, "heads": heads, "length": length,
-                         "head_dim": head_dim, "causal": causal, "dtype": str(dtype).replace("torch.", ""),
+                         "head_dim": head_dim, "causal": causal, "rope": rope,
+                         "dtype": str(dtype).replace("torch.", ""),
                          "provider": name, "mode": mode, **columns, "flops": flops[mode],
                          "tflops": flops[mode] / (columns["median_ms"] * 1e-3) / 1e12, "saved_bytes": saved,
                          "saved_bytes_per_token": saved / (batch * length), "peak_mem_bytes": peak, **tags})
     return with_end_load(rows)
 
 
-summary_columns = ["length", "head_dim", "causal", "dtype", "provider", "mode", "time_vs_sdpa_flash",
+summary_columns = ["length", "head_dim", "causal", "rope", "dtype", "provider", "mode", "time_vs_sdpa_flash",
                    "time_vs_sdpa_flash_q20", "time_vs_sdpa_flash_q80", "time_vs_sdpa_flash_verdict", "time_vs_eager",
-                   "time_vs_eager_verdict", "median_ms", "tflops", "saved_bytes_per_token", "peak_mem_bytes", "suspect"]
+                   "time_vs_eager_verdict", "time_vs_rope_in_kernel", "time_vs_rope_in_kernel_verdict", "median_ms",
+                   "tflops", "saved_bytes_per_token", "peak_mem_bytes", "suspect"]

@@ -219,3 +219,27 @@ def test_compare_runs_refuses_different_benchmarks():
         disagreements(rows, [dict(rows[0], extra="1")])
     with pytest.raises(ValueError, match="not unique"):
         disagreements(rows * 2, rows * 2)
+
+
+@pytest.mark.skipif(not __import__("remat").backend.triton_interpreted(),
+                    reason="the rope comparison runs remat's Triton kernels (interpreter on the CPU)")
+def test_rope_once_provider_computes_what_the_in_kernel_rope_does():
+    """bench_attention's rope comparison is of one computation: rotating q and k once before the
+    Triton kernels (rotate_once) gives the in-kernel rope call's output and gradients (to fp32
+    rounding order; both round the rotated operands to the dtype) and saves the same bytes."""
+    from benchmarks.bench_attention import rope_providers, rope_tables
+    from remat.memory import saved_bytes
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 24, 2, 16, generator=g) for _ in range(4))
+    cos, sin = rope_tables(24, 16, CPU)
+    results = {}
+    for name, fn, _ in rope_providers(CPU, cos, sin):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, True)
+        grads = torch.autograd.grad(out, leaves, dout)
+        results[name] = (out.detach(), *grads, saved_bytes(fn, *leaves, True))
+    in_kernel, once = results["remat-triton-rope-in-kernel"], results["remat-triton-rope-once"]
+    for a, b in zip(in_kernel[:4], once[:4]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert in_kernel[4] == once[4] > 0
