@@ -27,6 +27,7 @@ from benchmarks.common import (
     with_end_load,
 )
 from remat.memory import saved_bytes
+from remat.ops.attention import _rotate
 from remat.reference import attention_reference
 
 
@@ -67,14 +68,12 @@ def rope_tables(length, head_dim, device):
 
 
 def rotate_once(x, cos, sin):
-    """x [B, L, H, D] rotated (rotate-half, tables [L, D/2]) in fp32 and rounded to x's dtype, as
-    remat's kernels rotate their tiles. Autograd keeps only the tables for its backward (a product
-    with a constant), so with remat's attention after it the saved bytes are those of the in-kernel
-    rope call (the rotated q, k replace the unrotated ones)."""
-    half = x.shape[-1] // 2
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    """x [B, L, H, D] rotated with tables [L, D/2] in fp32 and rounded to x's dtype: the rotation
+    the aten core applies before its kernel (remat.ops.attention._rotate), as remat's kernels rotate
+    their tiles. Autograd keeps only the tables for its backward (a product with a constant), so
+    with remat's attention after it the saved bytes are those of the in-kernel rope call (the
+    rotated q, k replace the unrotated ones)."""
+    return _rotate(x, cos[None], sin[None], 0).to(x.dtype).transpose(1, 2)
 
 
 def rope_providers(device, cos, sin):

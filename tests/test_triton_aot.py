@@ -174,39 +174,21 @@ def test_compiles_for_gpu_target(case, aot_results):
         f"{case}: PTX targets {result['ptx_target']!r}, expected sm_{arch}")
 
 
-def fp32_gemm_cases():
-    """(case id, expected dot precision) for every fp32 spec of the GEMM kernels
-    (kernels/matmul.py): TF32=True must compile to TF32 tensor-core dots, TF32=False (PyTorch's
-    default for fp32 matmuls) to IEEE fp32 ones."""
-    from remat.kernels import matmul
+def fp32_dot_cases():
+    """(case id, expected dot precision) for every fp32 spec of the GEMM kernels (kernels/matmul.py,
+    fp32 x) and the attention kernels (kernels/attention, fp32 q): TF32=True (PyTorch's allow_tf32
+    on) must compile every dot to TF32 tensor-core dots, TF32=False (PyTorch's default for fp32
+    matmuls) to IEEE fp32 ones."""
+    from remat.kernels import attention, matmul
 
-    return [pytest.param(case_id(name, arch), "tf32" if constexprs["TF32"] else "ieee",
-                         id=case_id(name, arch))
-            for name, _, signature, constexprs, *_ in matmul.aot_specs()
-            if signature["x_ptr"] == "*fp32" for arch in ARCHS]
-
-
-@pytest.mark.parametrize("case,precision", fp32_gemm_cases())
-def test_fp32_gemm_dots_follow_the_tf32_constexpr(case, precision, aot_results):
-    result = aot_results[case]
-    assert "error" not in result, f"{case}: compile failed:\n{result.get('error')}"
-    assert result["dot_precisions"] == [precision], (
-        f"{case}: tt.dot precisions {result['dot_precisions']}, expected [{precision!r}]")
-
-
-def fp32_attention_cases():
-    """(case id, expected dot precision) for every fp32 spec of the attention kernels
-    (kernels/attention): TF32=True (PyTorch's allow_tf32 on) must compile every dot to TF32,
-    TF32=False to IEEE fp32."""
-    from remat.kernels import attention
-
+    specs = [(spec, "x_ptr") for spec in matmul.aot_specs()] + [(spec, "q_ptr") for spec in attention.aot_specs()]
     return [pytest.param(case_id(name, arch), "tf32" if constexprs["TF32"] else "ieee", id=case_id(name, arch))
-            for name, _, signature, constexprs, *_ in attention.aot_specs()
-            if signature.get("q_ptr") == "*fp32" for arch in ARCHS]
+            for (name, _, signature, constexprs, *_), fp32_operand in specs
+            if signature.get(fp32_operand) == "*fp32" for arch in ARCHS]
 
 
-@pytest.mark.parametrize("case,precision", fp32_attention_cases())
-def test_fp32_attention_dots_follow_the_tf32_constexpr(case, precision, aot_results):
+@pytest.mark.parametrize("case,precision", fp32_dot_cases())
+def test_fp32_dots_follow_the_tf32_constexpr(case, precision, aot_results):
     result = aot_results[case]
     assert "error" not in result, f"{case}: compile failed:\n{result.get('error')}"
     assert result["dot_precisions"] == [precision], (
