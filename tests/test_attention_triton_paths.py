@@ -256,9 +256,9 @@ def test_dkdv_head_split_chosen_on_gpu(monkeypatch):
 
 
 # Split head dims (launch._head_dim_parts): a D that is not a power of two runs as two power-of-two
-# column parts when they are narrower than the padded tile (with RoPE only v, o, dout, dv; the
-# rotation halves of q, k stay padded). name: spec, the expected (BLOCK_D, BLOCK_D2) of the
-# forward, dK/dV and dQ launches.
+# column parts when they are narrower than the padded tile; with RoPE v, o, dout, dv so, and q, k
+# (dq, dk) as two rotation halves, each of them split the same way. name: spec, the expected
+# (BLOCK_D, BLOCK_D2) of the forward, dK/dV and dQ launches.
 SPLIT_HEAD_DIM_CASES = [
     pytest.param(dict(b=1, n=17, m=19, hq=4, hkv=2, d=80, causal=True), (64, 16), id="d80-gqa2-causal"),
     pytest.param(dict(b=2, n=9, m=18, hq=2, hkv=1, d=96, window=(5, 2), softcap=5.0, dropout=0.2), (64, 32),
@@ -268,19 +268,28 @@ SPLIT_HEAD_DIM_CASES = [
 
 
 def test_head_dim_parts_and_their_tile_class():
-    """80 -> 64 + 16, 96 -> 64 + 32, 192 -> 128 + 64, 40 -> 32 + 16; powers of two and 112 (64 + 64
-    is no narrower than 128) stay padded; with RoPE the same split of BLOCK_D, BLOCK_D2 and padded
-    rotation halves BLOCK_H; the split's tuning class is that of the held columns' next power of
-    two (80, 96: the 128 class; 192: the 256 class)."""
+    """(BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2): 80 -> 64 + 16, 96 -> 64 + 32, 192 -> 128 + 64, 40 -> 32 + 16;
+    powers of two and 112 (64 + 64 is no narrower than 128) stay padded. With RoPE the same split of
+    BLOCK_D, BLOCK_D2 and each rotation half of D/2 split by the same rule (40 -> 32 + 16, 48 -> 32 + 16,
+    96 -> 64 + 32, 72 -> 64 + 16) or padded where that is no narrower (20 -> 32, 24 -> 32, 56 -> 64, 32 -> 32).
+    The split's tuning class is that of the held columns' next power of two (80, 96: the 128 class; 192:
+    the 256 class), and with RoPE the halves' parts never hold more columns than that class."""
     parts = launch._head_dim_parts
-    assert [parts(d, False) for d in (80, 96, 192, 40)] == [(64, 64, 16), (64, 64, 32), (128, 128, 64),
-                                                           (32, 32, 16)]
-    assert [parts(d, False) for d in (8, 24, 64, 112, 128, 200)] == [(16, 16, 0), (32, 32, 0), (64, 64, 0),
-                                                                    (128, 128, 0), (128, 128, 0), (256, 256, 0)]
-    assert [parts(d, True) for d in (80, 96, 192, 40, 64, 112)] == [
-        (64, 64, 16), (64, 64, 32), (128, 128, 64), (32, 32, 16), (64, 32, 0), (128, 64, 0)]
+    assert [parts(d, False) for d in (80, 96, 192, 40)] == [(64, 64, 16, 0), (64, 64, 32, 0), (128, 128, 64, 0),
+                                                           (32, 32, 16, 0)]
+    assert [parts(d, False) for d in (8, 24, 64, 112, 128, 200)] == [
+        (16, 16, 0, 0), (32, 32, 0, 0), (64, 64, 0, 0), (128, 128, 0, 0), (128, 128, 0, 0), (256, 256, 0, 0)]
+    assert [parts(d, True) for d in (80, 96, 192, 144, 40, 48, 64, 112, 2, 256)] == [
+        (64, 32, 16, 16), (64, 32, 32, 16), (128, 64, 64, 32), (128, 64, 16, 16), (32, 32, 16, 0), (32, 32, 16, 0),
+        (64, 32, 0, 0), (128, 64, 0, 0), (16, 16, 0, 0), (256, 128, 0, 0)]
+    for d in range(2, 257, 2):
+        block_d, block_h, block_d2, block_h2 = parts(d, True)
+        padded_half = max(16, 1 << (d // 2 - 1).bit_length())
+        assert block_h + block_h2 >= d // 2 and block_h + block_h2 <= padded_half
+        assert block_h2 == 0 or (block_h2 >= 16 and block_h + block_h2 < padded_half and block_h < d // 2)
+        assert 2 * (block_h + block_h2) <= max(64, 1 << (block_d + block_d2 - 1).bit_length())
     for d, padded in ((80, 128), (96, 128), (192, 256)):
-        block_d, _, block_d2 = parts(d, False)
+        block_d, _, block_d2, _ = parts(d, False)
         for name in ("fwd", "dq", "dkdv"):
             flags = dict(ROPE=False, DROPOUT=False)
             assert (tuning._configs_for(name, dict(flags, BLOCK_D=block_d, BLOCK_D2=block_d2), torch.bfloat16)
@@ -295,7 +304,8 @@ def test_split_head_dim_within_reference(spec, blocks, deterministic, monkeypatc
     seen = record_launch_constexprs(monkeypatch)
     run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
     assert sorted(name for name, _ in seen) == (["dkdv", "dq", "fwd"] if deterministic else ["dkdv", "fwd"])
-    assert all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"]) == (blocks[0], blocks[0], blocks[1]) for _, c in seen)
+    assert all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == (blocks[0], blocks[0], blocks[1], 0)
+               for _, c in seen)
 
 
 def test_split_head_dim_bf16_within_reference(monkeypatch):
@@ -307,24 +317,49 @@ def test_split_head_dim_bf16_within_reference(monkeypatch):
     assert seen and all(c["BLOCK_D2"] == 32 for _, c in seen)
 
 
+# RoPE at split head dims: name: spec, the expected (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2) of every
+# forward, dK/dV and dQ launch. D = 40: v side 32 + 16, halves of 20 padded to 32 (16 + 16 is no
+# narrower); 80: halves of 40 as 32 + 16; 96: 48 as 32 + 16; 192: 96 as 64 + 32.
+ROPE_SPLIT_CASES = [
+    pytest.param(dict(b=1, n=17, m=33, hq=4, hkv=2, d=40, causal=True, rope="shared"), (32, 32, 16, 0),
+                 id="d40-gqa2-causal"),
+    pytest.param(dict(b=1, n=17, m=17, hq=4, hkv=2, d=80, causal=True, rope="shared"), (64, 32, 16, 16),
+                 id="d80-gqa2-causal"),
+    pytest.param(dict(b=1, n=17, m=33, hq=4, hkv=2, d=80, window=(6, 3), softcap=5.0, rope="per_batch"),
+                 (64, 32, 16, 16), id="d80-gqa2-window-softcap"),
+    pytest.param(dict(b=2, n=9, m=18, hq=4, hkv=2, d=96, rope="per_batch", dropout=0.2, softcap=5.0),
+                 (64, 32, 32, 16), id="d96-gqa2-dropout-softcap"),
+    pytest.param(dict(b=1, n=17, m=17, hq=2, hkv=1, d=192, causal=True, rope="shared"), (128, 64, 64, 32),
+                 id="d192-mqa-causal"),
+]
+
+
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
-@pytest.mark.parametrize("spec,blocks", [
-    pytest.param(dict(b=1, n=17, m=17, hq=2, hkv=1, d=80, causal=True, rope="shared"), (64, 64, 16),
-                 id="d80-mqa-causal"),
-    pytest.param(dict(b=2, n=9, m=18, hq=4, hkv=2, d=96, rope="per_batch", dropout=0.2, softcap=5.0), (64, 64, 32),
-                 id="d96-gqa2-dropout-softcap"),
-])
-def test_rope_splits_the_v_side_only(spec, blocks, deterministic, monkeypatch):
-    """With RoPE a D of 80 (96) launches v, o, dout, dv as 64 + 16 (64 + 32) columns and q, k as
-    padded rotation halves of 64 (BLOCK_H), and stays within the 2x rule of float64."""
+@pytest.mark.parametrize("spec,blocks", ROPE_SPLIT_CASES)
+def test_rope_splits_the_rotation_halves(spec, blocks, deterministic, monkeypatch):
+    """With RoPE, v, o, dout, dv run as BLOCK_D + BLOCK_D2 columns and q, k, dq, dk as two rotation
+    halves of BLOCK_H + BLOCK_H2 columns each (four tiles, the rotation and its transpose per part):
+    o, dq, dk, dv within the 2x rule of float64 (fp32), every launch with the expected tiles."""
     seen = record_launch_constexprs(monkeypatch)
     run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
-    assert seen and all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"]) == blocks for _, c in seen)
+    assert sorted(name for name, _ in seen) == (["dkdv", "dq", "fwd"] if deterministic else ["dkdv", "fwd"])
+    assert all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == blocks for _, c in seen)
+
+
+def test_rope_split_halves_bf16_within_reference(monkeypatch):
+    """bf16 at D = 80 with RoPE (halves 32 + 16), GQA, causal, both backward modes: the rotated
+    parts rounded to bf16 before the dots, dq and dk rounded once after the transposed rotation,
+    within the 2x rule of float64."""
+    seen = record_launch_constexprs(monkeypatch)
+    spec = dict(b=1, n=17, m=17, hq=4, hkv=2, d=80, causal=True, rope="per_batch")
+    for deterministic in (True, False):
+        run_and_check(spec, torch.bfloat16, "triton", deterministic=deterministic, device=DEVICE)
+    assert seen and all((c["BLOCK_H"], c["BLOCK_H2"]) == (32, 16) for _, c in seen)
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
 def test_split_head_dim_varlen(deterministic, monkeypatch):
-    """Packed sequences at D = 80 (v side 64 + 16, RoPE halves of 64), GQA, a sequence without
+    """Packed sequences at D = 80 (v side 64 + 16, RoPE halves 32 + 16), GQA, a sequence without
     queries: within the 2x rule of the float64 per-sequence reference, launched with the split
     tiles."""
     from test_varlen_attention import make_varlen_inputs, reference_outputs, run_varlen
@@ -339,30 +374,35 @@ def test_split_head_dim_varlen(deterministic, monkeypatch):
     stock = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, None, torch.float32)
     for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
         assert_within_2x_of_stock(name, value, stock_value, ref, torch.float32)
-    assert seen and all((c["BLOCK_D"], c["BLOCK_D2"]) == (64, 16) for _, c in seen)
+    assert seen and all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == (64, 32, 16, 16) for _, c in seen)
 
 
 def padded_head_dim_parts(head_dim, rope):
-    """launch._head_dim_parts without the split: today's padded tiles (BLOCK_D2 = 0)."""
+    """launch._head_dim_parts without the split: the padded tiles (BLOCK_D2 = BLOCK_H2 = 0)."""
     padded = max(16, 1 << (head_dim - 1).bit_length())
-    return padded, max(16, 1 << (head_dim // 2 - 1).bit_length()) if rope else padded, 0
+    return padded, max(16, 1 << (head_dim // 2 - 1).bit_length()) if rope else padded, 0, 0
 
 
 @pytest.mark.parametrize("spec", [
     pytest.param(dict(b=1, n=17, m=19, hq=4, hkv=2, d=80, causal=True), id="d80-gqa2-causal"),
     pytest.param(dict(b=1, n=12, m=12, hq=2, hkv=1, d=96, rope="shared", dropout=0.2), id="d96-rope-dropout"),
+    pytest.param(dict(b=1, n=17, m=33, hq=4, hkv=2, d=80, rope="per_batch", window=(6, 3), softcap=5.0),
+                 id="d80-rope-gqa2-window-softcap"),
 ])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
 def test_split_head_dim_matches_padded_tiles(spec, deterministic, monkeypatch):
     """The split tiles compute what the padded ones do (fp32: the same products, the dots' sums
-    split in two, so equal up to fp32 summation order): o, dq, dk, dv against a run with the
-    padded tiles forced; the padded run launches BLOCK_D2 = 0, the split one BLOCK_D2 > 0."""
+    split in parts, so equal up to fp32 summation order): o, dq, dk, dv against a run with the
+    padded tiles forced; the padded run launches BLOCK_D2 = BLOCK_H2 = 0, the split one BLOCK_D2 > 0
+    and, with RoPE, BLOCK_H2 > 0 (the rotation halves' parts)."""
+    rope = "rope" in spec
     seen = record_launch_constexprs(monkeypatch)
     split = run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
-    assert seen and all(c["BLOCK_D2"] > 0 for _, c in seen)
+    assert seen and all(c["BLOCK_D2"] > 0 and (c["BLOCK_H2"] > 0) == rope for _, c in seen)
     seen.clear()
     monkeypatch.setattr(launch, "_head_dim_parts", padded_head_dim_parts)
     padded = run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
-    assert seen and all(c["BLOCK_D2"] == 0 and c["BLOCK_D"] == 128 for _, c in seen)
+    assert seen and all(c["BLOCK_D2"] == 0 and c["BLOCK_H2"] == 0 and c["BLOCK_D"] == 128 for _, c in seen)
+    assert all(c["BLOCK_H"] == (64 if rope else 128) for _, c in seen)
     for name, a, b in zip(("o", "dq", "dk", "dv"), split, padded):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=name)

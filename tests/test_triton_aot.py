@@ -198,16 +198,27 @@ def test_fp32_dots_follow_the_tf32_constexpr(case, precision, aot_results):
 def test_attention_specs_cover_the_split_head_dims():
     """The attention specs compile the split head-dim variant (BLOCK_D2 > 0, kernels/attention/launch.py
     `_head_dim_parts`) of every main kernel at D = 80 and of the forward, dK/dV and dQ kernels at 96 and
-    192, and with RoPE at D = 80 the v side's split (BLOCK_D2 = 16, padded rotation halves BLOCK_H = 64)."""
+    192; and with RoPE the split of both the v side and the rotation halves (BLOCK_H + BLOCK_H2 per half)
+    at D = 80 (halves 32 + 16) and 96 (32 + 16) for every kernel that takes q or k, and at 192 (64 + 32)
+    for the forward, dK/dV and dQ kernels."""
     from remat.kernels import attention
 
-    blocks = {name: constexprs.get("BLOCK_D2") for name, _, _, constexprs, *_ in attention.aot_specs()}
+    tiles = {name: tuple(constexprs.get(block) for block in ("BLOCK_D", "BLOCK_H", "BLOCK_D2", "BLOCK_H2"))
+             for name, _, _, constexprs, *_ in attention.aot_specs()}
     kinds = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "bwd_dq_postprocess")
-    assert all(blocks[f"attn_{kind}-bf16-d80"] == 16 for kind in kinds)
+    assert all(tiles[f"attn_{kind}-bf16-d80"][2] == 16 for kind in kinds)
     for head_dim, second in ((96, 32), (192, 64)):
-        assert all(blocks[f"attn_{kind}-bf16-d{head_dim}"] == second for kind in ("fwd", "bwd_dkdv", "bwd_dq"))
-    assert blocks["attn_fwd-bf16-d80-varlen"] == 16
-    assert blocks["attn_fwd-bf16-d80-rope-softcap-dropout"] == 16
+        assert all(tiles[f"attn_{kind}-bf16-d{head_dim}"][2] == second for kind in ("fwd", "bwd_dkdv", "bwd_dq"))
+    assert tiles["attn_fwd-bf16-d80-varlen"][2] == 16
+    rope_kinds = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")
+    for head_dim, expected, kinds_of_dim in ((80, (64, 32, 16, 16), rope_kinds), (96, (64, 32, 32, 16), rope_kinds),
+                                             (192, (128, 64, 64, 32), rope_kinds[:3])):
+        assert all(tiles[f"attn_{kind}-bf16-d{head_dim}-rope-softcap-dropout"] == expected for kind in kinds_of_dim)
+    for head_dim, expected in ((80, (None, 32, 16, 16)), (96, (None, 32, 32, 16))):
+        assert tiles[f"attn_bwd_dq_postprocess-bf16-d{head_dim}-rope-softcap-dropout"] == expected
+    for name in ("fwd-bf16-d80-rope-softcap-dropout-varlen", "bwd_dkdv_atomic-bf16-d80-rope-softcap-dropout-varlen",
+                 "bwd_dkdv_split4-bf16-d80-rope-softcap-dropout"):
+        assert tiles[f"attn_{name}"] == (64, 32, 16, 16)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ dK += dS^T Q), the accumulators are fp32 and dq, dk get the transposed rotation
 (rope_rotate_grad, rope.py) before the one rounding to the input dtype. fp32 inputs skip every
 rounding; their dots multiply in IEEE fp32, or in TF32 with the TF32 constexpr (forward.py).
 With a split head dim (BLOCK_D2 > 0, rope.py) every [rows, D] operand and accumulator is two
-column parts: dP = dO_1 V_1^T + dO_2 V_2^T, each part of dv, dk, dq its own dot.
+column parts: dP = dO_1 V_1^T + dO_2 V_2^T, each part of dv, dk, dq its own dot; with RoPE and
+split rotation halves (BLOCK_H2 > 0) q, k, dq and dk are four tiles (two parts per half), each
+part's dots its own and each part's transposed rotation its own before the one rounding.
 
 Deterministic: a dK/dV kernel (program per key block and (batch, kv head), looping over the
 group's query heads and their visible query blocks; or, HEAD_SPLITS > 1, per key block and
@@ -37,7 +39,18 @@ from .masks import (
     _stats_base,
     _visible,
 )
-from .rope import _load_pair, _load_rotated, _pair_zeros, _scores, _store_pair, _store_unrotated
+from .rope import (
+    _add_part,
+    _load_pair,
+    _load_qk_parts,
+    _load_rotated,
+    _pair_zeros,
+    _qk_grad_dots,
+    _qk_zeros,
+    _scores,
+    _store_pair,
+    _store_unrotated,
+)
 
 
 @triton.jit
@@ -63,18 +76,18 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_kv_tile(
-    dv, dv2, dk1, dk2, k1, k2, v, v2, start_n, key_pos, start_m, q_ptr, do_ptr, q_base, do_base,
+    dv, dv2, dk1, dk2, dk3, dk4, k1, k2, k3, k4, v, v2, start_n, key_pos, start_m, q_ptr, do_ptr, q_base, do_base,
     stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base, dq_row_stride,
     cos_ptr, sin_ptr, cs_base, N, M, lo_d, hi_d,
     scale, cap_scale, softcap, seed, rng_base, drop_groups, dropout_p, inv_keep,
     MASKED, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
-    TF32: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_H2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """One query tile's contribution to dv, dk (and with ATOMIC_DQ, dq) of a key block: returns
-    (dv, dv2, dk1, dk2), the column parts (rope.py; the second ones placeholders when unused).
+    (dv, dv2, dk1, dk2, dk3, dk4): dv's column parts and dk's four q/k tiles (rope.py; the unused
+    ones placeholders). k1..k4: the key block's q/k tiles.
 
     Works on the transposed [keys, queries] tiles, so dv and dk accumulate as plain dots.
     MASKED (a runtime scalar) applies the window and the row/key bounds; the caller clears it
@@ -85,14 +98,14 @@ def _bwd_kv_tile(
     rows = start_m + tl.arange(0, BLOCK_M)
     row_mask = rows < N
     positions = rows + (M - N)
-    q1, q2 = _load_rotated(q_ptr, q_base, rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base,
-                           positions, HEAD_DIM, BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
+    q1, q2, q3, q4 = _load_rotated(q_ptr, q_base, rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base,
+                                   positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
     do, do2 = _load_pair(do_ptr, do_base, rows, stride_don, row_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     lse = tl.load(lse_ptr + row_base + rows, mask=row_mask, other=0.0)
     delta = tl.load(delta_ptr + row_base + rows, mask=row_mask, other=0.0)
     # Rows that saw no key have lse = +inf: P = exp2(-inf) = 0.
-    p, th = _recomputed_probs(_scores(k1, k2, q1, q2, ROPE, BLOCK_D2, INTERPRETED, TF32), lse[None, :],
-                              scale, cap_scale, softcap, SOFTCAP)
+    p, th = _recomputed_probs(_scores(k1, k2, k3, k4, q1, q2, q3, q4, ROPE, BLOCK_D2, BLOCK_H2, INTERPRETED, TF32),
+                              lse[None, :], scale, cap_scale, softcap, SOFTCAP)
     if MASKED:
         row_pos = tl.where(row_mask, positions, -_OUT)
         p = tl.where(_visible(row_pos[None, :], key_pos[:, None], lo_d, hi_d), p, 0.0)
@@ -113,31 +126,25 @@ def _bwd_kv_tile(
         dv2 = _dot(p_dropped, do2, dv2, INTERPRETED, TF32)
     ds = _round(_times_logit_grad(p * (dp - delta[None, :]), th, scale, SOFTCAP), dtype,
                 INTERPRETED)
-    dk1 = _dot(ds, q1, dk1, INTERPRETED, TF32)
-    if ROPE or BLOCK_D2 > 0:
-        dk2 = _dot(ds, q2, dk2, INTERPRETED, TF32)
+    dk1, dk2, dk3, dk4 = _qk_grad_dots(ds, q1, q2, q3, q4, dk1, dk2, dk3, dk4, ROPE, BLOCK_D2, BLOCK_H2,
+                                       INTERPRETED, TF32)
     if ATOMIC_DQ:
-        ds_t = tl.trans(ds)
-        cols = tl.arange(0, BLOCK_H)
-        offsets = dq_base + rows.to(tl.int64)[:, None] * dq_row_stride + cols[None, :]
-        zeros = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        # This tile's dq of the rotated q, tile by tile of the q/k layout, added into the fp32 buffer.
+        dq1, dq2, dq3, dq4 = _qk_zeros(BLOCK_M, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE)
+        dq1, dq2, dq3, dq4 = _qk_grad_dots(tl.trans(ds), k1, k2, k3, k4, dq1, dq2, dq3, dq4, ROPE, BLOCK_D2,
+                                           BLOCK_H2, INTERPRETED, TF32)
         if ROPE:
             half: tl.constexpr = HEAD_DIM // 2
-            mask = row_mask[:, None] & (cols < half)[None, :]
-            tl.atomic_add(dq_ptr + offsets, _dot(ds_t, k1, zeros, INTERPRETED, TF32), mask=mask,
-                          sem="relaxed")
-            tl.atomic_add(dq_ptr + offsets + half, _dot(ds_t, k2, zeros, INTERPRETED, TF32),
-                          mask=mask, sem="relaxed")
+            _add_part(dq_ptr, dq_base, rows, dq_row_stride, row_mask, dq1, 0, BLOCK_H, half)
+            _add_part(dq_ptr, dq_base + half, rows, dq_row_stride, row_mask, dq2, 0, BLOCK_H, half)
+            if BLOCK_H2 > 0:
+                _add_part(dq_ptr, dq_base, rows, dq_row_stride, row_mask, dq3, BLOCK_H, BLOCK_H2, half)
+                _add_part(dq_ptr, dq_base + half, rows, dq_row_stride, row_mask, dq4, BLOCK_H, BLOCK_H2, half)
         else:
-            mask = row_mask[:, None] & (cols < HEAD_DIM)[None, :]
-            tl.atomic_add(dq_ptr + offsets, _dot(ds_t, k1, zeros, INTERPRETED, TF32), mask=mask,
-                          sem="relaxed")
+            _add_part(dq_ptr, dq_base, rows, dq_row_stride, row_mask, dq1, 0, BLOCK_H, HEAD_DIM)
             if BLOCK_D2 > 0:
-                cols2 = BLOCK_H + tl.arange(0, BLOCK_D2)
-                tl.atomic_add(dq_ptr + dq_base + rows.to(tl.int64)[:, None] * dq_row_stride + cols2[None, :],
-                              _dot(ds_t, k2, tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32), INTERPRETED, TF32),
-                              mask=row_mask[:, None] & (cols2 < HEAD_DIM)[None, :], sem="relaxed")
-    return dv, dv2, dk1, dk2
+                _add_part(dq_ptr, dq_base, rows, dq_row_stride, row_mask, dq2, BLOCK_H, BLOCK_D2, HEAD_DIM)
+    return dv, dv2, dk1, dk2, dk3, dk4
 
 
 @triton.jit
@@ -150,7 +157,7 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
-    HEAD_SPLITS: tl.constexpr = 1, BLOCK_D2: tl.constexpr = 0,
+    HEAD_SPLITS: tl.constexpr = 1, BLOCK_D2: tl.constexpr = 0, BLOCK_H2: tl.constexpr = 0,
 ):
     """dk, dv of one key block x (kv head, batch), summed over the GROUP query heads of the kv
     head and their visible query blocks in a fixed order. Grid (key blocks, Hkv, B).
@@ -181,17 +188,13 @@ def _attn_bwd_dkdv_kernel(
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < m
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
-    k1, k2 = _load_rotated(k_ptr, _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN),
-                           keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, BLOCK_D2,
-                           ROPE, INTERPRETED)
+    k1, k2, k3, k4 = _load_rotated(
+        k_ptr, _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN), keys, stride_kn, key_mask,
+        cos_ptr, sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
     v, v2 = _load_pair(v_ptr, _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN), keys,
                        stride_vn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     dv, dv2 = _pair_zeros(BLOCK_N, BLOCK_D, BLOCK_D2)
-    if ROPE:
-        dk1 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
-        dk2 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
-    else:
-        dk1, dk2 = _pair_zeros(BLOCK_N, BLOCK_H, BLOCK_D2)
+    dk1, dk2, dk3, dk4 = _qk_zeros(BLOCK_N, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE)
     if DROPOUT:
         seed = tl.load(rng_ptr)
         rng_offset = tl.load(rng_ptr + 1)
@@ -212,40 +215,41 @@ def _attn_bwd_dkdv_kernel(
         rng_base = rng_offset + (b * num_heads + h) * N * drop_groups
         dq_base = (q_row0 * num_heads + h) * HEAD_DIM
         for start_m in range(lo, hi, BLOCK_M):
-            dv, dv2, dk1, dk2 = _bwd_kv_tile(
-                dv, dv2, dk1, dk2, k1, k2, v, v2, start_n, key_pos, start_m, q_ptr, do_ptr, q_base,
+            dv, dv2, dk1, dk2, dk3, dk4 = _bwd_kv_tile(
+                dv, dv2, dk1, dk2, dk3, dk4, k1, k2, k3, k4, v, v2, start_n, key_pos, start_m, q_ptr, do_ptr, q_base,
                 do_base, stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base,
                 num_heads * HEAD_DIM, cos_ptr, sin_ptr, cs_base, n, m, lo_d, hi_d,
                 scale, cap_scale, softcap, seed, rng_base, drop_groups, dropout_p, inv_keep,
                 (start_m < int_start) | (start_m >= int_end), ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_D2,
-                BLOCK_H, BLOCK_M, BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
+                BLOCK_H, BLOCK_H2, BLOCK_M, BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     # dk, dv are contiguous [B, M, Hkv, D] ([total_k, Hkv, D] with VARLEN), or the fp32
     # workspaces [B, M, Hkv * HEAD_SPLITS, D].
     out_base = (k_row0 * num_out_heads + out_head) * HEAD_DIM
     out_row_stride = num_out_heads * HEAD_DIM
-    _store_unrotated(dk_ptr, out_base, keys, out_row_stride, key_mask, dk1, dk2, cos_ptr,
-                     sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
+    _store_unrotated(dk_ptr, out_base, keys, out_row_stride, key_mask, dk1, dk2, dk3, dk4, cos_ptr,
+                     sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
     _store_pair(dv_ptr, out_base, keys, out_row_stride, key_mask, dv, dv2, HEAD_DIM, BLOCK_D, BLOCK_D2,
                 INTERPRETED)
 
 
 @triton.jit
 def _bwd_q_tile(
-    dq1, dq2, q1, q2, do, do2, lse, delta, positions, start_n,
+    dq1, dq2, dq3, dq4, q1, q2, q3, q4, do, do2, lse, delta, positions, start_n,
     k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
     M, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p,
     inv_keep, MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
-    DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_H2: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
-    """One key tile's contribution to the dq (of the rotated q) of a query block."""
+    """One key tile's contribution to the dq (of the rotated q) of a query block: returns the
+    updated four q/k tiles (dq1, dq2, dq3, dq4) (rope.py; the unused ones placeholders)."""
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < M
-    k1, k2 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
-                           keys, HEAD_DIM, BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
+    k1, k2, k3, k4 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
+                                   keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
     v, v2 = _load_pair(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
-    p, th = _recomputed_probs(_scores(q1, q2, k1, k2, ROPE, BLOCK_D2, INTERPRETED, TF32), lse[:, None], scale,
-                              cap_scale, softcap, SOFTCAP)
+    p, th = _recomputed_probs(_scores(q1, q2, q3, q4, k1, k2, k3, k4, ROPE, BLOCK_D2, BLOCK_H2, INTERPRETED, TF32),
+                              lse[:, None], scale, cap_scale, softcap, SOFTCAP)
     if MASKED:
         key_pos = tl.where(key_mask, keys, _OUT)
         p = tl.where(_visible(positions[:, None], key_pos[None, :], lo_d, hi_d), p, 0.0)
@@ -257,10 +261,7 @@ def _bwd_q_tile(
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = _round(_times_logit_grad(p * (dp - delta[:, None]), th, scale, SOFTCAP), do.dtype,
                 INTERPRETED)
-    dq1 = _dot(ds, k1, dq1, INTERPRETED, TF32)
-    if ROPE or BLOCK_D2 > 0:
-        dq2 = _dot(ds, k2, dq2, INTERPRETED, TF32)
-    return dq1, dq2
+    return _qk_grad_dots(ds, k1, k2, k3, k4, dq1, dq2, dq3, dq4, ROPE, BLOCK_D2, BLOCK_H2, INTERPRETED, TF32)
 
 
 @triton.jit
@@ -272,6 +273,7 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_D2: tl.constexpr = 0,
+    BLOCK_H2: tl.constexpr = 0,
 ):
     """dq of one query block x (query head, batch), over its visible key tiles in order (the
     deterministic mode). Grid (query blocks, Hq, B), query blocks last-first. VARLEN: batch
@@ -280,9 +282,9 @@ def _attn_bwd_dq_kernel(
     start_m, rows, row_mask, positions, h, kv_head, b, num_heads = _query_block(
         n, m, GROUP, BLOCK_M)
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
-    q1, q2 = _load_rotated(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN), rows,
-                           stride_qn, row_mask, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, BLOCK_D2,
-                           ROPE, INTERPRETED)
+    q1, q2, q3, q4 = _load_rotated(
+        q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN), rows, stride_qn, row_mask,
+        cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
     do, do2 = _load_pair(do_ptr, _operand_base(b, q_row0, stride_dob, stride_don, h, stride_doh, VARLEN), rows,
                          stride_don, row_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     stats = _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN) + rows
@@ -291,32 +293,28 @@ def _attn_bwd_dq_kernel(
     k_base = _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN)
     v_base = _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN)
     seed, rng_rows = _dropout_rows(rng_ptr, (b * num_heads + h) * N + rows, M, DROPOUT)
-    if ROPE:
-        dq1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        dq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-    else:
-        dq1, dq2 = _pair_zeros(BLOCK_M, BLOCK_H, BLOCK_D2)
+    dq1, dq2, dq3, dq4 = _qk_zeros(BLOCK_M, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE)
     lo, hi, int_start, int_end = _key_range(start_m, n, m, left, right, BLOCK_M, BLOCK_N)
     hi = tl.where(start_m < n, hi, lo)
     lo_d, hi_d = _offset_bounds(left, right)
     for start_n in range(lo, hi, BLOCK_N):
-        dq1, dq2 = _bwd_q_tile(
-            dq1, dq2, q1, q2, do, do2, lse, delta, positions, start_n,
+        dq1, dq2, dq3, dq4 = _bwd_q_tile(
+            dq1, dq2, dq3, dq4, q1, q2, q3, q4, do, do2, lse, delta, positions, start_n,
             k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
             m, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p, inv_keep,
-            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_H, BLOCK_N,
-            ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
+            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_H, BLOCK_H2,
+            BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     # dq is contiguous [B, N, Hq, D] ([total_q, Hq, D] with VARLEN).
     _store_unrotated(dq_ptr, (q_row0 * num_heads + h) * HEAD_DIM, rows, num_heads * HEAD_DIM,
-                     row_mask, dq1, dq2, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
-                     BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
+                     row_mask, dq1, dq2, dq3, dq4, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
+                     BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
 
 
 @triton.jit
 def _attn_bwd_dq_postprocess_kernel(
     dq_acc_ptr, dq_ptr, cos_ptr, sin_ptr, cu_q_ptr, cu_k_ptr, cs_stride_b, N, M,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_D2: tl.constexpr = 0,
+    BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_D2: tl.constexpr = 0, BLOCK_H2: tl.constexpr = 0,
 ):
     """dq = rope_rotate_grad(dq_acc) rounded to dq's dtype, for one row block x (head, batch);
     both [B, N, Hq, D] contiguous ([total_q, Hq, D] with VARLEN: batch entries are the packed
@@ -329,15 +327,8 @@ def _attn_bwd_dq_postprocess_kernel(
     row_mask = rows < n
     base = (q_row0 * num_heads + h) * HEAD_DIM
     row_stride = num_heads * HEAD_DIM
-    cols = tl.arange(0, BLOCK_H)
-    offsets = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
-    if ROPE:
-        half: tl.constexpr = HEAD_DIM // 2
-        mask = row_mask[:, None] & (cols < half)[None, :]
-        g1 = tl.load(dq_acc_ptr + offsets, mask=mask, other=0.0)
-        g2 = tl.load(dq_acc_ptr + offsets + half, mask=mask, other=0.0)
-    else:
-        g1, g2 = _load_pair(dq_acc_ptr, base, rows, row_stride, row_mask, HEAD_DIM, BLOCK_H, BLOCK_D2)
-    _store_unrotated(dq_ptr, base, rows, row_stride, row_mask, g1, g2, cos_ptr, sin_ptr,
+    g1, g2, g3, g4 = _load_qk_parts(dq_acc_ptr, base, rows, row_stride, row_mask, HEAD_DIM, BLOCK_H, BLOCK_D2,
+                                    BLOCK_H2, ROPE)
+    _store_unrotated(dq_ptr, base, rows, row_stride, row_mask, g1, g2, g3, g4, cos_ptr, sin_ptr,
                      _rope_base(b, k_row0, cs_stride_b, VARLEN), rows + (m - n), HEAD_DIM, BLOCK_H, BLOCK_D2,
-                     ROPE, INTERPRETED)
+                     BLOCK_H2, ROPE, INTERPRETED)

@@ -8,7 +8,8 @@ and the logits are rope.py's and logits.py's):
   row that sees no key;
 - P (dropped and scaled by 1/(1-p)) is rounded to v's dtype before the PV dot (FlashAttention's
   rounding point); o = acc / l is rounded once. With a split head dim (BLOCK_D2 > 0, rope.py) v,
-  the accumulator and o are two column parts, each part's PV dot its own (the same sums).
+  the accumulator and o are two column parts, each part's PV dot its own (the same sums); the
+  QK^T dot sums the parts of q and k (with RoPE up to four: two per rotation half, BLOCK_H2 > 0).
 fp32 inputs skip every rounding; their dots use IEEE fp32 products, or TF32 products when the
 launcher passes TF32 (PyTorch's torch.backends.cuda.matmul.allow_tf32, read per call).
 
@@ -47,14 +48,15 @@ from .rope import _load_pair, _load_rotated, _pair_zeros, _scores, _store_pair
 
 @triton.jit
 def _fwd_tile(
-    acc, acc2, m, row_sum, q1, q2, positions, rng_rows, start_n,
+    acc, acc2, m, row_sum, q1, q2, q3, q4, positions, rng_rows, start_n,
     k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
     M, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
     MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
-    DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_H2: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (acc, acc2, m, row_sum).
+    q1..q4: the query block's q/k tiles (rope.py `_load_rotated`).
 
     m is the running max of the logits (natural units), row_sum the running sum of the undropped
     probabilities exp2((t - m) * log2 e), acc the fp32 sum of round(P_dropped) @ V (its column
@@ -64,10 +66,10 @@ def _fwd_tile(
     """
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < M
-    k1, k2 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
-                           keys, HEAD_DIM, BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
-    t, _ = _logits(_scores(q1, q2, k1, k2, ROPE, BLOCK_D2, INTERPRETED, TF32), scale, cap_scale, softcap,
-                   SOFTCAP)
+    k1, k2, k3, k4 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
+                                   keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
+    t, _ = _logits(_scores(q1, q2, q3, q4, k1, k2, k3, k4, ROPE, BLOCK_D2, BLOCK_H2, INTERPRETED, TF32), scale,
+                   cap_scale, softcap, SOFTCAP)
     if MASKED:
         key_pos = tl.where(key_mask, keys, _OUT)
         t = tl.where(_visible(positions[:, None], key_pos[None, :], lo_d, hi_d), t,
@@ -99,6 +101,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_D2: tl.constexpr = 0,
+    BLOCK_H2: tl.constexpr = 0,
 ):
     """o and lse of one query block x (query head, batch). Grid (query blocks, Hq, B); the
     query blocks run last-first, so under a causal mask the longest rows start first. VARLEN:
@@ -108,9 +111,9 @@ def _attn_fwd_kernel(
     start_m, rows, row_mask, positions, h, kv_head, b, num_heads = _query_block(
         n, m_len, GROUP, BLOCK_M)
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
-    q1, q2 = _load_rotated(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN),
-                           rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
-                           BLOCK_H, BLOCK_D2, ROPE, INTERPRETED)
+    q1, q2, q3, q4 = _load_rotated(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN),
+                                   rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
+                                   BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
     k_base = _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN)
     v_base = _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN)
     # The dropout counters of key 0 of each row (row index into [B, Hq, N]; masks.py).
@@ -123,11 +126,11 @@ def _attn_fwd_kernel(
     lo_d, hi_d = _offset_bounds(left, right)
     for start_n in range(lo, hi, BLOCK_N):
         acc, acc2, m, row_sum = _fwd_tile(
-            acc, acc2, m, row_sum, q1, q2, positions, rng_rows, start_n,
+            acc, acc2, m, row_sum, q1, q2, q3, q4, positions, rng_rows, start_n,
             k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
             m_len, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
-            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_H, BLOCK_N,
-            ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
+            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_H, BLOCK_H2,
+            BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     seen = row_sum > 0.0
     divisor = tl.where(seen, row_sum, 1.0)[:, None]
     o = tl.where(seen[:, None], tl.math.div_rn(acc, divisor), 0.0)

@@ -103,24 +103,32 @@ def _prepare(q, k, v, cos, sin, rng, scale, softcap, dropout_p):
     return (batch, n, m, num_heads, num_kv_heads), cs_stride_b, tables, scalars, constexprs
 
 
-def _head_dim_parts(head_dim, rope):
-    """(BLOCK_D, BLOCK_H, BLOCK_D2): the column tiles of a head dim (rope.py).
-
-    BLOCK_D, BLOCK_D2 (v, o, dout, dv and, without RoPE, q, k, dq, dk): split when D is not a
-    power of two and the two parts are narrower than the padded tile: BLOCK_D = the largest power
-    of two below D, BLOCK_D2 = max(16, next_pow2(the rest)), e.g. 80 -> 64 + 16, 96 -> 64 + 32,
-    192 -> 128 + 64, 48 -> 32 + 16; else padded, BLOCK_D = max(16, next_pow2(D)) and BLOCK_D2 = 0
-    (112 -> 64 + 64 is no narrower than 128). BLOCK_H: the q/k tiles, BLOCK_D without RoPE; with
-    RoPE the rotation halves stay padded, max(16, next_pow2(D / 2)) each (D = 80: 2 x 64 for
-    2 x 40): splitting them too would need four column parts (32 + 8 per half), which the kernels
-    do not implement, so with RoPE only the v side is split.
-    """
-    padded = max(16, triton.next_power_of_2(head_dim))
+def _two_parts(width):
+    """(first, second): the power-of-two column parts (each >= 16, Triton's smallest dot K) that
+    hold `width` columns: the padded tile's half and max(16, next_pow2(the rest)) when that is
+    narrower than the padded tile, else (the padded tile max(16, next_pow2(width)), 0)."""
+    padded = max(16, triton.next_power_of_2(width))
     first = padded // 2
-    second = max(16, triton.next_power_of_2(head_dim - first)) if head_dim > first else 0
-    block_d, block_d2 = (first, second) if first >= 16 and 0 < second and first + second < padded else (padded, 0)
-    block_h = max(16, triton.next_power_of_2(head_dim // 2)) if rope else block_d
-    return block_d, block_h, block_d2
+    second = max(16, triton.next_power_of_2(width - first)) if width > first else 0
+    return (first, second) if first >= 16 and 0 < second and first + second < padded else (padded, 0)
+
+
+def _head_dim_parts(head_dim, rope):
+    """(BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2): the column tiles of a head dim (rope.py).
+
+    BLOCK_D, BLOCK_D2 (v, o, dout, dv and, without RoPE, q, k, dq, dk) = `_two_parts(D)`: split
+    when D is not a power of two and the two parts are narrower than the padded tile: BLOCK_D =
+    the largest power of two below D, BLOCK_D2 = max(16, next_pow2(the rest)), e.g. 80 -> 64 + 16,
+    96 -> 64 + 32, 192 -> 128 + 64, 48 -> 32 + 16; else padded, BLOCK_D = max(16, next_pow2(D))
+    and BLOCK_D2 = 0 (112 -> 64 + 64 is no narrower than 128). Without RoPE BLOCK_H = BLOCK_D and
+    BLOCK_H2 = 0. With RoPE q, k, dq, dk are held by rotation halves, each half's D/2 columns as
+    (BLOCK_H, BLOCK_H2) = `_two_parts(D / 2)` by the same rule: D = 80 -> 2 x (32 + 16) for 2 x
+    40, 96 -> 2 x (32 + 16), 192 -> 2 x (64 + 32), 144 -> 2 x (64 + 16); padded halves where the
+    split is no narrower (D = 40: 2 x 32 for 2 x 20, since 16 + 16 is not below 32; 112: 2 x 64).
+    """
+    block_d, block_d2 = _two_parts(head_dim)
+    block_h, block_h2 = _two_parts(head_dim // 2) if rope else (block_d, 0)
+    return block_d, block_h, block_d2, block_h2
 
 
 def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
@@ -137,11 +145,11 @@ def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
         raise ValueError(f"scale: expected a positive float, got {scale}")
     if softcap < 0.0:
         raise ValueError(f"softcap: expected 0 (off) or a positive float, got {softcap}")
-    block_d, block_h, block_d2 = _head_dim_parts(head_dim, rope)
+    block_d, block_h, block_d2, block_h2 = _head_dim_parts(head_dim, rope)
     # TF32: fp32 dots follow PyTorch's fp32 matmul setting at this call (a compiled variant of
     # its own); 16-bit operands ignore it, so it stays False for them (no second variant).
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, ROPE=rope,
-                      SOFTCAP=softcap > 0.0, DROPOUT=dropout, TF32=q.dtype == torch.float32 and allow_tf32())
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=block_h2,
+                      ROPE=rope, SOFTCAP=softcap > 0.0, DROPOUT=dropout, TF32=q.dtype == torch.float32 and allow_tf32())
     scalars = dict(
         cap_scale=scale / softcap if softcap > 0.0 else 0.0,
         dropout_p=float(dropout_p),
@@ -334,7 +342,7 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
         _attn_bwd_dq_postprocess_kernel[elementwise_grid](
             dq_acc, dq, tables[0], tables[1], q, q, cs_stride_b, n, m,
             HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], BLOCK_D2=constexprs["BLOCK_D2"],
-            ROPE=constexprs["ROPE"], VARLEN=False,
+            BLOCK_H2=constexprs["BLOCK_H2"], ROPE=constexprs["ROPE"], VARLEN=False,
             BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
     return dq, dk, dv
 
@@ -470,7 +478,7 @@ def attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_
         _attn_bwd_dq_postprocess_kernel[(triton.cdiv(max(max_seqlen_q, 1), rows), num_heads, sequences)](
             dq_acc, dq, tables[0], tables[1], cu_seqlens_q, cu_seqlens_k, cs_stride, max_seqlen_q, max_seqlen_k,
             HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], BLOCK_D2=constexprs["BLOCK_D2"],
-            ROPE=constexprs["ROPE"], VARLEN=True,
+            BLOCK_H2=constexprs["BLOCK_H2"], ROPE=constexprs["ROPE"], VARLEN=True,
             BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
     return dq, dk, dv
 
@@ -483,13 +491,14 @@ def aot_specs():
     128: the forward, the backward preprocess, the deterministic dK/dV and dQ kernels, the fast
     (atomic dQ) dK/dV kernel and its postprocess, without RoPE, softcap or dropout (the window,
     causal or not, is a runtime argument). fp32 at head dim 64: the forward, dK/dV and dQ
-    kernels (FMA dots). bf16 at head dim 80 (v side split 64 + 16, rotation halves padded to 64)
-    with RoPE, softcap and dropout:
-    the forward, the dQ kernel, the atomic dK/dV kernel and the postprocess. bf16 at head dim
+    kernels (FMA dots). bf16 with RoPE, softcap and dropout at split head dims (v side and
+    rotation halves split, `_head_dim_parts`): at 80 (64 + 16, halves 32 + 16) and 96 (64 + 32,
+    halves 32 + 16) the forward, the deterministic and atomic dK/dV kernels, the dQ kernel and
+    the postprocess; at 192 (128 + 64, halves 64 + 32) the forward, dK/dV and dQ kernels. bf16 at head dim
     8 (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Packed sequences
     (VARLEN, names '-varlen'): bf16 at head dim 64, the forward and the deterministic dK/dV and dQ
-    kernels; bf16 at head dim 80 with RoPE, softcap and dropout, the forward, the atomic dK/dV
-    kernel and the postprocess. fp32 with TF32 dots (names 'fp32-tf32') at head dim 64: the
+    kernels; bf16 at head dim 80 with RoPE (halves 32 + 16), softcap and dropout, the forward,
+    the atomic dK/dV kernel and the postprocess. fp32 with TF32 dots (names 'fp32-tf32') at head dim 64: the
     forward, dK/dV and dQ kernels. The dK/dV kernel with its query heads split (HEAD_SPLITS = 4,
     names '-split4', fp32 dk/dv workspaces): bf16 at head dims 64 and 128, fp32 at 64, bf16 at 80
     with RoPE, softcap and dropout (deterministic and atomic), packed bf16 at 64. Split head dims
@@ -498,16 +507,17 @@ def aot_specs():
     kernels (about 1 s per spec and arch more on 2 CPU cores). Each main kernel
     takes its default configuration (`_configs_for`); the compile check passes num_warps only,
     so num_stages is Triton's default 3. Sizes are 32-bit and strides 64-bit (a launch gets i64
-    for a stride past 2^31 - 1). About 35 s of compiling for both archs on 2 CPU cores, and
-    about 3 s more for the head dim 8 kernels.
+    for a stride past 2^31 - 1). 72 specs: about 160 s of compiling for both archs on 2 shared
+    CPU cores (measured with a fresh Triton cache), about 2 s per RoPE spec and arch.
     """
     main_kinds = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic",
                   "bwd_dq_postprocess")
     cases = [(kind, type_name, head_dim, False, False) for type_name in ("bf16", "fp16")
              for head_dim in (64, 128) for kind in main_kinds]
     cases += [(kind, "fp32", 64, False, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
-    cases += [(kind, "bf16", 80, True, False) for kind in
-              ("fwd", "bwd_dq", "bwd_dkdv_atomic", "bwd_dq_postprocess")]
+    rope_kinds = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "bwd_dq_postprocess")
+    cases += [(kind, "bf16", head_dim, True, False) for head_dim in (80, 96) for kind in rope_kinds]
+    cases += [(kind, "bf16", 192, True, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 8, False, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 64, False, True) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 80, True, True) for kind in ("fwd", "bwd_dkdv_atomic", "bwd_dq_postprocess")]
@@ -531,10 +541,11 @@ def aot_specs():
     offsets = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
     for kind, type_name, head_dim, features, varlen in cases:
         element = "*fp32" if type_name == "fp32-tf32" else f"*{type_name}"
-        block_d, block_h, block_d2 = _head_dim_parts(head_dim, features)
+        block_d, block_h, block_d2, block_h2 = _head_dim_parts(head_dim, features)
         flags = dict(ROPE=features, SOFTCAP=features, DROPOUT=features, VARLEN=varlen,
                      TF32=type_name == "fp32-tf32")
-        constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, **flags)
+        constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=block_h2,
+                          **flags)
         config_name = None
         if kind == "fwd":
             kernel, config_name = _attn_fwd_kernel, "fwd"
@@ -552,8 +563,8 @@ def aot_specs():
             kernel = _attn_bwd_dq_postprocess_kernel
             signature = {"dq_acc_ptr": "*fp32", "dq_ptr": element, **tables, **offsets,
                          "cs_stride_b": "i64", "N": "i32", "M": "i32"}
-            constexprs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D2=block_d2, ROPE=features, VARLEN=varlen,
-                              BLOCK_M=_ROWS_PER_PROGRAM, INTERPRETED=False)
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=block_h2, ROPE=features,
+                              VARLEN=varlen, BLOCK_M=_ROWS_PER_PROGRAM, INTERPRETED=False)
         else:
             common = {**tables, "rng_ptr": "*i64", **offsets, **strides, **do_strides,
                       "cs_stride_b": "i64", "N": "i32", "M": "i32", "GROUP": "i32", **scalars}

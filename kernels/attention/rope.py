@@ -7,20 +7,26 @@ written to memory; the backward recomputes them from q, k and cos/sin. The gradi
 accumulated in fp32 for the rotated values and get the transposed rotation (rope_rotate_grad)
 before the one rounding to the input dtype (`_store_unrotated`).
 
-q/k (and dq/dk) tiles are held as two column halves when RoPE is on, so the rotation and its
-transpose are elementwise; without RoPE they are whole [rows, D] tiles. Tiles are padded to
-BLOCK_D = max(16, next_pow2(D)) columns (BLOCK_H = max(16, next_pow2(D / 2)) per half with
-RoPE); the columns past D (past D/2 in each half) load as zeros and are never stored, so every
-D in 1..256 (even with RoPE) runs on the same tiles.
+Column tiles (launch.py's `_head_dim_parts` chooses them). Every [rows, D] operand (v, o, dout
+and the dv accumulator; without RoPE also q, k and the dq, dk accumulators) is held as one tile
+of BLOCK_D = max(16, next_pow2(D)) columns, or, split (BLOCK_D2 > 0), as two column parts,
+columns [0, BLOCK_D) and [BLOCK_D, BLOCK_D + BLOCK_D2), both powers of two >= 16, the second zero
+past D: e.g. D = 80 runs as 64 + 16 instead of 128, 96 as 64 + 32, 192 as 128 + 64. Every dot
+over D is then the sum of the parts' dots (`_scores`, the dP dots of backward.py).
 
-Split head dims (BLOCK_D2 > 0, launch.py's `_head_dim_parts`): every [rows, D] operand (v, o,
-dout and the dv accumulator; without RoPE also q, k and the dq, dk accumulators) is held as two
-column parts, columns [0, BLOCK_D) and [BLOCK_D, BLOCK_D + BLOCK_D2), both powers of two >= 16,
-the second zero past D; e.g. D = 80 runs as 64 + 16 instead of 128, 96 as 64 + 32, 192 as
-128 + 64. Every dot over D is then the sum of the two parts' dots (`_scores`, the dP dots of
-backward.py). With RoPE, q and k (and dq, dk) stay the two padded rotation halves (BLOCK_H each),
-whatever BLOCK_D2. BLOCK_D2 = 0: one part (the second of each pair a placeholder that no caller
-reads).
+With RoPE, q and k (and the dq, dk accumulators) are held by rotation halves instead, so the
+rotation and its transpose are elementwise: each half of D/2 columns is one tile of BLOCK_H =
+max(16, next_pow2(D/2)) columns or, split (BLOCK_H2 > 0), two parts [0, BLOCK_H) and [BLOCK_H,
+BLOCK_H + BLOCK_H2) of the half, the second zero past D/2: D/2 = 40 runs as 32 + 16 instead of
+64, 48 as 32 + 16, 96 as 64 + 32. Column c of part p of the first half pairs with column c of
+part p of the second half (d and d + D/2), so each part rotates on its own. The q/k operand of
+a launch is four tiles (x1, x2, x3, x4): first half part 1, second half part 1, first half part
+2, second half part 2; QK^T is the sum of the four parts' dots.
+
+The unused tiles are placeholders no caller reads: without RoPE x3, x4 (and x2 when BLOCK_D2 =
+0) repeat the loaded tiles, and zero accumulators are [1, 1]. Columns past D (past D/2 in each
+half) load as zeros and are never stored, so every D in 1..256 (even with RoPE) runs on the same
+kernels.
 """
 
 import triton
@@ -31,19 +37,12 @@ from .._common import _dot, _round
 
 @triton.jit
 def _load_part(ptr, base, rows, row_stride, row_mask, FIRST_COL: tl.constexpr, WIDTH: tl.constexpr,
-               HEAD_DIM: tl.constexpr):
-    """[rows, WIDTH] tile of columns FIRST_COL.. of a [.., D] row-major operand, zero past D and
-    where ~row_mask."""
+               END: tl.constexpr):
+    """[rows, WIDTH] tile of columns FIRST_COL.. of a row-major operand (row r at base + r *
+    row_stride), zero from column END on and where ~row_mask."""
     cols = FIRST_COL + tl.arange(0, WIDTH)
     offsets = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
-    return tl.load(ptr + offsets, mask=row_mask[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)
-
-
-@triton.jit
-def _load_rows(ptr, base, rows, row_stride, row_mask, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    """[rows, BLOCK_D] tile of a [.., D] row-major operand, zero past D and where ~row_mask."""
-    return _load_part(ptr, base, rows, row_stride, row_mask, 0, BLOCK_D, HEAD_DIM)
+    return tl.load(ptr + offsets, mask=row_mask[:, None] & (cols < END)[None, :], other=0.0)
 
 
 @triton.jit
@@ -61,13 +60,13 @@ def _load_pair(ptr, base, rows, row_stride, row_mask, HEAD_DIM: tl.constexpr, BL
 
 @triton.jit
 def _store_part(ptr, base, rows, row_stride, row_mask, x, FIRST_COL: tl.constexpr, WIDTH: tl.constexpr,
-                HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Store x [rows, WIDTH] into columns FIRST_COL.. (those below D) of a [.., D] row-major
-    output, rounded once to its dtype."""
+                END: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Store x [rows, WIDTH] into columns FIRST_COL.. (those below END) of a row-major output,
+    rounded once to its dtype."""
     cols = FIRST_COL + tl.arange(0, WIDTH)
     offsets = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
     tl.store(ptr + offsets, _round(x, ptr.dtype.element_ty, INTERPRETED),
-             mask=row_mask[:, None] & (cols < HEAD_DIM)[None, :])
+             mask=row_mask[:, None] & (cols < END)[None, :])
 
 
 @triton.jit
@@ -77,6 +76,16 @@ def _store_pair(ptr, base, rows, row_stride, row_mask, x1, x2, HEAD_DIM: tl.cons
     _store_part(ptr, base, rows, row_stride, row_mask, x1, 0, BLOCK_D, HEAD_DIM, INTERPRETED)
     if BLOCK_D2 > 0:
         _store_part(ptr, base, rows, row_stride, row_mask, x2, BLOCK_D, BLOCK_D2, HEAD_DIM, INTERPRETED)
+
+
+@triton.jit
+def _add_part(ptr, base, rows, row_stride, row_mask, x, FIRST_COL: tl.constexpr, WIDTH: tl.constexpr,
+              END: tl.constexpr):
+    """Atomically add the fp32 x [rows, WIDTH] into columns FIRST_COL.. (those below END) of a
+    row-major fp32 buffer (relaxed order: the sums' order varies between runs)."""
+    cols = FIRST_COL + tl.arange(0, WIDTH)
+    offsets = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+    tl.atomic_add(ptr + offsets, x, mask=row_mask[:, None] & (cols < END)[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -92,67 +101,165 @@ def _pair_zeros(rows: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexp
 
 
 @triton.jit
-def _load_rotated(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions,
-                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, ROPE: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
-    """The QK^T operand of q or k rows: (first, second).
-
-    ROPE: the two halves [rows, BLOCK_H] of x rotated at `positions`, in fp32 from the loaded
-    values and rounded to the input dtype: first = x1 c - x2 s, second = x2 c + x1 s (x1 =
-    x[:, :D/2], x2 = x[:, D/2:]). Without ROPE: the column parts of `_load_pair` as loaded
-    (BLOCK_H = BLOCK_D; with BLOCK_D2 = 0 the whole tile twice, the second a placeholder).
-    """
+def _qk_zeros(rows: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_H2: tl.constexpr,
+              ROPE: tl.constexpr):
+    """fp32 zero accumulators of the four q/k tiles (the dq, dk of the rotated values): with ROPE
+    [rows, BLOCK_H] twice and [rows, BLOCK_H2] twice; without, `_pair_zeros(rows, BLOCK_H,
+    BLOCK_D2)`; [1, 1] placeholders for the unused ones."""
     if ROPE:
-        half: tl.constexpr = HEAD_DIM // 2
-        cols = tl.arange(0, BLOCK_H)
-        mask = row_mask[:, None] & (cols < half)[None, :]
-        offsets = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
-        x1 = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(ptr + offsets + half, mask=mask, other=0.0).to(tl.float32)
-        cs_offsets = cs_base + positions.to(tl.int64)[:, None] * half + cols[None, :]
-        c = tl.load(cos_ptr + cs_offsets, mask=mask, other=0.0)
-        s = tl.load(sin_ptr + cs_offsets, mask=mask, other=0.0)
-        dtype = ptr.dtype.element_ty
-        first = _round(x1 * c - x2 * s, dtype, INTERPRETED)
-        second = _round(x2 * c + x1 * s, dtype, INTERPRETED)
+        first = tl.zeros([rows, BLOCK_H], dtype=tl.float32)
+        second = tl.zeros([rows, BLOCK_H], dtype=tl.float32)
+        if BLOCK_H2 > 0:
+            third = tl.zeros([rows, BLOCK_H2], dtype=tl.float32)
+            fourth = tl.zeros([rows, BLOCK_H2], dtype=tl.float32)
+        else:
+            third = tl.zeros([1, 1], dtype=tl.float32)
+            fourth = tl.zeros([1, 1], dtype=tl.float32)
     else:
-        first, second = _load_pair(ptr, base, rows, row_stride, row_mask, HEAD_DIM, BLOCK_H, BLOCK_D2)
-    return first, second
+        first, second = _pair_zeros(rows, BLOCK_H, BLOCK_D2)
+        third = tl.zeros([1, 1], dtype=tl.float32)
+        fourth = tl.zeros([1, 1], dtype=tl.float32)
+    return first, second, third, fourth
 
 
 @triton.jit
-def _store_unrotated(ptr, base, rows, row_stride, row_mask, g1, g2, cos_ptr, sin_ptr, cs_base,
-                     positions, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D2: tl.constexpr, ROPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Store the gradient of q or k rows from the fp32 gradient of their rotated values.
+def _load_halves(ptr, base, rows, row_stride, row_mask, FIRST_COL: tl.constexpr, WIDTH: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+    """Columns FIRST_COL.. (WIDTH of them, zero from D/2 on) of both rotation halves of rows of a
+    [.., D] operand: (x[:, FIRST_COL..], x[:, D/2 + FIRST_COL..]), each [rows, WIDTH]."""
+    half: tl.constexpr = HEAD_DIM // 2
+    x1 = _load_part(ptr, base, rows, row_stride, row_mask, FIRST_COL, WIDTH, half)
+    x2 = _load_part(ptr, base + half, rows, row_stride, row_mask, FIRST_COL, WIDTH, half)
+    return x1, x2
 
-    ROPE: (g1, g2) are the halves; dx1 = g1 c + g2 s, dx2 = g2 c - g1 s (rope_rotate_grad).
-    Without ROPE: (g1, g2) are the column parts of `_load_pair` (g2 unused with BLOCK_D2 = 0).
-    Rounded once to ptr's dtype.
+
+@triton.jit
+def _rope_tables(cos_ptr, sin_ptr, cs_base, positions, row_mask, FIRST_COL: tl.constexpr, WIDTH: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+    """(cos, sin) [rows, WIDTH] fp32 at `positions`, columns FIRST_COL.. of the [.., D/2] tables
+    (zero from D/2 on and where ~row_mask)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    c = _load_part(cos_ptr, cs_base, positions, half, row_mask, FIRST_COL, WIDTH, half)
+    s = _load_part(sin_ptr, cs_base, positions, half, row_mask, FIRST_COL, WIDTH, half)
+    return c, s
+
+
+@triton.jit
+def _rotated_part(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions,
+                  FIRST_COL: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Columns FIRST_COL.. of both halves of x rotated at `positions`, in fp32 from the loaded
+    values and rounded to the input dtype: (x1 c - x2 s, x2 c + x1 s), x1, x2 = `_load_halves`."""
+    x1, x2 = _load_halves(ptr, base, rows, row_stride, row_mask, FIRST_COL, WIDTH, HEAD_DIM)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    c, s = _rope_tables(cos_ptr, sin_ptr, cs_base, positions, row_mask, FIRST_COL, WIDTH, HEAD_DIM)
+    dtype = ptr.dtype.element_ty
+    return _round(x1 * c - x2 * s, dtype, INTERPRETED), _round(x2 * c + x1 * s, dtype, INTERPRETED)
+
+
+@triton.jit
+def _load_rotated(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions,
+                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_H2: tl.constexpr,
+                  ROPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The QK^T operand of q or k rows: the four q/k tiles (x1, x2, x3, x4) of the module docstring.
+
+    ROPE: each part of the halves rotated by `_rotated_part` (x1, x2: columns [0, BLOCK_H) of the
+    first and second half; x3, x4: [BLOCK_H, BLOCK_H + BLOCK_H2) with BLOCK_H2 > 0, else
+    placeholders). Without ROPE: the column parts of `_load_pair` as loaded (BLOCK_H = BLOCK_D),
+    x3, x4 placeholders.
     """
     if ROPE:
-        dtype = ptr.dtype.element_ty
-        cols = tl.arange(0, BLOCK_H)
-        offsets = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
-        half: tl.constexpr = HEAD_DIM // 2
-        mask = row_mask[:, None] & (cols < half)[None, :]
-        cs_offsets = cs_base + positions.to(tl.int64)[:, None] * half + cols[None, :]
-        c = tl.load(cos_ptr + cs_offsets, mask=mask, other=0.0)
-        s = tl.load(sin_ptr + cs_offsets, mask=mask, other=0.0)
-        tl.store(ptr + offsets, _round(g1 * c + g2 * s, dtype, INTERPRETED), mask=mask)
-        tl.store(ptr + offsets + half, _round(g2 * c - g1 * s, dtype, INTERPRETED), mask=mask)
+        x1, x2 = _rotated_part(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions, 0,
+                               BLOCK_H, HEAD_DIM, INTERPRETED)
+        if BLOCK_H2 > 0:
+            x3, x4 = _rotated_part(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions,
+                                   BLOCK_H, BLOCK_H2, HEAD_DIM, INTERPRETED)
+        else:
+            x3, x4 = x1, x2
+    else:
+        x1, x2 = _load_pair(ptr, base, rows, row_stride, row_mask, HEAD_DIM, BLOCK_H, BLOCK_D2)
+        x3, x4 = x1, x2
+    return x1, x2, x3, x4
+
+
+@triton.jit
+def _load_qk_parts(ptr, base, rows, row_stride, row_mask, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_D2: tl.constexpr, BLOCK_H2: tl.constexpr, ROPE: tl.constexpr):
+    """The four q/k tiles of rows of a [.., D] operand as stored (no rotation): the halves' parts
+    with ROPE (`_load_halves`), else `_load_pair`'s column parts; placeholders as `_load_rotated`."""
+    if ROPE:
+        x1, x2 = _load_halves(ptr, base, rows, row_stride, row_mask, 0, BLOCK_H, HEAD_DIM)
+        if BLOCK_H2 > 0:
+            x3, x4 = _load_halves(ptr, base, rows, row_stride, row_mask, BLOCK_H, BLOCK_H2, HEAD_DIM)
+        else:
+            x3, x4 = x1, x2
+    else:
+        x1, x2 = _load_pair(ptr, base, rows, row_stride, row_mask, HEAD_DIM, BLOCK_H, BLOCK_D2)
+        x3, x4 = x1, x2
+    return x1, x2, x3, x4
+
+
+@triton.jit
+def _store_unrotated_part(ptr, base, rows, row_stride, row_mask, g1, g2, cos_ptr, sin_ptr, cs_base, positions,
+                          FIRST_COL: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          INTERPRETED: tl.constexpr):
+    """Store columns FIRST_COL.. of both halves of a gradient from the fp32 gradient (g1, g2) of
+    the rotated values' same columns: dx1 = g1 c + g2 s, dx2 = g2 c - g1 s (rope_rotate_grad),
+    rounded once to ptr's dtype."""
+    half: tl.constexpr = HEAD_DIM // 2
+    c, s = _rope_tables(cos_ptr, sin_ptr, cs_base, positions, row_mask, FIRST_COL, WIDTH, HEAD_DIM)
+    _store_part(ptr, base, rows, row_stride, row_mask, g1 * c + g2 * s, FIRST_COL, WIDTH, half, INTERPRETED)
+    _store_part(ptr, base + half, rows, row_stride, row_mask, g2 * c - g1 * s, FIRST_COL, WIDTH, half,
+                INTERPRETED)
+
+
+@triton.jit
+def _store_unrotated(ptr, base, rows, row_stride, row_mask, g1, g2, g3, g4, cos_ptr, sin_ptr, cs_base,
+                     positions, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
+                     BLOCK_H2: tl.constexpr, ROPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Store the gradient of q or k rows from the fp32 gradient of their rotated values, given as
+    the four q/k tiles (g1, g2, g3, g4) of `_load_rotated`.
+
+    ROPE: each part of the halves gets the transposed rotation (`_store_unrotated_part`; g3, g4
+    only with BLOCK_H2 > 0). Without ROPE: (g1, g2) are the column parts of `_load_pair` (g2 unused
+    with BLOCK_D2 = 0), g3, g4 unused. Rounded once to ptr's dtype.
+    """
+    if ROPE:
+        _store_unrotated_part(ptr, base, rows, row_stride, row_mask, g1, g2, cos_ptr, sin_ptr, cs_base, positions,
+                              0, BLOCK_H, HEAD_DIM, INTERPRETED)
+        if BLOCK_H2 > 0:
+            _store_unrotated_part(ptr, base, rows, row_stride, row_mask, g3, g4, cos_ptr, sin_ptr, cs_base,
+                                  positions, BLOCK_H, BLOCK_H2, HEAD_DIM, INTERPRETED)
     else:
         _store_pair(ptr, base, rows, row_stride, row_mask, g1, g2, HEAD_DIM, BLOCK_H, BLOCK_D2, INTERPRETED)
 
 
 @triton.jit
-def _scores(a1, a2, b1, b2, ROPE: tl.constexpr, BLOCK_D2: tl.constexpr, INTERPRETED: tl.constexpr,
-            TF32: tl.constexpr):
-    """a @ b^T in fp32 for rotated operands: a1 b1^T + a2 b2^T over the halves with ROPE or over
-    the column parts with BLOCK_D2 > 0, a1 b1^T over the whole tiles otherwise. TF32: fp32
-    operands multiply as TF32 (`_dot`)."""
+def _scores(a1, a2, a3, a4, b1, b2, b3, b4, ROPE: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_H2: tl.constexpr,
+            INTERPRETED: tl.constexpr, TF32: tl.constexpr):
+    """a @ b^T in fp32 for the four q/k tiles of `_load_rotated` of a and b: the sum of the used
+    parts' dots, a1 b1^T + a2 b2^T (with ROPE or BLOCK_D2 > 0) + a3 b3^T + a4 b4^T (with
+    BLOCK_H2 > 0). TF32: fp32 operands multiply as TF32 (`_dot`)."""
     acc = tl.zeros([a1.shape[0], b1.shape[0]], dtype=tl.float32)
     acc = _dot(a1, tl.trans(b1), acc, INTERPRETED, TF32)
     if ROPE or BLOCK_D2 > 0:
         acc = _dot(a2, tl.trans(b2), acc, INTERPRETED, TF32)
+    if BLOCK_H2 > 0:
+        acc = _dot(a3, tl.trans(b3), acc, INTERPRETED, TF32)
+        acc = _dot(a4, tl.trans(b4), acc, INTERPRETED, TF32)
     return acc
+
+
+@triton.jit
+def _qk_grad_dots(ds, x1, x2, x3, x4, g1, g2, g3, g4, ROPE: tl.constexpr, BLOCK_D2: tl.constexpr,
+                  BLOCK_H2: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr):
+    """(g1 + ds @ x1, g2 + ds @ x2, g3 + ds @ x3, g4 + ds @ x4) over the used q/k tiles (as
+    `_scores`; the unused accumulators returned as given): the dq (dk) of the rotated values,
+    ds [rows, keys] and x the k (q) tiles."""
+    g1 = _dot(ds, x1, g1, INTERPRETED, TF32)
+    if ROPE or BLOCK_D2 > 0:
+        g2 = _dot(ds, x2, g2, INTERPRETED, TF32)
+    if BLOCK_H2 > 0:
+        g3 = _dot(ds, x3, g3, INTERPRETED, TF32)
+        g4 = _dot(ds, x4, g4, INTERPRETED, TF32)
+    return g1, g2, g3, g4

@@ -61,7 +61,11 @@ def _configs(*entries):
 # BLOCK_N = key tile, warps, stages); the first is the default, used without autotuning and by
 # aot_specs. Head-dim classes: 64 (D 1-64), 128, 256, by the columns the kernels hold
 # (BLOCK_D + BLOCK_D2: a split head dim of 80 or 96 is class 128, 192 class 256): the split
-# tiles hold fewer columns than the class's, so its tiles fit them (not timed on a GPU yet). Stack
+# tiles hold fewer columns than the class's, so its tiles fit them (not timed on a GPU yet); with
+# RoPE the q/k rotation halves hold 2 * (BLOCK_H + BLOCK_H2) columns, never more than the class
+# (80, 96: 2 x 48 of 128; 192: 2 x 96 of 256). The shared-memory pruning needs no estimate of
+# its own: it reads each candidate's compiled kernel (`_launch`), built with all the tile
+# constexprs (BLOCK_H2 included). Stack
 # bytes per thread (cuobjdump --dump-resource-usage, bf16, no alignment hints, split vs padded at
 # the same default tile): sm_90, never more (fwd 0 vs 0-208, dq 0-144 vs 32-176, dkdv 0 vs 0);
 # sm_80, less for fwd at 80/96 (0 vs 8), the atomic dK/dV at 80 (104 vs 232) and dq at 192 (248
@@ -141,7 +145,8 @@ for (_name, _size, _kind, _heavy), _entries in list(_CONFIGS.items()):
 def _configs_for(kernel_name, constexprs, dtype):
     """The configuration list of a launch: by kernel (the fast mode's dK/dV kernel has its
     own), head-dim class (the next power of two of the held columns BLOCK_D + BLOCK_D2, at least
-    64), dtype and whether RoPE or dropout is on."""
+    64; RoPE's rotation halves, 2 * (BLOCK_H + BLOCK_H2) columns, never exceed it), dtype and
+    whether RoPE or dropout is on."""
     if kernel_name == "dkdv" and constexprs.get("ATOMIC_DQ"):
         kernel_name = "dkdv_atomic"
     size = max(triton.next_power_of_2(constexprs["BLOCK_D"] + constexprs.get("BLOCK_D2", 0)), 64)
@@ -191,8 +196,8 @@ def tuning_key(kernel_name, dtype, constexprs, shape):
     device, dtype, head dim, feature flags, TF32 (another compiled variant), the dK/dV kernel's
     head split (another grid), group size, window classes, length buckets."""
     flags = tuple((name, constexprs[name]) for name in sorted(constexprs)
-                  if name in ("HEAD_DIM", "BLOCK_D", "BLOCK_D2", "ROPE", "SOFTCAP", "DROPOUT", "VARLEN", "HEAD_SPLITS",
-                              "TF32"))
+                  if name in ("HEAD_DIM", "BLOCK_D", "BLOCK_D2", "BLOCK_H2", "ROPE", "SOFTCAP", "DROPOUT", "VARLEN",
+                              "HEAD_SPLITS", "TF32"))
     return (kernel_name, shape.device_index, dtype, flags, shape.group,
             _window_class(shape.window_left), _window_class(shape.window_right),
             _length_bucket(shape.n), _length_bucket(shape.m))
