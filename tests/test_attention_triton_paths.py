@@ -3,7 +3,8 @@ dropout stream read four keys per Philox call at any row length and tile shape; 
 with each kv head's query heads split over several programs (GQA, MQA, rope, window, softcap,
 dropout, packed sequences, both backward modes) against the unsplit kernel and the float64
 reference, and the launcher's choice of the split; TF32 dots following PyTorch's fp32 matmul
-setting.
+setting; head dims that are not powers of two split into power-of-two column parts (with RoPE
+the rotation halves too) against the float64 reference and the padded tiles.
 
 Runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (tiny shapes), or on a CUDA GPU
 without it.

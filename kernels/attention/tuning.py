@@ -70,7 +70,14 @@ def _configs(*entries):
 # the same default tile): sm_90, never more (fwd 0 vs 0-208, dq 0-144 vs 32-176, dkdv 0 vs 0);
 # sm_80, less for fwd at 80/96 (0 vs 8), the atomic dK/dV at 80 (104 vs 232) and dq at 192 (248
 # vs 392), more for dq at 80/96 (200/312 vs 0), dK/dV at 80/96 (24/136 vs 0) and fwd at 192 (816
-# vs 352): the autotuner's smaller candidates of the class may win there on a GPU.
+# vs 352): the autotuner's smaller candidates of the class may win there on a GPU. With RoPE
+# (bf16, RoPE + softcap + dropout, each config's warps and stages, no alignment hints), the split
+# rotation halves (BLOCK_H2 > 0) vs the padded ones at the same tile: shared memory 19-35% less
+# for every kernel and candidate; stack bytes per thread for the forward about equal or less (d80
+# 8 vs 0, d96 0-8 vs 8-24, d192 0 vs 56-64 at the default tiles), for the backward kernels at
+# their default tiles more (dK/dV 824-936 vs 32-64 at d80/96, 1528-2448 vs 304-400 at d192; dQ
+# 408-488 vs 120-208 at d80/96; the atomic dK/dV 776-1680 vs 32-224), at other tiles sometimes
+# less (dK/dV d192 32 x 16: 72-192 vs 96-296; d80 32 x 64: 216 vs 224): not timed on a GPU.
 # "heavy": RoPE (two more [tile, D/2] operands and the fp32 cos/sin tiles) or dropout (a Philox
 # call per four scores since the four-words stream; the measurements below predate it, when it was
 # one call per score) is on.
