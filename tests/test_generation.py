@@ -221,3 +221,51 @@ def test_a_cache_in_a_training_forward_raises():
         model(input_ids=ids, attention_mask=mask, cache=transformers.DynamicCache())
     with torch.no_grad():
         assert model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values is not None
+
+
+def test_stock_layers_get_the_cache_under_their_own_argument_name():
+    """transformers 5.17 named a decoder layer's cache ``past_key_values`` (GPT2Block: its second
+    positional parameter), 5.24 names it ``cache``: the stock block a patched model runs with a
+    cache gets it under the name its forward declares. Here each stock GPT-2 block's forward is
+    wrapped in one with the 5.17 signature; passed ``cache=`` it would drop the cache into
+    ``**kwargs`` and decode without it (logits off by ~0.2 from the second step on)."""
+    stock, patched = build("gpt2"), build("gpt2")
+    remat.patch(patched)
+    received = []
+    for layer in patched.transformer.h:
+        original = layer._remat_original
+
+        def forward_5_17(hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
+                         encoder_attention_mask=None, use_cache=False, _original=original, **kwargs):
+            assert "cache" not in kwargs
+            received.append(past_key_values is not None)
+            return type(_original).forward(_original, hidden_states, past_key_values, attention_mask,
+                                           encoder_hidden_states, encoder_attention_mask, use_cache, **kwargs)
+
+        original.forward = forward_5_17
+    ids, mask, _ = batch()
+    want, got = greedy_with_logits(stock, ids[:1], mask[:1]), greedy_with_logits(patched, ids[:1], mask[:1])
+    assert_same_generation(got, want, 6)
+    assert received and all(received)
+
+
+def test_the_cache_is_renamed_only_when_the_stock_forward_lacks_its_name():
+    from remat.models.hf import _cache_under_stock_name
+
+    cache = object()
+
+    def new_style(hidden_states, cache=None, **kwargs):
+        pass
+
+    def old_style(hidden_states, past_key_values=None, **kwargs):
+        pass
+
+    def neither(hidden_states, **kwargs):
+        pass
+
+    assert _cache_under_stock_name(old_style, dict(cache=cache, use_cache=True)) == dict(past_key_values=cache,
+                                                                                         use_cache=True)
+    assert _cache_under_stock_name(new_style, dict(past_key_values=cache)) == dict(cache=cache)
+    assert _cache_under_stock_name(new_style, dict(cache=cache, past_key_values=None)) == dict(cache=cache)
+    assert _cache_under_stock_name(neither, dict(cache=cache)) == dict(cache=cache)
+    assert _cache_under_stock_name(old_style, dict(use_cache=False)) == dict(use_cache=False)

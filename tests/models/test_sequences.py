@@ -319,6 +319,26 @@ def test_mask_rules_other_than_causal_raise(kind):
                                          and_mask_function=masking_utils.padding_mask_function(mask.bool()))
 
 
+
+def test_packed_rule_of_transformers_without_position_remapping(monkeypatch):
+    """transformers 5.17 has no remap_positions_for_packed_sequence: its packed rule is
+    and_masks(causal rule, packed_sequence_mask_function(...)), built here from the installed
+    functions with the remapping removed; it passes, and other combinations still raise."""
+    from transformers import masking_utils
+
+    from remat.models import hf
+
+    monkeypatch.delattr(masking_utils, "remap_positions_for_packed_sequence")
+    packed = masking_utils.packed_sequence_mask_function(torch.zeros(1, LENGTH, dtype=torch.long))
+    sliding = masking_utils.and_masks(masking_utils.sliding_window_overlay(4), masking_utils.causal_mask_function)
+    hf.refuse_mask_rule(masking_utils.and_masks(masking_utils.causal_mask_function, packed), packed_allowed=True)
+    hf.refuse_mask_rule(masking_utils.and_masks(sliding, packed), packed_allowed=True)
+    with pytest.raises(ValueError, match="mask rule"):
+        hf.refuse_mask_rule(masking_utils.and_masks(masking_utils.causal_mask_function, packed), packed_allowed=False)
+    with pytest.raises(ValueError, match="mask rule"):
+        hf.refuse_mask_rule(masking_utils.and_masks(masking_utils.bidirectional_mask_function, packed),
+                            packed_allowed=True)
+
 def test_patching_leaves_models_sharing_the_config_alone():
     """Two models built from one config object: patching one changes neither the other's config
     (attention implementation, use_cache) nor its outputs; unpatch gives the original back."""

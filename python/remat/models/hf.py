@@ -10,6 +10,8 @@ after rope and the KV cache; decoder layers get ``position_embeddings=(cos, sin)
 model's rotary module; a layer's ``self_attn.layer_idx`` indexes ``config.layer_types``.
 """
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -72,10 +74,13 @@ def _rule_codes():
     ``__code__`` does not)."""
     from transformers import masking_utils as rules
 
+    # remap_positions_for_packed_sequence is newer than transformers 5.17, whose packed rule
+    # combines the causal rule itself with the packed-sequence rule (remapped: None there).
+    remap = getattr(rules, "remap_positions_for_packed_sequence", None)
     return dict(and_masks=rules.and_masks(rules.causal_mask_function).__code__,
                 sliding=rules.sliding_window_overlay(1).__code__,
                 packed=rules.packed_sequence_mask_function(None).__code__,
-                remapped=rules.remap_positions_for_packed_sequence(rules.causal_mask_function, None).__code__)
+                remapped=None if remap is None else remap(rules.causal_mask_function, None).__code__)
 
 
 def _is_causal_rule(function, codes):
@@ -95,12 +100,15 @@ def _is_causal_rule(function, codes):
 
 def _is_packed_rule(function, codes):
     """transformers' packed-sequence combination of a causal rule: ``and_masks(remap_positions(causal
-    rule), packed_sequence_mask_function(...))``."""
+    rule), packed_sequence_mask_function(...))``, or ``and_masks(causal rule, packed_sequence_mask_function(...))``
+    in transformers versions without ``remap_positions_for_packed_sequence`` (5.17)."""
     if getattr(function, "__code__", None) is not codes["and_masks"]:
         return False
     parts = _closure(function).get("mask_functions", ())
     if len(parts) != 2 or getattr(parts[1], "__code__", None) is not codes["packed"]:
         return False
+    if codes["remapped"] is None:
+        return _is_causal_rule(parts[0], codes)
     return (getattr(parts[0], "__code__", None) is codes["remapped"]
             and _is_causal_rule(_closure(parts[0]).get("mask_function"), codes))
 
@@ -220,7 +228,29 @@ def run_stock_layer(layer, *args, **kwargs):
         stock.train(layer.training)
     # Its forward, not its __call__: the stock module's own forward hooks (Hugging Face's output
     # recorders, which remat.patch carried over to layer) already run around layer's call.
-    return stock.forward(*args, **kwargs)
+    return stock.forward(*args, **_cache_under_stock_name(stock.forward, kwargs))
+
+
+# The names a decoder layer's KV cache argument has had: ``past_key_values`` (transformers 5.17,
+# where GPT2Block takes it as its second positional parameter) and ``cache`` (5.24).
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+def _cache_under_stock_name(forward, kwargs):
+    """``kwargs`` with the KV cache passed under the name ``forward`` declares (and the other name
+    dropped): a stock layer whose forward has only ``past_key_values`` would take ``cache=`` into
+    its ``**kwargs`` and ignore it (running without the cache: wrong tokens from the second
+    generated one on), and vice versa. Unchanged when no cache is given or forward declares
+    neither name."""
+    given = [name for name in _CACHE_NAMES if kwargs.get(name) is not None]
+    parameters = inspect.signature(forward).parameters
+    declared = [name for name in _CACHE_NAMES if name in parameters]
+    if len(given) != 1 or not declared:
+        return kwargs
+    target = given[0] if given[0] in declared else declared[0]
+    renamed = {name: value for name, value in kwargs.items() if name not in _CACHE_NAMES}
+    renamed[target] = kwargs[given[0]]
+    return renamed
 
 
 def refuse_static_cache(cache):
