@@ -178,13 +178,15 @@ def tf32_matmuls(enabled):
 
 
 def record_launch_constexprs(monkeypatch):
-    """(kernel name, constexprs) of every tuned attention launch from now on."""
+    """(kernel name, constexprs) of every tuned attention launch from now on: the launcher's
+    constexprs with the chosen configuration's (the backward kernels' rotation halves) over them."""
     seen = []
     original = launch._launch
 
     def recording(kernel, kernel_name, grid_of, args, constexprs, *rest, **options):
-        seen.append((kernel_name, constexprs))
-        return original(kernel, kernel_name, grid_of, args, constexprs, *rest, **options)
+        config = original(kernel, kernel_name, grid_of, args, constexprs, *rest, **options)
+        seen.append((kernel_name, dict(constexprs, **config.kwargs)))
+        return config
 
     monkeypatch.setattr(launch, "_launch", recording)
     return seen
@@ -318,9 +320,37 @@ def test_split_head_dim_bf16_within_reference(monkeypatch):
     assert seen and all(c["BLOCK_D2"] == 32 for _, c in seen)
 
 
-# RoPE at split head dims: name: spec, the expected (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2) of every
-# forward, dK/dV and dQ launch. D = 40: v side 32 + 16, halves of 20 padded to 32 (16 + 16 is no
-# narrower); 80: halves of 40 as 32 + 16; 96: 48 as 32 + 16; 192: 96 as 64 + 32.
+def favour_split_halves(monkeypatch):
+    """Install a timing tuner whose fake clock makes every candidate with split rotation halves
+    (BLOCK_H2 > 0) faster than every other (interpreter: no shared memory to check); returns it."""
+    def time(run, reset):
+        return 1.0 if run.args[0].kwargs.get("BLOCK_H2", 0) > 0 else 2.0
+
+    limit = dict(shared_memory_limit=lambda index: 0) if INTERPRETED else {}
+    tuner = tuning.Tuner(True, capturing=lambda: False, time_candidate=time, **limit)
+    monkeypatch.setattr(tuning, "_TUNER", tuner)
+    return tuner
+
+
+def backward_default(blocks):
+    """The backward kernels' default (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2) for the forward's
+    `blocks`: split rotation halves padded (a split's first part is half the padded half)."""
+    block_d, block_h, block_d2, block_h2 = blocks
+    return (block_d, 2 * block_h, block_d2, 0) if block_h2 else blocks
+
+
+def assert_rope_tiles(seen, blocks):
+    """The forward launched `blocks`, every dK/dV and dQ launch `backward_default(blocks)`."""
+    assert seen
+    for name, c in seen:
+        expected = blocks if name == "fwd" else backward_default(blocks)
+        assert (c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == expected, name
+
+
+# RoPE at split head dims: name: spec, the expected (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2) of the
+# forward launch (the backward kernels: the same with padded halves, `backward_default`). D = 40: v
+# side 32 + 16, halves of 20 padded to 32 (16 + 16 is no narrower); 80: halves of 40 as 32 + 16;
+# 96: 48 as 32 + 16; 192: 96 as 64 + 32.
 ROPE_SPLIT_CASES = [
     pytest.param(dict(b=1, n=17, m=33, hq=4, hkv=2, d=40, causal=True, rope="shared"), (32, 32, 16, 0),
                  id="d40-gqa2-causal"),
@@ -338,24 +368,40 @@ ROPE_SPLIT_CASES = [
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
 @pytest.mark.parametrize("spec,blocks", ROPE_SPLIT_CASES)
 def test_rope_splits_the_rotation_halves(spec, blocks, deterministic, monkeypatch):
-    """With RoPE, v, o, dout, dv run as BLOCK_D + BLOCK_D2 columns and q, k, dq, dk as two rotation
-    halves of BLOCK_H + BLOCK_H2 columns each (four tiles, the rotation and its transpose per part):
-    o, dq, dk, dv within the 2x rule of float64 (fp32), every launch with the expected tiles."""
+    """With RoPE, v, o, dout, dv run as BLOCK_D + BLOCK_D2 columns and q, k as two rotation halves of
+    BLOCK_H + BLOCK_H2 columns each in the forward (four tiles, the rotation per part), the backward
+    kernels by default with padded halves: o, dq, dk, dv within the 2x rule of float64 (fp32),
+    every launch with the expected tiles. Then the tuner choosing the split halves for the backward
+    too (four tiles of q, k, dq, dk, the transposed rotation per part): again within the rule."""
     seen = record_launch_constexprs(monkeypatch)
     run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
     assert sorted(name for name, _ in seen) == (["dkdv", "dq", "fwd"] if deterministic else ["dkdv", "fwd"])
-    assert all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == blocks for _, c in seen)
+    assert_rope_tiles(seen, blocks)
+    if blocks[3]:
+        seen.clear()
+        favour_split_halves(monkeypatch)
+        run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
+        assert seen and all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == blocks for _, c in seen)
 
 
 def test_rope_split_halves_bf16_within_reference(monkeypatch):
-    """bf16 at D = 80 with RoPE (halves 32 + 16), GQA, causal, both backward modes: the rotated
-    parts rounded to bf16 before the dots, dq and dk rounded once after the transposed rotation,
-    within the 2x rule of float64."""
+    """bf16 at D = 80 with RoPE (forward halves 32 + 16, backward 64 by default), GQA, causal,
+    both backward modes: the rotated parts rounded to bf16 before the dots, dq and dk rounded once
+    after the transposed rotation, within the 2x rule of float64; again with the tuner choosing
+    the split halves for the backward (fake timing), and its cached choices per key hold them."""
     seen = record_launch_constexprs(monkeypatch)
     spec = dict(b=1, n=17, m=17, hq=4, hkv=2, d=80, causal=True, rope="per_batch")
     for deterministic in (True, False):
         run_and_check(spec, torch.bfloat16, "triton", deterministic=deterministic, device=DEVICE)
+    assert_rope_tiles(seen, (64, 32, 16, 16))
+    seen.clear()
+    tuner = favour_split_halves(monkeypatch)
+    for deterministic in (True, False):
+        run_and_check(spec, torch.bfloat16, "triton", deterministic=deterministic, device=DEVICE)
     assert seen and all((c["BLOCK_H"], c["BLOCK_H2"]) == (32, 16) for _, c in seen)
+    backward = {key[0]: config for key, config in tuner.choices.items() if key[0] != "fwd"}
+    assert sorted(backward) == ["dkdv", "dkdv_atomic", "dq"]
+    assert all((c.kwargs["BLOCK_H"], c.kwargs["BLOCK_H2"]) == (32, 16) for c in backward.values())
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
@@ -375,7 +421,7 @@ def test_split_head_dim_varlen(deterministic, monkeypatch):
     stock = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, None, torch.float32)
     for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
         assert_within_2x_of_stock(name, value, stock_value, ref, torch.float32)
-    assert seen and all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == (64, 32, 16, 16) for _, c in seen)
+    assert_rope_tiles(seen, (64, 32, 16, 16))
 
 
 def padded_head_dim_parts(head_dim, rope):
@@ -395,9 +441,11 @@ def test_split_head_dim_matches_padded_tiles(spec, deterministic, monkeypatch):
     """The split tiles compute what the padded ones do (fp32: the same products, the dots' sums
     split in parts, so equal up to fp32 summation order): o, dq, dk, dv against a run with the
     padded tiles forced; the padded run launches BLOCK_D2 = BLOCK_H2 = 0, the split one BLOCK_D2 > 0
-    and, with RoPE, BLOCK_H2 > 0 (the rotation halves' parts)."""
+    and, with RoPE, BLOCK_H2 > 0 (the rotation halves' parts; the backward's split halves chosen by
+    a tuner that times them faster)."""
     rope = "rope" in spec
     seen = record_launch_constexprs(monkeypatch)
+    favour_split_halves(monkeypatch)
     split = run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
     assert seen and all(c["BLOCK_D2"] > 0 and (c["BLOCK_H2"] > 0) == rope for _, c in seen)
     seen.clear()

@@ -131,6 +131,16 @@ def _head_dim_parts(head_dim, rope):
     return block_d, block_h, block_d2, block_h2
 
 
+def _postprocess_tiles(head_dim, rope):
+    """The atomic dq postprocess's column tiles: padded, never split (BLOCK_D2 = BLOCK_H2 = 0;
+    BLOCK_H = max(16, next_pow2(D)), with RoPE max(16, next_pow2(D / 2)) per half). It reads the
+    fp32 dq buffer as stored, so its tiles need not match the dK/dV kernel's; at its 64 rows the
+    split ones spilled more at D = 192 (ptxas, sm_80/sm_90: tuning.py's notes)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_h = max(16, triton.next_power_of_2(head_dim // 2)) if rope else block_d
+    return dict(BLOCK_H=block_h, BLOCK_D2=0, BLOCK_H2=0)
+
+
 def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
     """Checks the scalar options and rng (the tables are checked by the caller); returns the
     kernels' table arguments (placeholders where absent), scalars and constexprs."""
@@ -341,9 +351,8 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
         _launch_dkdv(inputs, dk, dv, dq_acc, common, dict(constexprs, VARLEN=False, ATOMIC_DQ=True), shape, batch)
         _attn_bwd_dq_postprocess_kernel[elementwise_grid](
             dq_acc, dq, tables[0], tables[1], q, q, cs_stride_b, n, m,
-            HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], BLOCK_D2=constexprs["BLOCK_D2"],
-            BLOCK_H2=constexprs["BLOCK_H2"], ROPE=constexprs["ROPE"], VARLEN=False,
-            BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
+            HEAD_DIM=head_dim, **_postprocess_tiles(head_dim, constexprs["ROPE"]), ROPE=constexprs["ROPE"],
+            VARLEN=False, BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
     return dq, dk, dv
 
 
@@ -477,9 +486,8 @@ def attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_
         _launch_dkdv(inputs, dk, dv, dq_acc, common, dict(constexprs, ATOMIC_DQ=True), shape, sequences)
         _attn_bwd_dq_postprocess_kernel[(triton.cdiv(max(max_seqlen_q, 1), rows), num_heads, sequences)](
             dq_acc, dq, tables[0], tables[1], cu_seqlens_q, cu_seqlens_k, cs_stride, max_seqlen_q, max_seqlen_k,
-            HEAD_DIM=head_dim, BLOCK_H=constexprs["BLOCK_H"], BLOCK_D2=constexprs["BLOCK_D2"],
-            BLOCK_H2=constexprs["BLOCK_H2"], ROPE=constexprs["ROPE"], VARLEN=True,
-            BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
+            HEAD_DIM=head_dim, **_postprocess_tiles(head_dim, constexprs["ROPE"]), ROPE=constexprs["ROPE"],
+            VARLEN=True, BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
     return dq, dk, dv
 
 
@@ -487,28 +495,32 @@ def aot_specs():
     """Yield (name, kernel, signature, constexprs, num_warps) for ahead-of-time compile checks.
 
     `signature` and `constexprs` are in the form `triton.compiler.ASTSource` takes; names are
-    'attn_<kernel>-<dtype>-d<D>[-rope-softcap-dropout]'. bf16 and fp16 at head dims 64 and
-    128: the forward, the backward preprocess, the deterministic dK/dV and dQ kernels, the fast
-    (atomic dQ) dK/dV kernel and its postprocess, without RoPE, softcap or dropout (the window,
-    causal or not, is a runtime argument). fp32 at head dim 64: the forward, dK/dV and dQ
-    kernels (FMA dots). bf16 with RoPE, softcap and dropout at split head dims (v side and
-    rotation halves split, `_head_dim_parts`): at 80 (64 + 16, halves 32 + 16) and 96 (64 + 32,
-    halves 32 + 16) the forward, the deterministic and atomic dK/dV kernels, the dQ kernel and
-    the postprocess; at 192 (128 + 64, halves 64 + 32) the forward, dK/dV and dQ kernels. bf16 at head dim
-    8 (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Packed sequences
-    (VARLEN, names '-varlen'): bf16 at head dim 64, the forward and the deterministic dK/dV and dQ
-    kernels; bf16 at head dim 80 with RoPE (halves 32 + 16), softcap and dropout, the forward,
-    the atomic dK/dV kernel and the postprocess. fp32 with TF32 dots (names 'fp32-tf32') at head dim 64: the
-    forward, dK/dV and dQ kernels. The dK/dV kernel with its query heads split (HEAD_SPLITS = 4,
-    names '-split4', fp32 dk/dv workspaces): bf16 at head dims 64 and 128, fp32 at 64, bf16 at 80
-    with RoPE, softcap and dropout (deterministic and atomic), packed bf16 at 64. Split head dims
-    without RoPE (`_head_dim_parts`, q and k split too): bf16 at 80 (64 + 16) every main kind, at 96 (64 + 32) and 192
-    (128 + 64) the forward, dK/dV and dQ kernels, packed bf16 at 80 the forward and dK/dV
-    kernels (about 1 s per spec and arch more on 2 CPU cores). Each main kernel
-    takes its default configuration (`_configs_for`); the compile check passes num_warps only,
-    so num_stages is Triton's default 3. Sizes are 32-bit and strides 64-bit (a launch gets i64
-    for a stride past 2^31 - 1). 72 specs: about 160 s of compiling for both archs on 2 shared
-    CPU cores (measured with a fresh Triton cache), about 2 s per RoPE spec and arch.
+    'attn_<kernel>-<dtype>-d<D>[-rope-softcap-dropout][-varlen][-splithalves]'. bf16 and fp16 at
+    head dims 64 and 128: the forward, the backward preprocess, the deterministic dK/dV and dQ
+    kernels, the fast (atomic dQ) dK/dV kernel and its postprocess, without RoPE, softcap or dropout
+    (the window, causal or not, is a runtime argument). fp32 at head dim 64: the forward, dK/dV and
+    dQ kernels (FMA dots). bf16 with RoPE, softcap and dropout at split head dims (v side split,
+    `_head_dim_parts`; the forward with the rotation halves split, the backward kernels with their
+    default padded halves, `_configs_for`): at 80 (64 + 16, halves 32 + 16 or 64) and 96 (64 + 32,
+    halves 32 + 16 or 64) the forward, the deterministic and atomic dK/dV kernels, the dQ kernel and
+    the postprocess (padded columns, `_postprocess_tiles`); at 192 (128 + 64, halves 64 + 32 or 128)
+    the forward, dK/dV and dQ kernels. The backward kernels' autotuning candidates with split halves
+    (names '-splithalves', the first such candidate): bf16 with RoPE, softcap and dropout at 80, the
+    deterministic and atomic dK/dV and the dQ kernels; at 192, the dK/dV kernel. bf16 at head dim 8
+    (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Packed sequences (VARLEN,
+    names '-varlen'): bf16 at head dim 64, the forward and the deterministic dK/dV and dQ kernels;
+    bf16 at head dim 80 with RoPE, softcap and dropout, the forward, the atomic dK/dV kernel and the
+    postprocess. fp32 with TF32 dots (names 'fp32-tf32') at head dim 64: the forward, dK/dV and dQ
+    kernels. The dK/dV kernel with its query heads split (HEAD_SPLITS = 4, names '-split4', fp32
+    dk/dv workspaces): bf16 at head dims 64 and 128, fp32 at 64, bf16 at 80 with RoPE, softcap and
+    dropout (deterministic and atomic), packed bf16 at 64. Split head dims without RoPE
+    (`_head_dim_parts`, q and k split too): bf16 at 80 (64 + 16) every main kind, at 96 (64 + 32)
+    and 192 (128 + 64) the forward, dK/dV and dQ kernels, packed bf16 at 80 the forward and dK/dV
+    kernels (about 1 s per spec and arch more on 2 CPU cores). Each main kernel takes its default
+    configuration (`_configs_for`); the compile check passes num_warps only, so num_stages is
+    Triton's default 3. Sizes are 32-bit and strides 64-bit (a launch gets i64 for a stride past
+    2^31 - 1). 76 specs: about 160 s of compiling for both archs on 2 shared CPU cores (measured
+    with a fresh Triton cache), about 2 s per RoPE spec and arch.
     """
     main_kinds = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic",
                   "bwd_dq_postprocess")
@@ -529,6 +541,11 @@ def aot_specs():
     cases += [(kind, "bf16", head_dim, False, False) for head_dim in (96, 192)
               for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 80, False, True) for kind in ("fwd", "bwd_dkdv")]
+    # The last field: the backward kernel's first candidate with split rotation halves instead of
+    # its default (padded halves, `_configs_for`).
+    cases = [case + (False,) for case in cases]
+    cases += [(kind, "bf16", 80, True, False, True) for kind in ("bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")]
+    cases += [("bwd_dkdv", "bf16", 192, True, False, True)]
     torch_types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "fp32-tf32": torch.float32}
     scalars = {"scale": "fp32", "cap_scale": "fp32", "softcap": "fp32", "left": "i32",
@@ -539,7 +556,7 @@ def aot_specs():
     do_strides = dict.fromkeys(("stride_dob", "stride_don", "stride_doh"), "i64")
     tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     offsets = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
-    for kind, type_name, head_dim, features, varlen in cases:
+    for kind, type_name, head_dim, features, varlen, split_halves in cases:
         element = "*fp32" if type_name == "fp32-tf32" else f"*{type_name}"
         block_d, block_h, block_d2, block_h2 = _head_dim_parts(head_dim, features)
         flags = dict(ROPE=features, SOFTCAP=features, DROPOUT=features, VARLEN=varlen,
@@ -563,7 +580,7 @@ def aot_specs():
             kernel = _attn_bwd_dq_postprocess_kernel
             signature = {"dq_acc_ptr": "*fp32", "dq_ptr": element, **tables, **offsets,
                          "cs_stride_b": "i64", "N": "i32", "M": "i32"}
-            constexprs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=block_h2, ROPE=features,
+            constexprs = dict(HEAD_DIM=head_dim, **_postprocess_tiles(head_dim, features), ROPE=features,
                               VARLEN=varlen, BLOCK_M=_ROWS_PER_PROGRAM, INTERPRETED=False)
         else:
             common = {**tables, "rng_ptr": "*i64", **offsets, **strides, **do_strides,
@@ -583,12 +600,14 @@ def aot_specs():
                              "dq_ptr": "*fp32" if atomic else element, **common}
                 constexprs.update(ATOMIC_DQ=atomic, HEAD_SPLITS=splits)
         if config_name is not None:
-            config = _configs_for(config_name, constexprs, torch_types[type_name])[0]
+            configs = _configs_for(config_name, constexprs, torch_types[type_name])
+            config = next(c for c in configs if c.kwargs.get("BLOCK_H2", 0) > 0) if split_halves else configs[0]
             constexprs.update(config.kwargs, INTERPRETED=False)
             num_warps = config.num_warps
         else:
             num_warps = _ELEMENTWISE_WARPS
         signature.update(dict.fromkeys(constexprs, "constexpr"))
-        suffix = ("-rope-softcap-dropout" if features else "") + ("-varlen" if varlen else "")
+        suffix = (("-rope-softcap-dropout" if features else "") + ("-varlen" if varlen else "")
+                  + ("-splithalves" if split_halves else ""))
         yield (f"attn_{kind}-{type_name}-d{head_dim}{suffix}", kernel, signature, constexprs,
                num_warps)

@@ -2,8 +2,12 @@
 
 Compiled, each launch takes a configuration from `_configs_for`'s short list (per kernel, padded
 head dim, dtype class and feature weight) through `Tuner`, remat's own small tuner; under the
-interpreter, a fixed 16 x 16 tile. The tuner's key holds the kernel, the device, the dtype, the
-head dim, the feature flags (TF32 included), the dK/dV kernel's head split, the query-group size,
+interpreter, a fixed 16 x 16 tile and the first candidate's other constexprs unless a test's
+tuner chooses another. With RoPE at head dims whose rotation halves split (80, 96, 192, ...), the
+backward kernels' candidates also set the halves: padded first, then the same tiles split. The
+tuner's key holds the kernel, the device, the dtype, the head dim and its column parts (the
+candidate list follows from them), the feature flags (TF32 included), the dK/dV kernel's head
+split, the query-group size,
 the window sides (unbounded, 0 = causal, or a bucketed extent) and the sequence lengths (N and
 M, or the packed maxima) bucketed to the next power of two in [64, 65536], so a shape in another
 bucket is tuned again instead of inheriting the first call's tiles. Candidates whose compiled kernel needs
@@ -67,17 +71,27 @@ def _configs(*entries):
 # its own: it reads each candidate's compiled kernel (`_launch`), built with all the tile
 # constexprs (BLOCK_H2 included). Stack
 # bytes per thread (cuobjdump --dump-resource-usage, bf16, no alignment hints, split vs padded at
-# the same default tile): sm_90, never more (fwd 0 vs 0-208, dq 0-144 vs 32-176, dkdv 0 vs 0);
-# sm_80, less for fwd at 80/96 (0 vs 8), the atomic dK/dV at 80 (104 vs 232) and dq at 192 (248
-# vs 392), more for dq at 80/96 (200/312 vs 0), dK/dV at 80/96 (24/136 vs 0) and fwd at 192 (816
-# vs 352): the autotuner's smaller candidates of the class may win there on a GPU. With RoPE
-# (bf16, RoPE + softcap + dropout, each config's warps and stages, no alignment hints), the split
-# rotation halves (BLOCK_H2 > 0) vs the padded ones at the same tile: shared memory 19-35% less
-# for every kernel and candidate; stack bytes per thread for the forward about equal or less (d80
-# 8 vs 0, d96 0-8 vs 8-24, d192 0 vs 56-64 at the default tiles), for the backward kernels at
-# their default tiles more (dK/dV 824-936 vs 32-64 at d80/96, 1528-2448 vs 304-400 at d192; dQ
-# 408-488 vs 120-208 at d80/96; the atomic dK/dV 776-1680 vs 32-224), at other tiles sometimes
-# less (dK/dV d192 32 x 16: 72-192 vs 96-296; d80 32 x 64: 216 vs 224): not timed on a GPU.
+# the same default tile): sm_90, never more (fwd 0 vs 0-208, dq 0-144 vs 32-176, dkdv 0 vs 0)
+# except the atomic dK/dV (24/48/96 vs 8/8/32 at 80/96/192); sm_80, less for fwd at 80/96 (0 vs
+# 8), the atomic dK/dV (168/192/160 vs 208/208/192) and dq at 192 (248 vs 392), more for dq at
+# 80/96 (200/312 vs 0), dK/dV at 80/96 (40/128 vs 0) and fwd at 192 (816 vs 352), with
+# less shared memory for every backward kernel (23-41%): a few dozen bytes either way on sm_90, so the
+# v-side split stays the default of every kernel (the autotuner's smaller candidates of the
+# class may win on sm_80). With RoPE (bf16, RoPE + softcap + dropout, each config's warps and
+# stages, no alignment hints), the split rotation halves (BLOCK_H2 > 0) vs the padded ones at the
+# same tile (v side split in both): shared memory 19-35% less for every kernel and candidate;
+# stack bytes per thread for the forward about equal or less (d80 8 vs 0, d96 0-8 vs 8-24, d192
+# 0 vs 56-64 at the default tiles), for the backward kernels at their default tiles far more
+# (sm_90 / sm_80: dK/dV 824/848 vs 32/40 at d80, 880/936 vs 40/64 at d96, 1528/2448 vs 304/400
+# at d192; dQ 408/456 vs 120/208 at d80, 448/488 vs 120/200 at d96, 976/1720 vs 216/264 at
+# d192; the atomic dK/dV 776/1568 vs 40/200 at d80, 800/1680 vs 32/224 at d96, about equal at
+# d192, 280/528 vs 304/704; ptxas capped some split ones at 128 registers on sm_80), at other
+# tiles sometimes less (dK/dV d192 32 x 16: 72-192 vs 96-296; d80 32 x 64: 216 vs 224). So the
+# forward takes the split halves and the backward kernels the padded ones first, the same tiles
+# with split halves after them as autotuning candidates (`_with_rotation_halves`); the atomic
+# dq postprocess takes padded columns (launch._postprocess_tiles: at 64 rows and D = 192 the split
+# ones spilled 2736 vs 824 bytes with RoPE, 168 vs 40 without, sm_90; within 32 bytes at 80/96).
+# None of this is timed on a GPU.
 # "heavy": RoPE (two more [tile, D/2] operands and the fp32 cos/sin tiles) or dropout (a Philox
 # call per four scores since the four-words stream; the measurements below predate it, when it was
 # one call per score) is on.
@@ -149,17 +163,44 @@ for (_name, _size, _kind, _heavy), _entries in list(_CONFIGS.items()):
             _CONFIGS[("dkdv_atomic", _size, _kind, True)] = _entries
 
 
+# Kernels whose candidates with split RoPE rotation halves (BLOCK_H2 > 0) come after the same
+# tiles with padded halves (`_with_rotation_halves`): the backward kernels, which spill far more
+# with the split halves at their default tiles (measurements above). The forward takes the split.
+_PADDED_HALVES_FIRST = ("dq", "dkdv", "dkdv_atomic")
+
+
+@functools.cache
+def _with_rotation_halves(configs, padded_half, block_h, block_h2):
+    """`configs` (a tuple) with the rotation halves as constexprs of each configuration: every
+    tile with padded halves (BLOCK_H = padded_half, BLOCK_H2 = 0) first, then the same tiles with
+    the split halves (BLOCK_H, BLOCK_H2): the first fitting candidate (no autotuning, CUDA graph
+    capture) takes padded halves, the autotuner times both."""
+    return [triton.Config(dict(config.kwargs, BLOCK_H=halves[0], BLOCK_H2=halves[1]),
+                          num_warps=config.num_warps, num_stages=config.num_stages)
+            for halves in ((padded_half, 0), (block_h, block_h2)) for config in configs]
+
+
 def _configs_for(kernel_name, constexprs, dtype):
     """The configuration list of a launch: by kernel (the fast mode's dK/dV kernel has its
     own), head-dim class (the next power of two of the held columns BLOCK_D + BLOCK_D2, at least
     64; RoPE's rotation halves, 2 * (BLOCK_H + BLOCK_H2) columns, never exceed it), dtype and
-    whether RoPE or dropout is on."""
+    whether RoPE or dropout is on. constexprs: the launch's, with the head dim's column parts
+    (`launch._head_dim_parts`). For the backward kernels with split rotation halves (RoPE,
+    BLOCK_H2 > 0) each configuration also sets BLOCK_H, BLOCK_H2: the tiles with padded halves
+    (2 * BLOCK_H: a split's first part is half the padded tile, `launch._two_parts`), then the
+    same tiles with the split halves (`_with_rotation_halves`); otherwise the configurations set
+    BLOCK_M, BLOCK_N only."""
     if kernel_name == "dkdv" and constexprs.get("ATOMIC_DQ"):
         kernel_name = "dkdv_atomic"
     size = max(triton.next_power_of_2(constexprs["BLOCK_D"] + constexprs.get("BLOCK_D2", 0)), 64)
     kind = "fp32" if dtype == torch.float32 else "16bit"
     heavy = bool(constexprs["ROPE"] or constexprs["DROPOUT"])
-    return _CONFIGS[(kernel_name, size, kind, heavy)]
+    configs = _CONFIGS[(kernel_name, size, kind, heavy)]
+    block_h2 = constexprs.get("BLOCK_H2", 0)
+    if kernel_name in _PADDED_HALVES_FIRST and constexprs["ROPE"] and block_h2 > 0:
+        block_h = constexprs["BLOCK_H"]
+        return _with_rotation_halves(tuple(configs), 2 * block_h, block_h, block_h2)
+    return configs
 
 
 # Sequence-length buckets of the tuning key: the next power of two within these bounds.
@@ -200,11 +241,13 @@ class LaunchShape(NamedTuple):
 
 def tuning_key(kernel_name, dtype, constexprs, shape):
     """The tuner's cache key of a launch: kernel ("dkdv_atomic" for the fast mode's dK/dV),
-    device, dtype, head dim, feature flags, TF32 (another compiled variant), the dK/dV kernel's
-    head split (another grid), group size, window classes, length buckets."""
+    device, dtype, head dim and the launch's column parts (they set the candidate list: with
+    split rotation halves the backward kernels' candidates include padded ones, so a cached
+    choice carries its halves), feature flags, TF32 (another compiled variant), the dK/dV
+    kernel's head split (another grid), group size, window classes, length buckets."""
     flags = tuple((name, constexprs[name]) for name in sorted(constexprs)
-                  if name in ("HEAD_DIM", "BLOCK_D", "BLOCK_D2", "BLOCK_H2", "ROPE", "SOFTCAP", "DROPOUT", "VARLEN",
-                              "HEAD_SPLITS", "TF32"))
+                  if name in ("HEAD_DIM", "BLOCK_D", "BLOCK_D2", "BLOCK_H", "BLOCK_H2", "ROPE", "SOFTCAP", "DROPOUT",
+                              "VARLEN", "HEAD_SPLITS", "TF32"))
     return (kernel_name, shape.device_index, dtype, flags, shape.group,
             _window_class(shape.window_left), _window_class(shape.window_right),
             _length_bucket(shape.n), _length_bucket(shape.m))
@@ -318,33 +361,57 @@ class Tuner:
         return config
 
 
-_TUNER = Tuner(_AUTOTUNE)
+# Under the interpreter nothing is compiled (no shared memory to check: 0 bytes of a 0 limit)
+# and nothing timed (no CUDA events): the first candidate, as with REMAT_ATTENTION_AUTOTUNE=0.
+_TUNER = Tuner(False, shared_memory_limit=lambda device_index: 0) if _INTERPRETED else Tuner(_AUTOTUNE)
+
+
+def _interpreter_candidates(configs):
+    """The interpreter's candidates of a configuration list: each distinct set of its constexprs
+    other than the tile (the rotation halves of the backward kernels), in order; the tile is the
+    interpreter's fixed INTERPRETER_TILE, and warps and stages mean nothing there."""
+    variants = []
+    for config in configs:
+        extra = {name: value for name, value in config.kwargs.items() if name not in ("BLOCK_M", "BLOCK_N")}
+        if extra not in variants:
+            variants.append(extra)
+    return [triton.Config(extra) for extra in variants]
 
 
 def _launch(kernel, kernel_name, grid_of, args, constexprs, dtype, shape, accumulator=None):
-    """Launch kernel over grid_of(BLOCK_M, BLOCK_N): the interpreter's fixed tile, else the
-    configuration `_TUNER` chooses among `_configs_for`'s list. shape: the launch's LaunchShape;
-    accumulator: None, or the tensor the kernel accumulates into (the fast mode's fp32 dq,
-    zero on entry), zeroed again before each timed run and before the real launch after timing."""
+    """Launch kernel over grid_of(BLOCK_M, BLOCK_N) with the configuration `_TUNER` chooses among
+    `_configs_for`'s list (under the interpreter: among `_interpreter_candidates`, with its fixed
+    tile) and return that configuration; its kwargs override `constexprs` (the backward kernels'
+    rotation halves). shape: the launch's LaunchShape; accumulator: None, or the tensor the kernel
+    accumulates into (the fast mode's fp32 dq, zero on entry), zeroed again before each timed
+    run and before the real launch after timing."""
+    candidates = _configs_for(kernel_name, constexprs, dtype)
     if _INTERPRETED:
         block_m, block_n = INTERPRETER_TILE
-        kernel[grid_of(block_m, block_n)](
-            *args, **constexprs, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=True)
-        return
+        candidates = _interpreter_candidates(candidates)
 
-    def options(config):
-        return dict(constexprs, **config.kwargs, INTERPRETED=False, num_warps=config.num_warps,
-                    num_stages=config.num_stages)
+        def options(config):
+            return dict(constexprs, **config.kwargs, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=True)
 
-    def grid(config):
-        return grid_of(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])
+        def grid(config):
+            return grid_of(block_m, block_n)
 
-    def shared_memory_of(config):
-        return kernel.warmup(*args, grid=grid(config), **options(config)).metadata.shared
+        def shared_memory_of(config):
+            return 0
+    else:
+        def options(config):
+            return dict(constexprs, **config.kwargs, INTERPRETED=False, num_warps=config.num_warps,
+                        num_stages=config.num_stages)
+
+        def grid(config):
+            return grid_of(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])
+
+        def shared_memory_of(config):
+            return kernel.warmup(*args, grid=grid(config), **options(config)).metadata.shared
 
     def run(config):
         kernel[grid(config)](*args, **options(config))
 
     name = "dkdv_atomic" if kernel_name == "dkdv" and constexprs.get("ATOMIC_DQ") else kernel_name
-    _TUNER.launch(tuning_key(name, dtype, constexprs, shape), _configs_for(kernel_name, constexprs, dtype),
-                  shared_memory_of, run, None if accumulator is None else accumulator.zero_)
+    return _TUNER.launch(tuning_key(name, dtype, constexprs, shape), candidates, shared_memory_of, run,
+                         None if accumulator is None else accumulator.zero_)
