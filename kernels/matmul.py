@@ -604,7 +604,7 @@ def glu_matmul_bwd(x, w_gate, w_up, dh, activation, *, norm=None, mean=None, rst
 # capture too (so the forward and the backward of a captured step launch one tile). Nothing is
 # timed, allocated or launched besides the real launch; a miss compiles the candidates it
 # checks (Triton's compile cache keeps them).
-_ACT_TUNER = Tuner(autotune=False)
+_ACT_TUNER = Tuner(autotune=False, name="remat GEMM (bias + activation epilogue)")
 
 
 def _act_tile_key(x, tf32):

@@ -110,6 +110,19 @@ def test_candidate_failing_to_launch_is_dropped_and_none_fitting_raises():
     assert device.runs == [MEDIUM]
 
 
+
+def test_errors_name_the_kernels_whose_tiles_ran_out():
+    """The GEMM kernels share the Tuner: its errors say which kernels found no tile."""
+    from remat.kernels import matmul
+
+    assert matmul._ACT_TUNER.name.startswith("remat GEMM")
+    tuner = Tuner(False, shared_memory_limit=lambda index: 0, name="remat GEMM (test)")
+    with pytest.raises(RuntimeError, match=r"^remat GEMM \(test\): no tile configuration fits"):
+        tuner.launch(key_of(), (SMALL,), lambda config: 1, lambda config: None)
+    with pytest.raises(RuntimeError, match="^remat attention: no tile configuration fits"):
+        Tuner(False, shared_memory_limit=lambda index: 0).launch(key_of(), (SMALL,), lambda config: 1,
+                                                                 lambda config: None)
+
 def test_capture_miss_launches_first_fitting_untimed_and_uncached():
     device = FakeDevice(capturing=True)
     assert device.launch(key_of()) is MEDIUM

@@ -292,11 +292,13 @@ class Tuner:
     autotune: time the candidates on a miss (False: take the first that fits, untimed).
     shared_memory_limit(device_index) -> bytes per block; capturing() -> whether the current
     stream is capturing a CUDA graph; time_candidate(run, reset) -> milliseconds. The defaults
-    read the device; tests inject fakes.
+    read the device; tests inject fakes. name: what the errors say ran out of tiles (the GEMM
+    kernels share this class).
     """
 
     def __init__(self, autotune, shared_memory_limit=_device_shared_memory, capturing=_capturing,
-                 time_candidate=_time_with_events):
+                 time_candidate=_time_with_events, name="remat attention"):
+        self.name = name
         self.autotune = autotune
         self.shared_memory_limit = shared_memory_limit
         self.capturing = capturing
@@ -317,7 +319,7 @@ class Tuner:
                     break
         if not fitting:
             raise RuntimeError(
-                f"remat attention: no tile configuration fits the device's {limit} bytes of shared "
+                f"{self.name}: no tile configuration fits the device's {limit} bytes of shared "
                 f"memory per block (candidates {[str(config) for config in candidates]})")
         return fitting
 
@@ -351,7 +353,7 @@ class Tuner:
                 continue
             timings.append((milliseconds, candidate))
         if not timings:
-            raise RuntimeError(f"remat attention: no tile configuration of {[str(c) for c in candidates]} "
+            raise RuntimeError(f"{self.name}: no tile configuration of {[str(c) for c in candidates]} "
                                "could launch on this device")
         config = min(timings, key=lambda timing: timing[0])[1]
         self.choices[key] = config
