@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-requirements
 BUILD_STAMP := $(VENV)/.built-extension
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h') setup.py
 
-.PHONY: test bench build gpu-check lint clean mutate
+.PHONY: test bench build gpu-check gpu-wheels lint clean mutate
 
 $(STAMP): requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ bench: $(BUILD_STAMP)
 # the gpu-marked tests and a short benchmark, write logs and CSVs under $OUT (or gpu-out/).
 gpu-check:
 	bash benchmarks/gpu_check.sh
+
+# Here, before a device run: the pure-Python wheels the GPU machine lacks (Liger-Kernel, the
+# baseline of the MLP and cross-entropy benchmarks) into .whl/ (ignored by git; carry it to the
+# device). gpu_check.sh installs whatever .whl/ holds into /tmp/site there, without network.
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d .whl liger-kernel==0.8.5
 
 # Mutation testing of one block under the Triton interpreter: `make mutate BLOCK=norm` (or mlp,
 # attention). mutation/run.py mutates a copy of the block's Python and Triton sources, runs the

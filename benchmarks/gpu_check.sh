@@ -13,8 +13,16 @@ export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 status=0
 
+# Wheels carried from the build machine (`make gpu-wheels`: Liger-Kernel, the benchmarks' baseline),
+# installed without network into a folder of their own.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
+"$PY" -c "import liger_kernel; from importlib.metadata import version; print('liger-kernel', version('liger-kernel'))" \
+  >> "$OUT/gpu.txt" 2>&1 || echo "liger-kernel: not installed (make gpu-wheels here, carry .whl)" >> "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
 
 echo "== build (sm_90)"
