@@ -10,6 +10,7 @@ after rope and the KV cache; decoder layers get ``position_embeddings=(cos, sin)
 model's rotary module; a layer's ``self_attn.layer_idx`` indexes ``config.layer_types``.
 """
 
+import functools
 import inspect
 
 import torch
@@ -236,6 +237,14 @@ def run_stock_layer(layer, *args, **kwargs):
 _CACHE_NAMES = ("cache", "past_key_values")
 
 
+@functools.lru_cache(maxsize=64)
+def _declared_cache_names(function):
+    """The KV cache names among ``function``'s parameters (read once per function: a generation
+    step calls this once per layer)."""
+    parameters = inspect.signature(function).parameters
+    return tuple(name for name in _CACHE_NAMES if name in parameters)
+
+
 def _cache_under_stock_name(forward, kwargs):
     """``kwargs`` with the KV cache passed under the name ``forward`` declares (and the other name
     dropped): a stock layer whose forward has only ``past_key_values`` would take ``cache=`` into
@@ -243,9 +252,10 @@ def _cache_under_stock_name(forward, kwargs):
     generated one on), and vice versa. Unchanged when no cache is given or forward declares
     neither name."""
     given = [name for name in _CACHE_NAMES if kwargs.get(name) is not None]
-    parameters = inspect.signature(forward).parameters
-    declared = [name for name in _CACHE_NAMES if name in parameters]
-    if len(given) != 1 or not declared:
+    if len(given) != 1:
+        return kwargs
+    declared = _declared_cache_names(getattr(forward, "__func__", forward))
+    if not declared:
         return kwargs
     target = given[0] if given[0] in declared else declared[0]
     renamed = {name: value for name, value in kwargs.items() if name not in _CACHE_NAMES}
