@@ -269,3 +269,24 @@ def test_the_cache_is_renamed_only_when_the_stock_forward_lacks_its_name():
     assert _cache_under_stock_name(new_style, dict(cache=cache, past_key_values=None)) == dict(cache=cache)
     assert _cache_under_stock_name(neither, dict(cache=cache)) == dict(cache=cache)
     assert _cache_under_stock_name(old_style, dict(use_cache=False)) == dict(use_cache=False)
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_a_patched_block_called_with_either_cache_name_runs_cached(name):
+    """A decoder block called directly with the cache under either name (GPT-2's block takes
+    ``cache`` positionally and would get ``cache=None`` besides a ``past_key_values=`` keyword)
+    runs the stock block, which appends the stock keys and values to the cache; before the fix
+    the ``past_key_values=`` call ran the fused block and left the cache empty."""
+    stock, patched = build("gpt2"), build("gpt2")
+    remat.patch(patched)
+    hidden = torch.randn(1, 5, stock.config.hidden_size)
+    caches = []
+    for model in (stock, patched):
+        model.eval()
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model.transformer.h[0](hidden, use_cache=True, **{name: cache})
+        caches.append(cache)
+    assert [cache.get_seq_length() for cache in caches] == [5, 5]
+    torch.testing.assert_close(caches[1].layers[0].keys, caches[0].layers[0].keys)
+    torch.testing.assert_close(caches[1].layers[0].values, caches[0].layers[0].values)

@@ -245,6 +245,14 @@ def _declared_cache_names(function):
     return tuple(name for name in _CACHE_NAMES if name in parameters)
 
 
+def given_cache(kwargs):
+    """The KV cache a decoder layer or attention module was called with, under either of its
+    names (``cache`` or ``past_key_values``; a caller may pass one and leave the other None), or
+    None."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
 def _cache_under_stock_name(forward, kwargs):
     """``kwargs`` with the KV cache passed under the name ``forward`` declares (and the other name
     dropped): a stock layer whose forward has only ``past_key_values`` would take ``cache=`` into

@@ -7,7 +7,7 @@ mean-centred norm, non-causal vision attention) are other families.
 """
 
 from remat import checks, functional
-from remat.models.hf import is_hf_rms_norm, refuse_static_cache, run_stock_layer
+from remat.models.hf import given_cache, is_hf_rms_norm, refuse_static_cache, run_stock_layer
 from remat.models.registry import Family, Part
 from remat.nn import adapters
 from remat.nn.attention import Attention
@@ -179,7 +179,7 @@ class HFAttention(Attention):
     stock attention runs instead, attending through remat's attention (generation)."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = given_cache(kwargs)
         if cache is not None:
             refuse_static_cache(cache)
             return run_stock_layer(self, hidden_states, position_embeddings=position_embeddings,

@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from remat import checks, functional
-from remat.models.hf import refuse_offsets_with_padding, refuse_static_cache, run_stock_layer
+from remat.models.hf import given_cache, refuse_offsets_with_padding, refuse_static_cache, run_stock_layer
 
 LAYER_POLICIES = ("speed", "balanced", "memory")
 # Hugging Face's keyword arguments for packed rows (DataCollatorWithFlattening(return_flash_attn_kwargs=True),
@@ -292,7 +292,7 @@ class PreNormDecoderLayer(nn.Module):
                 cache raises ValueError (pass ``use_cache=False``). Other Hugging Face arguments
                 (``use_cache``, ...) are ignored.
         """
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = given_cache(kwargs)
         if cache is not None:
             refuse_static_cache(cache)
             given = dict(attention_mask=attention_mask, position_ids=position_ids,
