@@ -319,7 +319,6 @@ def test_mask_rules_other_than_causal_raise(kind):
                                          and_mask_function=masking_utils.padding_mask_function(mask.bool()))
 
 
-
 def test_packed_rule_of_transformers_without_position_remapping(monkeypatch):
     """transformers 5.17 has no remap_positions_for_packed_sequence: its packed rule is
     and_masks(causal rule, packed_sequence_mask_function(...)), built here from the installed
@@ -338,6 +337,7 @@ def test_packed_rule_of_transformers_without_position_remapping(monkeypatch):
     with pytest.raises(ValueError, match="mask rule"):
         hf.refuse_mask_rule(masking_utils.and_masks(masking_utils.bidirectional_mask_function, packed),
                             packed_allowed=True)
+
 
 def test_patching_leaves_models_sharing_the_config_alone():
     """Two models built from one config object: patching one changes neither the other's config
