@@ -4,7 +4,8 @@ with each kv head's query heads split over several programs (GQA, MQA, rope, win
 dropout, packed sequences, both backward modes) against the unsplit kernel and the float64
 reference, and the launcher's choice of the split; TF32 dots following PyTorch's fp32 matmul
 setting; head dims that are not powers of two split into power-of-two column parts (with RoPE
-the rotation halves too) against the float64 reference and the padded tiles.
+the rotation halves padded by default, split with launch.ROPE_SPLIT_HALVES, one layout for the
+forward and every backward kernel) against the float64 reference and the padded tiles.
 
 Runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (tiny shapes), or on a CUDA GPU
 without it.
@@ -179,7 +180,7 @@ def tf32_matmuls(enabled):
 
 def record_launch_constexprs(monkeypatch):
     """(kernel name, constexprs) of every tuned attention launch from now on: the launcher's
-    constexprs with the chosen configuration's (the backward kernels' rotation halves) over them."""
+    constexprs (the column tiles among them) with the chosen configuration's (the tile) over them."""
     seen = []
     original = launch._launch
 
@@ -273,26 +274,34 @@ SPLIT_HEAD_DIM_CASES = [
 def test_head_dim_parts_and_their_tile_class():
     """(BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2): 80 -> 64 + 16, 96 -> 64 + 32, 192 -> 128 + 64, 40 -> 32 + 16;
     powers of two and 112 (64 + 64 is no narrower than 128) stay padded. With RoPE the same split of
-    BLOCK_D, BLOCK_D2 and each rotation half of D/2 split by the same rule (40 -> 32 + 16, 48 -> 32 + 16,
-    96 -> 64 + 32, 72 -> 64 + 16) or padded where that is no narrower (20 -> 32, 24 -> 32, 56 -> 64, 32 -> 32).
-    The split's tuning class is that of the held columns' next power of two (80, 96: the 128 class; 192:
-    the 256 class), and with RoPE the halves' parts never hold more columns than that class."""
+    BLOCK_D, BLOCK_D2; each rotation half of D/2 padded (BLOCK_H2 = 0) unless split_halves, then split
+    by the same rule (40 -> 32 + 16, 48 -> 32 + 16, 96 -> 64 + 32, 72 -> 64 + 16) or padded where that is
+    no narrower (20 -> 32, 24 -> 32, 56 -> 64, 32 -> 32). The split's tuning class is that of the held
+    columns' next power of two (80, 96: the 128 class; 192: the 256 class), and with RoPE the halves'
+    parts never hold more columns than that class. split_halves changes nothing without RoPE."""
     parts = launch._head_dim_parts
-    assert [parts(d, False) for d in (80, 96, 192, 40)] == [(64, 64, 16, 0), (64, 64, 32, 0), (128, 128, 64, 0),
-                                                           (32, 32, 16, 0)]
-    assert [parts(d, False) for d in (8, 24, 64, 112, 128, 200)] == [
-        (16, 16, 0, 0), (32, 32, 0, 0), (64, 64, 0, 0), (128, 128, 0, 0), (128, 128, 0, 0), (256, 256, 0, 0)]
-    assert [parts(d, True) for d in (80, 96, 192, 144, 40, 48, 64, 112, 2, 256)] == [
+    for split_halves in (False, True):
+        assert [parts(d, False, split_halves) for d in (80, 96, 192, 40)] == [
+            (64, 64, 16, 0), (64, 64, 32, 0), (128, 128, 64, 0), (32, 32, 16, 0)]
+        assert [parts(d, False, split_halves) for d in (8, 24, 64, 112, 128, 200)] == [
+            (16, 16, 0, 0), (32, 32, 0, 0), (64, 64, 0, 0), (128, 128, 0, 0), (128, 128, 0, 0), (256, 256, 0, 0)]
+    rope_dims = (80, 96, 192, 144, 40, 48, 64, 112, 2, 256)
+    assert [parts(d, True, True) for d in rope_dims] == [
         (64, 32, 16, 16), (64, 32, 32, 16), (128, 64, 64, 32), (128, 64, 16, 16), (32, 32, 16, 0), (32, 32, 16, 0),
         (64, 32, 0, 0), (128, 64, 0, 0), (16, 16, 0, 0), (256, 128, 0, 0)]
+    assert [parts(d, True, False) for d in rope_dims] == [
+        (64, 64, 16, 0), (64, 64, 32, 0), (128, 128, 64, 0), (128, 128, 16, 0), (32, 32, 16, 0), (32, 32, 16, 0),
+        (64, 32, 0, 0), (128, 64, 0, 0), (16, 16, 0, 0), (256, 128, 0, 0)]
     for d in range(2, 257, 2):
-        block_d, block_h, block_d2, block_h2 = parts(d, True)
         padded_half = max(16, 1 << (d // 2 - 1).bit_length())
+        block_d, block_h, block_d2, block_h2 = parts(d, True, False)
+        assert (block_h, block_h2) == (padded_half, 0)
+        block_d, block_h, block_d2, block_h2 = parts(d, True, True)
         assert block_h + block_h2 >= d // 2 and block_h + block_h2 <= padded_half
         assert block_h2 == 0 or (block_h2 >= 16 and block_h + block_h2 < padded_half and block_h < d // 2)
         assert 2 * (block_h + block_h2) <= max(64, 1 << (block_d + block_d2 - 1).bit_length())
     for d, padded in ((80, 128), (96, 128), (192, 256)):
-        block_d, _, block_d2, _ = parts(d, False)
+        block_d, _, block_d2, _ = parts(d, False, False)
         for name in ("fwd", "dq", "dkdv"):
             flags = dict(ROPE=False, DROPOUT=False)
             assert (tuning._configs_for(name, dict(flags, BLOCK_D=block_d, BLOCK_D2=block_d2), torch.bfloat16)
@@ -320,35 +329,27 @@ def test_split_head_dim_bf16_within_reference(monkeypatch):
     assert seen and all(c["BLOCK_D2"] == 32 for _, c in seen)
 
 
-def favour_split_halves(monkeypatch):
-    """Install a timing tuner whose fake clock makes every candidate with split rotation halves
-    (BLOCK_H2 > 0) faster than every other (interpreter: no shared memory to check); returns it."""
-    def time(run, reset):
-        return 1.0 if run.args[0].kwargs.get("BLOCK_H2", 0) > 0 else 2.0
-
-    limit = dict(shared_memory_limit=lambda index: 0) if INTERPRETED else {}
-    tuner = tuning.Tuner(True, capturing=lambda: False, time_candidate=time, **limit)
-    monkeypatch.setattr(tuning, "_TUNER", tuner)
-    return tuner
+def split_rope_halves(monkeypatch):
+    """Turn launch.ROPE_SPLIT_HALVES on (REMAT_ATTENTION_ROPE_SPLIT_HALVES=1) for the rest of the test."""
+    monkeypatch.setattr(launch, "ROPE_SPLIT_HALVES", True)
 
 
-def backward_default(blocks):
-    """The backward kernels' default (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2) for the forward's
-    `blocks`: split rotation halves padded (a split's first part is half the padded half)."""
+def padded_halves(blocks):
+    """The default (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2) for the split layout's `blocks`: the rotation
+    halves padded (a split's first part is half the padded half)."""
     block_d, block_h, block_d2, block_h2 = blocks
     return (block_d, 2 * block_h, block_d2, 0) if block_h2 else blocks
 
 
-def assert_rope_tiles(seen, blocks):
-    """The forward launched `blocks`, every dK/dV and dQ launch `backward_default(blocks)`."""
+def assert_tiles(seen, blocks):
+    """Every launch (forward, dK/dV, dQ) got the column tiles `blocks`: one layout for the call."""
     assert seen
     for name, c in seen:
-        expected = blocks if name == "fwd" else backward_default(blocks)
-        assert (c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == expected, name
+        assert (c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == blocks, name
 
 
-# RoPE at split head dims: name: spec, the expected (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2) of the
-# forward launch (the backward kernels: the same with padded halves, `backward_default`). D = 40: v
+# RoPE at split head dims: name: spec, the expected (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2) of every
+# launch with ROPE_SPLIT_HALVES (by default: the same with padded halves, `padded_halves`). D = 40: v
 # side 32 + 16, halves of 20 padded to 32 (16 + 16 is no narrower); 80: halves of 40 as 32 + 16;
 # 96: 48 as 32 + 16; 192: 96 as 64 + 32.
 ROPE_SPLIT_CASES = [
@@ -368,52 +369,90 @@ ROPE_SPLIT_CASES = [
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
 @pytest.mark.parametrize("spec,blocks", ROPE_SPLIT_CASES)
 def test_rope_splits_the_rotation_halves(spec, blocks, deterministic, monkeypatch):
-    """With RoPE, v, o, dout, dv run as BLOCK_D + BLOCK_D2 columns and q, k as two rotation halves of
-    BLOCK_H + BLOCK_H2 columns each in the forward (four tiles, the rotation per part), the backward
-    kernels by default with padded halves: o, dq, dk, dv within the 2x rule of float64 (fp32),
-    every launch with the expected tiles. Then the tuner choosing the split halves for the backward
-    too (four tiles of q, k, dq, dk, the transposed rotation per part): again within the rule."""
+    """With RoPE, v, o, dout, dv run as BLOCK_D + BLOCK_D2 columns and q, k as two rotation halves,
+    by default padded in every kernel: o, dq, dk, dv within the 2x rule of float64 (fp32), every
+    launch with the padded halves. Then with ROPE_SPLIT_HALVES every kernel holds each half as
+    BLOCK_H + BLOCK_H2 columns (four tiles of q, k, dq, dk, the rotation and its transpose per part):
+    again within the rule, every launch with the split tiles."""
     seen = record_launch_constexprs(monkeypatch)
     run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
     assert sorted(name for name, _ in seen) == (["dkdv", "dq", "fwd"] if deterministic else ["dkdv", "fwd"])
-    assert_rope_tiles(seen, blocks)
+    assert_tiles(seen, padded_halves(blocks))
     if blocks[3]:
         seen.clear()
-        favour_split_halves(monkeypatch)
+        split_rope_halves(monkeypatch)
         run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
-        assert seen and all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == blocks for _, c in seen)
+        assert_tiles(seen, blocks)
 
 
 def test_rope_split_halves_bf16_within_reference(monkeypatch):
-    """bf16 at D = 80 with RoPE (forward halves 32 + 16, backward 64 by default), GQA, causal,
+    """bf16 at D = 80 with RoPE (halves 64 by default, 32 + 16 with ROPE_SPLIT_HALVES), GQA, causal,
     both backward modes: the rotated parts rounded to bf16 before the dots, dq and dk rounded once
-    after the transposed rotation, within the 2x rule of float64; again with the tuner choosing
-    the split halves for the backward (fake timing), and its cached choices per key hold them."""
+    after the transposed rotation, within the 2x rule of float64 in either layout, every forward,
+    dK/dV and dQ launch in the same one."""
     seen = record_launch_constexprs(monkeypatch)
     spec = dict(b=1, n=17, m=17, hq=4, hkv=2, d=80, causal=True, rope="per_batch")
     for deterministic in (True, False):
         run_and_check(spec, torch.bfloat16, "triton", deterministic=deterministic, device=DEVICE)
-    assert_rope_tiles(seen, (64, 32, 16, 16))
+    assert sorted(name for name, _ in seen) == ["dkdv", "dkdv", "dq", "fwd", "fwd"]
+    assert_tiles(seen, (64, 64, 16, 0))
     seen.clear()
-    tuner = favour_split_halves(monkeypatch)
+    split_rope_halves(monkeypatch)
     for deterministic in (True, False):
         run_and_check(spec, torch.bfloat16, "triton", deterministic=deterministic, device=DEVICE)
-    assert seen and all((c["BLOCK_H"], c["BLOCK_H2"]) == (32, 16) for _, c in seen)
-    backward = {key[0]: config for key, config in tuner.choices.items() if key[0] != "fwd"}
-    assert sorted(backward) == ["dkdv", "dkdv_atomic", "dq"]
-    assert all((c.kwargs["BLOCK_H"], c.kwargs["BLOCK_H2"]) == (32, 16) for c in backward.values())
+    assert_tiles(seen, (64, 32, 16, 16))
 
 
+@pytest.mark.parametrize("split_halves", [False, True], ids=["padded-halves", "split-halves"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
-def test_split_head_dim_varlen(deterministic, monkeypatch):
-    """Packed sequences at D = 80 (v side 64 + 16, RoPE halves 32 + 16), GQA, a sequence without
-    queries: within the 2x rule of the float64 per-sequence reference, launched with the split
-    tiles."""
+@pytest.mark.parametrize("head_dim", [80, 96], ids=["d80", "d96"])
+def test_rope_halves_one_layout_for_forward_and_backward(head_dim, deterministic, split_halves, monkeypatch):
+    """fp32, causal, RoPE, logits of tens (q, k ~ 3 N(0, 1)): the backward recomputes P = exp(s - lse)
+    against the forward's lse, so it must sum QK^T over the rotation halves in the forward's order; a
+    forward on split halves with a backward on padded ones (330af18's default) put dv outside the 2x
+    rule here at D = 80 and 96 in both modes (dq, dk too at q, k ~ 6 N(0, 1)). In both layouts
+    (default padded, ROPE_SPLIT_HALVES split), both backward modes: o, dq, dk, dv within the 2x rule
+    of the float64 reference, and the forward, dK/dV and dQ launches all with the same
+    (BLOCK_H, BLOCK_H2): (64, 0), or (32, 16) split (both head dims' halves, 40 and 48 columns)."""
+    monkeypatch.setattr(launch, "ROPE_SPLIT_HALVES", split_halves)
+    seen = record_launch_constexprs(monkeypatch)
+    torch.manual_seed(0)
+    n = 32
+    q, k = (3.0 * torch.randn(1, n, 1, head_dim) for _ in range(2))
+    v, dout = (torch.randn(1, n, 1, head_dim) for _ in range(2))
+    angles = 6.28 * torch.rand(1, n, head_dim // 2)
+    cos, sin = angles.cos(), angles.sin()
+    scale = head_dim ** -0.5
+
+    def reference(dtype):
+        leaves = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+        out = attention_reference(*leaves, causal=True, scale=scale, rope=(cos.to(dtype), sin.to(dtype)))
+        out.backward(dout.to(dtype))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    qd, kd, vd, dd = (t.to(DEVICE) for t in (q, k, v, dout))
+    cd, sd = cos.to(DEVICE), sin.to(DEVICE)
+    o, lse = launch.attention_fwd(qd, kd, vd, cd, sd, None, scale, 0.0, -1, 0, 0.0)
+    grads = launch.attention_bwd(dd, qd, kd, vd, o, lse, cd, sd, None, scale, 0.0, -1, 0, 0.0, deterministic)
+    for name, value, stock, ref in zip(("o", "dq", "dk", "dv"), (o, *grads), reference(torch.float32),
+                                       reference(torch.float64)):
+        assert_within_2x_of_stock(name, value.cpu(), stock, ref, torch.float32)
+    assert sorted(name for name, _ in seen) == (["dkdv", "dq", "fwd"] if deterministic else ["dkdv", "fwd"])
+    assert {(c["BLOCK_H"], c["BLOCK_H2"]) for _, c in seen} == {(32, 16) if split_halves else (64, 0)}
+
+
+@pytest.mark.parametrize("split_halves", [False, True], ids=["padded-halves", "split-halves"])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+def test_split_head_dim_varlen(deterministic, split_halves, monkeypatch):
+    """Packed sequences at D = 80 (v side 64 + 16, RoPE halves 64, or 32 + 16 with ROPE_SPLIT_HALVES),
+    GQA, a sequence without queries: within the 2x rule of the float64 per-sequence reference, every
+    launch with the split v side and the same halves."""
     from test_varlen_attention import make_varlen_inputs, reference_outputs, run_varlen
 
     spec = dict(lens_q=[9, 0, 17], lens_k=[9, 3, 19], hq=4, hkv=2, d=80, causal=True, window=(7, None),
                 rope="per_token")
     seen = record_launch_constexprs(monkeypatch)
+    monkeypatch.setattr(launch, "ROPE_SPLIT_HALVES", split_halves)
     q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(spec, torch.float32)
     with contextlib.nullcontext() if deterministic else deterministic_mode(False):
         got = run_varlen(spec, q, k, v, dout, cu_q, cu_k, rope, "triton", device=DEVICE, deterministic=deterministic)
@@ -421,10 +460,10 @@ def test_split_head_dim_varlen(deterministic, monkeypatch):
     stock = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, None, torch.float32)
     for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
         assert_within_2x_of_stock(name, value, stock_value, ref, torch.float32)
-    assert_rope_tiles(seen, (64, 32, 16, 16))
+    assert_tiles(seen, (64, 32, 16, 16) if split_halves else (64, 64, 16, 0))
 
 
-def padded_head_dim_parts(head_dim, rope):
+def padded_head_dim_parts(head_dim, rope, split_halves):
     """launch._head_dim_parts without the split: the padded tiles (BLOCK_D2 = BLOCK_H2 = 0)."""
     padded = max(16, 1 << (head_dim - 1).bit_length())
     return padded, max(16, 1 << (head_dim // 2 - 1).bit_length()) if rope else padded, 0, 0
@@ -441,11 +480,10 @@ def test_split_head_dim_matches_padded_tiles(spec, deterministic, monkeypatch):
     """The split tiles compute what the padded ones do (fp32: the same products, the dots' sums
     split in parts, so equal up to fp32 summation order): o, dq, dk, dv against a run with the
     padded tiles forced; the padded run launches BLOCK_D2 = BLOCK_H2 = 0, the split one BLOCK_D2 > 0
-    and, with RoPE, BLOCK_H2 > 0 (the rotation halves' parts; the backward's split halves chosen by
-    a tuner that times them faster)."""
+    and, with RoPE, BLOCK_H2 > 0 (ROPE_SPLIT_HALVES: the rotation halves' parts in every kernel)."""
     rope = "rope" in spec
     seen = record_launch_constexprs(monkeypatch)
-    favour_split_halves(monkeypatch)
+    split_rope_halves(monkeypatch)
     split = run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
     assert seen and all(c["BLOCK_D2"] > 0 and (c["BLOCK_H2"] > 0) == rope for _, c in seen)
     seen.clear()

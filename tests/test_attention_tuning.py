@@ -1,9 +1,13 @@
 """remat's attention tuner (kernels/attention/tuning.py): the cache key (lengths bucketed, group,
 window classes, device), shared-memory pruning, no timing inside CUDA graph capture,
-REMAT_ATTENTION_AUTOTUNE=0, zeroing of the atomic dq accumulator, the backward kernels' candidates
-with padded RoPE rotation halves first and split ones after. The CPU cases drive the tuner with
+REMAT_ATTENTION_AUTOTUNE=0, zeroing of the atomic dq accumulator, candidates that set tiles only
+(RoPE's rotation halves are the launch's, one layout per call: launch.ROPE_SPLIT_HALVES, read from
+REMAT_ATTENTION_ROPE_SPLIT_HALVES at import). The CPU cases drive the tuner with
 fake kernels, limits and clocks; the gpu cases run the real compiled path."""
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -252,97 +256,83 @@ def test_launchers_pass_lengths_group_windows_and_device(monkeypatch):
     assert recorded == [("fwd", packed, False), ("dkdv", packed, True)]
 
 
-def rope_constexprs(head_dim, **extra):
+def rope_constexprs(head_dim, split_halves, **extra):
     """The launchers' constexprs of a bf16 RoPE launch at head_dim (launch._head_dim_parts)."""
-    block_d, block_h, block_d2, block_h2 = launch._head_dim_parts(head_dim, True)
+    block_d, block_h, block_d2, block_h2 = launch._head_dim_parts(head_dim, True, split_halves)
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=block_h2,
                 ROPE=True, SOFTCAP=False, DROPOUT=False, VARLEN=False, **extra)
 
 
-BACKWARD = [("dq", {}), ("dkdv", dict(ATOMIC_DQ=False)), ("dkdv", dict(ATOMIC_DQ=True))]
+KERNELS = [("fwd", {}), ("dq", {}), ("dkdv", dict(ATOMIC_DQ=False)), ("dkdv", dict(ATOMIC_DQ=True))]
 
 
 @pytest.mark.parametrize("head_dim,padded_half,split", [(80, 64, (32, 16)), (96, 64, (32, 16)),
                                                         (192, 128, (64, 32))])
-def test_backward_candidates_put_padded_rotation_halves_first(head_dim, padded_half, split):
-    """With RoPE at a head dim whose rotation halves split, the backward kernels' candidates are
-    their tiles with padded halves (BLOCK_H2 = 0), then the same tiles in the same order with the
-    split halves; the forward's list is the plain tile list (the launch's split halves)."""
-    constexprs = rope_constexprs(head_dim)
-    assert (constexprs["BLOCK_H"], constexprs["BLOCK_H2"]) == split
+def test_candidates_set_tiles_only_in_either_rotation_halves_layout(head_dim, padded_half, split):
+    """With RoPE at a head dim whose rotation halves split, every kernel's candidates (forward and
+    backward) are its plain tile list of the head dim's class, the same for padded and split halves:
+    no candidate sets BLOCK_H or BLOCK_H2, so the tuner cannot give one kernel of a call another
+    layout. The two layouts are keyed apart (another compiled variant)."""
+    padded = rope_constexprs(head_dim, False)
+    split_halves = rope_constexprs(head_dim, True)
+    assert (padded["BLOCK_H"], padded["BLOCK_H2"]) == (padded_half, 0)
+    assert (split_halves["BLOCK_H"], split_halves["BLOCK_H2"]) == split
     size = 128 if head_dim < 128 else 256
-    forward = tuning._configs_for("fwd", constexprs, torch.bfloat16)
-    assert forward is tuning._CONFIGS[("fwd", size, "16bit", True)]
-    for name, extra in BACKWARD:
+    for name, extra in KERNELS:
         tiles = tuning._CONFIGS[("dkdv_atomic" if extra.get("ATOMIC_DQ") else name, size, "16bit", True)]
-        candidates = tuning._configs_for(name, dict(constexprs, **extra), torch.bfloat16)
-        assert len(candidates) == 2 * len(tiles)
-        for halves, part in (((padded_half, 0), candidates[:len(tiles)]), (split, candidates[len(tiles):])):
-            for candidate, tile in zip(part, tiles):
-                assert candidate.kwargs == dict(tile.kwargs, BLOCK_H=halves[0], BLOCK_H2=halves[1])
-                assert (candidate.num_warps, candidate.num_stages) == (tile.num_warps, tile.num_stages)
-        assert tuning._configs_for(name, dict(constexprs, **extra), torch.bfloat16) is candidates
+        for constexprs in (padded, split_halves):
+            candidates = tuning._configs_for(name, dict(constexprs, **extra), torch.bfloat16)
+            assert candidates is tiles
+            assert all(set(c.kwargs) == {"BLOCK_M", "BLOCK_N"} for c in candidates)
+        keys = {tuning_key(name, torch.bfloat16, dict(constexprs, **extra), shape())
+                for constexprs in (padded, split_halves)}
+        assert len(keys) == 2
 
 
-@pytest.mark.parametrize("head_dim,rope", [(80, False), (40, True), (64, True), (128, True)])
-def test_no_rotation_half_candidates_without_a_split_of_the_halves(head_dim, rope):
-    """Without RoPE, or where the halves stay padded (D = 40: 2 x 32; powers of two), every
-    kernel's list is the plain tile list."""
-    block_d, block_h, block_d2, block_h2 = launch._head_dim_parts(head_dim, rope)
-    assert block_h2 == 0
-    constexprs = dict(BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=0, ROPE=rope, DROPOUT=False)
-    for name, extra in [("fwd", {})] + BACKWARD:
-        assert all(set(c.kwargs) == {"BLOCK_M", "BLOCK_N"}
-                   for c in tuning._configs_for(name, dict(constexprs, **extra), torch.bfloat16))
+def test_rope_split_halves_option_read_at_import():
+    """launch.ROPE_SPLIT_HALVES is REMAT_ATTENTION_ROPE_SPLIT_HALVES == "1" at import: off here when
+    the variable is unset or another value, on in a process started with it set to 1 (one
+    subprocess: an import of torch and remat, a few seconds)."""
+    assert launch.ROPE_SPLIT_HALVES is (os.environ.get("REMAT_ATTENTION_ROPE_SPLIT_HALVES", "0") == "1")
+    code = "from remat.kernels.attention import launch; print(launch.ROPE_SPLIT_HALVES)"
+    env = dict(os.environ, REMAT_ATTENTION_ROPE_SPLIT_HALVES="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "True"
 
 
-def test_untimed_choices_take_padded_halves_and_timing_may_pick_split():
-    """REMAT_ATTENTION_AUTOTUNE=0 and a CUDA graph capture miss take the first fitting candidate,
-    one with padded halves; a timing that measures a split candidate faster caches it for the key,
-    and the key tells a launch with split halves available from one forced to padded halves."""
-    constexprs = rope_constexprs(80)
-    candidates = tuning._configs_for("dq", constexprs, torch.bfloat16)
-    key = tuning_key("dq", torch.bfloat16, constexprs, shape())
-    ran = []
-
-    def fits(config):
-        return 0
-
-    for tuner in (Tuner(False, shared_memory_limit=lambda index: LIMIT_SM86),
-                  Tuner(True, shared_memory_limit=lambda index: LIMIT_SM86, capturing=lambda: True)):
-        chosen = tuner.launch(key, candidates, fits, ran.append)
-        assert chosen is candidates[0] and chosen.kwargs["BLOCK_H2"] == 0
-    split_fastest = Tuner(True, shared_memory_limit=lambda index: LIMIT_SM86, capturing=lambda: False,
-                          time_candidate=lambda run, reset: 1.0 if run.args[0].kwargs["BLOCK_H2"] else 2.0)
-    chosen = split_fastest.launch(key, candidates, fits, ran.append)
-    assert chosen.kwargs["BLOCK_H2"] == 16 and split_fastest.choices == {key: chosen}
-    assert ran == [candidates[0], candidates[0], chosen]
-    padded = dict(constexprs, BLOCK_H=64, BLOCK_H2=0)
-    assert tuning_key("dq", torch.bfloat16, padded, shape()) != key
+@pytest.mark.parametrize("split_halves,halves", [(False, (64, 0)), (True, (32, 16))], ids=["padded", "split"])
+def test_features_take_the_layout_of_the_option(split_halves, halves, monkeypatch):
+    """`_features` (every launcher's constexprs, forward and backward) holds RoPE's halves at D = 80 as
+    the option says; without RoPE the option changes nothing."""
+    monkeypatch.setattr(launch, "ROPE_SPLIT_HALVES", split_halves)
+    q = torch.zeros(1, 1, 1, 80)
+    cos = torch.zeros(1, 1, 40)
+    _, _, constexprs = launch._features(q, 80, cos, cos, None, 0.1, 0.0, 0.0)
+    assert (constexprs["BLOCK_D"], constexprs["BLOCK_D2"], constexprs["BLOCK_H"], constexprs["BLOCK_H2"]) == (
+        64, 16, *halves)
+    _, _, plain = launch._features(q, 80, None, None, None, 0.1, 0.0, 0.0)
+    assert (plain["BLOCK_D"], plain["BLOCK_D2"], plain["BLOCK_H"], plain["BLOCK_H2"]) == (64, 16, 64, 0)
 
 
-def test_launch_passes_chosen_rotation_halves_over_the_constexprs(monkeypatch):
-    """`_launch` compiled: the chosen candidate's BLOCK_H, BLOCK_H2 reach the dK/dV kernel in
-    place of the launch's split halves, padded by default, split when timed faster; `_launch`
-    returns the choice. Under the interpreter the candidates are the distinct halves (the tile is
-    the interpreter's)."""
+def test_launch_passes_the_launch_rotation_halves_whatever_the_timing(monkeypatch):
+    """`_launch` compiled: the launch's BLOCK_H, BLOCK_H2 (padded or split) reach the dK/dV kernel
+    unchanged whichever tile the tuner picks (untimed or timed); under the interpreter the one
+    candidate sets nothing (the tile is INTERPRETER_TILE)."""
     monkeypatch.setattr(tuning, "_INTERPRETED", False)
-    constexprs = rope_constexprs(80, ATOMIC_DQ=False)
-    for autotune, expected in ((False, (64, 0)), (True, (32, 16))):
-        tuner = Tuner(autotune, shared_memory_limit=lambda index: LIMIT_SM86, capturing=lambda: False,
-                      time_candidate=lambda run, reset: 1.0 if run.args[0].kwargs["BLOCK_H2"] else 2.0)
-        monkeypatch.setattr(tuning, "_TUNER", tuner)
-        kernel = FakeKernel()
-        chosen = tuning._launch(kernel, "dkdv", lambda block_m, block_n: (1, 1, 1), ("arg",), constexprs,
-                                torch.bfloat16, shape())
-        (_, _, options), = kernel.launches
-        assert (options["BLOCK_H"], options["BLOCK_H2"]) == expected == (chosen.kwargs["BLOCK_H"],
-                                                                        chosen.kwargs["BLOCK_H2"])
-        assert (options["BLOCK_D"], options["BLOCK_D2"]) == (64, 16)
-    interpreted = tuning._interpreter_candidates(tuning._configs_for("dkdv", constexprs, torch.bfloat16))
-    assert [c.kwargs for c in interpreted] == [dict(BLOCK_H=64, BLOCK_H2=0), dict(BLOCK_H=32, BLOCK_H2=16)]
-    assert [c.kwargs for c in tuning._interpreter_candidates(tuning._configs_for("fwd", constexprs,
-                                                                                 torch.bfloat16))] == [{}]
+    for split_halves, halves in ((False, (64, 0)), (True, (32, 16))):
+        constexprs = rope_constexprs(80, split_halves, ATOMIC_DQ=False)
+        for autotune in (False, True):
+            tuner = Tuner(autotune, shared_memory_limit=lambda index: LIMIT_SM86, capturing=lambda: False,
+                          time_candidate=lambda run, reset: 1.0 / run.args[0].kwargs["BLOCK_M"])
+            monkeypatch.setattr(tuning, "_TUNER", tuner)
+            kernel = FakeKernel()
+            chosen = tuning._launch(kernel, "dkdv", lambda block_m, block_n: (1, 1, 1), ("arg",), constexprs,
+                                    torch.bfloat16, shape())
+            (_, _, options), = kernel.launches
+            assert set(chosen.kwargs) == {"BLOCK_M", "BLOCK_N"}
+            assert (options["BLOCK_H"], options["BLOCK_H2"], options["BLOCK_D"], options["BLOCK_D2"]) == (
+                *halves, 64, 16)
+    assert [c.kwargs for c in tuning._INTERPRETER_CANDIDATES] == [{}]
 
 
 # --- gpu: the real compiled path ---------------------------------------------------------------

@@ -198,11 +198,12 @@ def test_fp32_dots_follow_the_tf32_constexpr(case, precision, aot_results):
 def test_attention_specs_cover_the_split_head_dims():
     """The attention specs compile the split head-dim variant (BLOCK_D2 > 0, kernels/attention/launch.py
     `_head_dim_parts`) of every main kernel at D = 80 and of the forward, dK/dV and dQ kernels at 96 and
-    192; with RoPE the v side split, the forward with split rotation halves (BLOCK_H + BLOCK_H2 per half)
-    and the backward kernels with their default padded halves (BLOCK_H2 = 0) at D = 80 and 96 (halves
-    32 + 16 or 64) for every kernel that takes q or k, and at 192 (64 + 32 or 128) for the forward, dK/dV
-    and dQ kernels; the postprocess with padded columns; and the backward's autotuning candidates with
-    split halves ('-splithalves') at 80 (dK/dV, atomic dK/dV, dQ) and 192 (dK/dV)."""
+    192; with RoPE the v side split and the default padded rotation halves (BLOCK_H2 = 0) in every
+    kernel that takes q or k, forward and backward alike, at D = 80 and 96 (halves 64) and at 192 (128)
+    for the forward, dK/dV and dQ kernels, packed and with the dK/dV head split too; the postprocess with
+    padded columns; and the split halves of launch.ROPE_SPLIT_HALVES ('-splithalves'), again one layout
+    for forward and backward: at 80 (32 + 16) the forward, dK/dV, atomic dK/dV and dQ kernels, at 192
+    (64 + 32) the forward and dK/dV kernels."""
     from remat.kernels import attention
 
     tiles = {name: tuple(constexprs.get(block) for block in ("BLOCK_D", "BLOCK_H", "BLOCK_D2", "BLOCK_H2"))
@@ -213,22 +214,23 @@ def test_attention_specs_cover_the_split_head_dims():
     for head_dim, second in ((96, 32), (192, 64)):
         assert all(tiles[f"attn_{kind}-bf16-d{head_dim}"][2] == second for kind in ("fwd", "bwd_dkdv", "bwd_dq"))
     assert tiles["attn_fwd-bf16-d80-varlen"][2] == 16
-    backward = ("bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")
-    for head_dim, forward, kinds_of_dim in ((80, (64, 32, 16, 16), backward), (96, (64, 32, 32, 16), backward),
-                                            (192, (128, 64, 64, 32), backward[:2])):
+    all_kinds = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")
+    for head_dim, padded, kinds_of_dim in ((80, (64, 64, 16, 0), all_kinds), (96, (64, 64, 32, 0), all_kinds),
+                                           (192, (128, 128, 64, 0), all_kinds[:3])):
         suffix = f"-bf16-d{head_dim}-rope-softcap-dropout"
-        assert tiles[f"attn_fwd{suffix}"] == forward
-        padded_halves = (forward[0], 2 * forward[1], forward[2], 0)
-        assert all(tiles[f"attn_{kind}{suffix}"] == padded_halves for kind in kinds_of_dim)
+        assert all(tiles[f"attn_{kind}{suffix}"] == padded for kind in kinds_of_dim)
     for head_dim in (80, 96):
         assert tiles[f"attn_bwd_dq_postprocess-bf16-d{head_dim}-rope-softcap-dropout"] == (None, 64, 0, 0)
-    assert tiles["attn_fwd-bf16-d80-rope-softcap-dropout-varlen"] == (64, 32, 16, 16)
-    for name in ("bwd_dkdv_atomic-bf16-d80-rope-softcap-dropout-varlen",
-                 "bwd_dkdv_split4-bf16-d80-rope-softcap-dropout"):
+    for name in ("fwd-bf16-d80-rope-softcap-dropout-varlen", "bwd_dkdv_atomic-bf16-d80-rope-softcap-dropout-varlen",
+                 "bwd_dkdv_split4-bf16-d80-rope-softcap-dropout",
+                 "bwd_dkdv_atomic_split4-bf16-d80-rope-softcap-dropout"):
         assert tiles[f"attn_{name}"] == (64, 64, 16, 0)
-    for kind in backward:
-        assert tiles[f"attn_{kind}-bf16-d80-rope-softcap-dropout-splithalves"] == (64, 32, 16, 16)
-    assert tiles["attn_bwd_dkdv-bf16-d192-rope-softcap-dropout-splithalves"] == (128, 64, 64, 32)
+    split = {name: value for name, value in tiles.items() if name.endswith("-splithalves")}
+    expected = {f"attn_{kind}-bf16-d80-rope-softcap-dropout-splithalves": (64, 32, 16, 16) for kind in all_kinds}
+    expected.update({f"attn_{kind}-bf16-d192-rope-softcap-dropout-splithalves": (128, 64, 64, 32)
+                     for kind in ("fwd", "bwd_dkdv")})
+    assert split == expected
+    assert not any(value[3] for name, value in tiles.items() if name not in split)
 
 
 if __name__ == "__main__":

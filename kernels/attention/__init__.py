@@ -16,7 +16,8 @@ every rounding (dots use IEEE fp32 products, or TF32 when PyTorch's
 torch.backends.cuda.matmul.allow_tf32 is on at the call: the TF32 constexpr). Each module states the ones it implements:
 - launch.py: the host launchers attention_fwd, attention_bwd, their packed (variable-length)
   variants attention_varlen_fwd, attention_varlen_bwd (argument checks, outputs, grids) and
-  aot_specs, the specs of the ahead-of-time compile check;
+  aot_specs, the specs of the ahead-of-time compile check; the RoPE rotation-halves layout of all
+  kernels of a call (ROPE_SPLIT_HALVES, REMAT_ATTENTION_ROPE_SPLIT_HALVES);
 - forward.py: the forward kernel and its key-tile step (the online softmax, o and lse);
 - backward.py: the preprocess, dK/dV, dQ and postprocess kernels, deterministic and fast modes;
 - logits.py: the logit (scale, softcap), the recomputed probabilities and the logit gradient;

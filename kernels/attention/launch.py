@@ -2,6 +2,7 @@
 the ahead-of-time compile check (tests/test_triton_aot.py)."""
 
 import functools
+import os
 
 import torch
 import triton
@@ -30,6 +31,16 @@ _MAX_HEAD_DIM = 256
 # Sequence lengths below 2^28 keep the kernels' position arithmetic (see masks._OUT) inside int32.
 _MAX_LENGTH = 1 << 28
 _MAX_GRID_YZ = 65535
+
+# RoPE's q/k rotation halves at head dims where they split (80, 96, 192, ...: `_head_dim_parts`):
+# False (default), padded halves in the forward and every backward kernel; True
+# (REMAT_ATTENTION_ROPE_SPLIT_HALVES=1, read at import; any other value leaves it False), the split
+# halves in all of them. One layout for a whole call, never chosen per kernel: the forward's lse
+# comes from QK^T summed in its layout's order, and a backward that recomputes the scores in the
+# other order gets P = exp(s' - lse) off by about eps * |s| (fp32, large logits: gradients outside
+# the 2x rule). Padded by default: the split halves spill 4-25x more in the backward kernels at their
+# default tiles (tuning.py's notes); the option is for timing the split on a GPU. Tests set it here.
+ROPE_SPLIT_HALVES = os.environ.get("REMAT_ATTENTION_ROPE_SPLIT_HALVES", "0") == "1"
 
 
 def _describe(tensor):
@@ -113,7 +124,7 @@ def _two_parts(width):
     return (first, second) if first >= 16 and 0 < second and first + second < padded else (padded, 0)
 
 
-def _head_dim_parts(head_dim, rope):
+def _head_dim_parts(head_dim, rope, split_halves):
     """(BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2): the column tiles of a head dim (rope.py).
 
     BLOCK_D, BLOCK_D2 (v, o, dout, dv and, without RoPE, q, k, dq, dk) = `_two_parts(D)`: split
@@ -121,13 +132,20 @@ def _head_dim_parts(head_dim, rope):
     the largest power of two below D, BLOCK_D2 = max(16, next_pow2(the rest)), e.g. 80 -> 64 + 16,
     96 -> 64 + 32, 192 -> 128 + 64, 48 -> 32 + 16; else padded, BLOCK_D = max(16, next_pow2(D))
     and BLOCK_D2 = 0 (112 -> 64 + 64 is no narrower than 128). Without RoPE BLOCK_H = BLOCK_D and
-    BLOCK_H2 = 0. With RoPE q, k, dq, dk are held by rotation halves, each half's D/2 columns as
-    (BLOCK_H, BLOCK_H2) = `_two_parts(D / 2)` by the same rule: D = 80 -> 2 x (32 + 16) for 2 x
-    40, 96 -> 2 x (32 + 16), 192 -> 2 x (64 + 32), 144 -> 2 x (64 + 16); padded halves where the
-    split is no narrower (D = 40: 2 x 32 for 2 x 20, since 16 + 16 is not below 32; 112: 2 x 64).
+    BLOCK_H2 = 0. With RoPE q, k, dq, dk are held by rotation halves of D/2 columns each: with
+    split_halves (`ROPE_SPLIT_HALVES` at a launch) (BLOCK_H, BLOCK_H2) = `_two_parts(D / 2)` by the
+    same rule: D = 80 -> 2 x (32 + 16) for 2 x 40, 96 -> 2 x (32 + 16), 192 -> 2 x (64 + 32),
+    144 -> 2 x (64 + 16), padded where the split is no narrower (D = 40: 2 x 32 for 2 x 20, since
+    16 + 16 is not below 32; 112: 2 x 64); without it padded, BLOCK_H = max(16, next_pow2(D / 2)),
+    BLOCK_H2 = 0 (80 -> 2 x 64).
     """
     block_d, block_d2 = _two_parts(head_dim)
-    block_h, block_h2 = _two_parts(head_dim // 2) if rope else (block_d, 0)
+    if not rope:
+        return block_d, block_d, block_d2, 0
+    if split_halves:
+        block_h, block_h2 = _two_parts(head_dim // 2)
+    else:
+        block_h, block_h2 = max(16, triton.next_power_of_2(head_dim // 2)), 0
     return block_d, block_h, block_d2, block_h2
 
 
@@ -155,7 +173,8 @@ def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
         raise ValueError(f"scale: expected a positive float, got {scale}")
     if softcap < 0.0:
         raise ValueError(f"softcap: expected 0 (off) or a positive float, got {softcap}")
-    block_d, block_h, block_d2, block_h2 = _head_dim_parts(head_dim, rope)
+    # One rotation-halves layout for the forward and every backward kernel (ROPE_SPLIT_HALVES).
+    block_d, block_h, block_d2, block_h2 = _head_dim_parts(head_dim, rope, ROPE_SPLIT_HALVES)
     # TF32: fp32 dots follow PyTorch's fp32 matmul setting at this call (a compiled variant of
     # its own); 16-bit operands ignore it, so it stays False for them (no second variant).
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=block_h2,
@@ -500,13 +519,13 @@ def aot_specs():
     kernels, the fast (atomic dQ) dK/dV kernel and its postprocess, without RoPE, softcap or dropout
     (the window, causal or not, is a runtime argument). fp32 at head dim 64: the forward, dK/dV and
     dQ kernels (FMA dots). bf16 with RoPE, softcap and dropout at split head dims (v side split,
-    `_head_dim_parts`; the forward with the rotation halves split, the backward kernels with their
-    default padded halves, `_configs_for`): at 80 (64 + 16, halves 32 + 16 or 64) and 96 (64 + 32,
-    halves 32 + 16 or 64) the forward, the deterministic and atomic dK/dV kernels, the dQ kernel and
-    the postprocess (padded columns, `_postprocess_tiles`); at 192 (128 + 64, halves 64 + 32 or 128)
-    the forward, dK/dV and dQ kernels. The backward kernels' autotuning candidates with split halves
-    (names '-splithalves', the first such candidate): bf16 with RoPE, softcap and dropout at 80, the
-    deterministic and atomic dK/dV and the dQ kernels; at 192, the dK/dV kernel. bf16 at head dim 8
+    `_head_dim_parts`, the rotation halves padded as by default, ROPE_SPLIT_HALVES off): at 80
+    (64 + 16, halves 64) and 96 (64 + 32, halves 64) the forward, the deterministic and atomic dK/dV
+    kernels, the dQ kernel and the postprocess (padded columns, `_postprocess_tiles`); at 192
+    (128 + 64, halves 128) the forward, dK/dV and dQ kernels. The split rotation halves of
+    ROPE_SPLIT_HALVES (names '-splithalves'), forward and backward alike: bf16 with RoPE, softcap
+    and dropout at 80 (halves 32 + 16), the forward, the deterministic and atomic dK/dV and the dQ
+    kernels; at 192 (halves 64 + 32), the forward and the dK/dV kernel. bf16 at head dim 8
     (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Packed sequences (VARLEN,
     names '-varlen'): bf16 at head dim 64, the forward and the deterministic dK/dV and dQ kernels;
     bf16 at head dim 80 with RoPE, softcap and dropout, the forward, the atomic dK/dV kernel and the
@@ -519,7 +538,7 @@ def aot_specs():
     kernels (about 1 s per spec and arch more on 2 CPU cores). Each main kernel takes its default
     configuration (`_configs_for`); the compile check passes num_warps only, so num_stages is
     Triton's default 3. Sizes are 32-bit and strides 64-bit (a launch gets i64 for a stride past
-    2^31 - 1). 76 specs: about 160 s of compiling for both archs on 2 shared CPU cores (measured
+    2^31 - 1). 78 specs: about 160 s of compiling for both archs on 2 shared CPU cores (measured
     with a fresh Triton cache), about 2 s per RoPE spec and arch.
     """
     main_kinds = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic",
@@ -541,11 +560,10 @@ def aot_specs():
     cases += [(kind, "bf16", head_dim, False, False) for head_dim in (96, 192)
               for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 80, False, True) for kind in ("fwd", "bwd_dkdv")]
-    # The last field: the backward kernel's first candidate with split rotation halves instead of
-    # its default (padded halves, `_configs_for`).
+    # The last field: the split rotation halves (ROPE_SPLIT_HALVES) instead of the default padded ones.
     cases = [case + (False,) for case in cases]
-    cases += [(kind, "bf16", 80, True, False, True) for kind in ("bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")]
-    cases += [("bwd_dkdv", "bf16", 192, True, False, True)]
+    cases += [(kind, "bf16", 80, True, False, True) for kind in ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")]
+    cases += [(kind, "bf16", 192, True, False, True) for kind in ("fwd", "bwd_dkdv")]
     torch_types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "fp32-tf32": torch.float32}
     scalars = {"scale": "fp32", "cap_scale": "fp32", "softcap": "fp32", "left": "i32",
@@ -558,7 +576,7 @@ def aot_specs():
     offsets = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
     for kind, type_name, head_dim, features, varlen, split_halves in cases:
         element = "*fp32" if type_name == "fp32-tf32" else f"*{type_name}"
-        block_d, block_h, block_d2, block_h2 = _head_dim_parts(head_dim, features)
+        block_d, block_h, block_d2, block_h2 = _head_dim_parts(head_dim, features, split_halves)
         flags = dict(ROPE=features, SOFTCAP=features, DROPOUT=features, VARLEN=varlen,
                      TF32=type_name == "fp32-tf32")
         constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=block_h2,
@@ -600,8 +618,7 @@ def aot_specs():
                              "dq_ptr": "*fp32" if atomic else element, **common}
                 constexprs.update(ATOMIC_DQ=atomic, HEAD_SPLITS=splits)
         if config_name is not None:
-            configs = _configs_for(config_name, constexprs, torch_types[type_name])
-            config = next(c for c in configs if c.kwargs.get("BLOCK_H2", 0) > 0) if split_halves else configs[0]
+            config = _configs_for(config_name, constexprs, torch_types[type_name])[0]
             constexprs.update(config.kwargs, INTERPRETED=False)
             num_warps = config.num_warps
         else:

@@ -21,7 +21,10 @@ BLOCK_H + BLOCK_H2) of the half, the second zero past D/2: D/2 = 40 runs as 32 +
 64, 48 as 32 + 16, 96 as 64 + 32. Column c of part p of the first half pairs with column c of
 part p of the second half (d and d + D/2), so each part rotates on its own. The q/k operand of
 a launch is four tiles (x1, x2, x3, x4): first half part 1, second half part 1, first half part
-2, second half part 2; QK^T is the sum of the four parts' dots.
+2, second half part 2; QK^T is the sum of the four parts' dots. The two layouts sum QK^T in
+different orders, so the forward and the backward of a call must use the same one (the backward
+recomputes P against the forward's lse): launch.ROPE_SPLIT_HALVES sets it for all kernels, padded
+by default.
 
 The unused tiles are placeholders no caller reads: without RoPE x3, x4 (and x2 when BLOCK_D2 =
 0) repeat the loaded tiles, and zero accumulators are [1, 1]. Columns past D (past D/2 in each

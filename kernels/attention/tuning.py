@@ -2,13 +2,12 @@
 
 Compiled, each launch takes a configuration from `_configs_for`'s short list (per kernel, padded
 head dim, dtype class and feature weight) through `Tuner`, remat's own small tuner; under the
-interpreter, a fixed 16 x 16 tile and the first candidate's other constexprs unless a test's
-tuner chooses another. With RoPE at head dims whose rotation halves split (80, 96, 192, ...), the
-backward kernels' candidates also set the halves: padded first, then the same tiles split. The
-tuner's key holds the kernel, the device, the dtype, the head dim and its column parts (the
-candidate list follows from them), the feature flags (TF32 included), the dK/dV kernel's head
-split, the query-group size,
-the window sides (unbounded, 0 = causal, or a bucketed extent) and the sequence lengths (N and
+interpreter, a fixed 16 x 16 tile. The candidates set tiles, warps and stages only: the column
+tiles (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2, RoPE's rotation halves among them) are the launch's,
+one layout for the forward and every backward kernel of a call (launch.ROPE_SPLIT_HALVES). The
+tuner's key holds the kernel, the device, the dtype, the head dim and its column tiles (compiled
+variants of their own), the feature flags (TF32 included), the dK/dV kernel's head split, the
+query-group size, the window sides (unbounded, 0 = causal, or a bucketed extent) and the sequence lengths (N and
 M, or the packed maxima) bucketed to the next power of two in [64, 65536], so a shape in another
 bucket is tuned again instead of inheriting the first call's tiles. Candidates whose compiled kernel needs
 more shared memory per block than the device grants (e.g. 99 KiB on sm_86/89/120) are dropped
@@ -86,11 +85,14 @@ def _configs(*entries):
 # at d192; dQ 408/456 vs 120/208 at d80, 448/488 vs 120/200 at d96, 976/1720 vs 216/264 at
 # d192; the atomic dK/dV 776/1568 vs 40/200 at d80, 800/1680 vs 32/224 at d96, about equal at
 # d192, 280/528 vs 304/704; ptxas capped some split ones at 128 registers on sm_80), at other
-# tiles sometimes less (dK/dV d192 32 x 16: 72-192 vs 96-296; d80 32 x 64: 216 vs 224). So the
-# forward takes the split halves and the backward kernels the padded ones first, the same tiles
-# with split halves after them as autotuning candidates (`_with_rotation_halves`); the atomic
-# dq postprocess takes padded columns (launch._postprocess_tiles: at 64 rows and D = 192 the split
-# ones spilled 2736 vs 824 bytes with RoPE, 168 vs 40 without, sm_90; within 32 bytes at 80/96).
+# tiles sometimes less (dK/dV d192 32 x 16: 72-192 vs 96-296; d80 32 x 64: 216 vs 224). The
+# forward and the backward must hold the halves alike (the backward recomputes the forward's
+# scores against its lse: summed in another order, P = exp(s - lse) drifts in fp32), so the
+# backward's spills set the default: padded halves in every kernel, the split halves in every
+# kernel only with REMAT_ATTENTION_ROPE_SPLIT_HALVES=1 (launch.ROPE_SPLIT_HALVES), for timing on
+# a GPU; the atomic dq postprocess takes padded columns either way (launch._postprocess_tiles:
+# at 64 rows and D = 192 the split ones spilled 2736 vs 824 bytes with RoPE, 168 vs 40 without,
+# sm_90; within 32 bytes at 80/96).
 # None of this is timed on a GPU.
 # "heavy": RoPE (two more [tile, D/2] operands and the fp32 cos/sin tiles) or dropout (a Philox
 # call per four scores since the four-words stream; the measurements below predate it, when it was
@@ -163,44 +165,19 @@ for (_name, _size, _kind, _heavy), _entries in list(_CONFIGS.items()):
             _CONFIGS[("dkdv_atomic", _size, _kind, True)] = _entries
 
 
-# Kernels whose candidates with split RoPE rotation halves (BLOCK_H2 > 0) come after the same
-# tiles with padded halves (`_with_rotation_halves`): the backward kernels, which spill far more
-# with the split halves at their default tiles (measurements above). The forward takes the split.
-_PADDED_HALVES_FIRST = ("dq", "dkdv", "dkdv_atomic")
-
-
-@functools.cache
-def _with_rotation_halves(configs, padded_half, block_h, block_h2):
-    """`configs` (a tuple) with the rotation halves as constexprs of each configuration: every
-    tile with padded halves (BLOCK_H = padded_half, BLOCK_H2 = 0) first, then the same tiles with
-    the split halves (BLOCK_H, BLOCK_H2): the first fitting candidate (no autotuning, CUDA graph
-    capture) takes padded halves, the autotuner times both."""
-    return [triton.Config(dict(config.kwargs, BLOCK_H=halves[0], BLOCK_H2=halves[1]),
-                          num_warps=config.num_warps, num_stages=config.num_stages)
-            for halves in ((padded_half, 0), (block_h, block_h2)) for config in configs]
-
-
 def _configs_for(kernel_name, constexprs, dtype):
     """The configuration list of a launch: by kernel (the fast mode's dK/dV kernel has its
     own), head-dim class (the next power of two of the held columns BLOCK_D + BLOCK_D2, at least
     64; RoPE's rotation halves, 2 * (BLOCK_H + BLOCK_H2) columns, never exceed it), dtype and
     whether RoPE or dropout is on. constexprs: the launch's, with the head dim's column parts
-    (`launch._head_dim_parts`). For the backward kernels with split rotation halves (RoPE,
-    BLOCK_H2 > 0) each configuration also sets BLOCK_H, BLOCK_H2: the tiles with padded halves
-    (2 * BLOCK_H: a split's first part is half the padded tile, `launch._two_parts`), then the
-    same tiles with the split halves (`_with_rotation_halves`); otherwise the configurations set
-    BLOCK_M, BLOCK_N only."""
+    (`launch._head_dim_parts`). The configurations set BLOCK_M, BLOCK_N (and warps, stages) only,
+    never the column tiles: the rotation halves are the call's (launch.ROPE_SPLIT_HALVES)."""
     if kernel_name == "dkdv" and constexprs.get("ATOMIC_DQ"):
         kernel_name = "dkdv_atomic"
     size = max(triton.next_power_of_2(constexprs["BLOCK_D"] + constexprs.get("BLOCK_D2", 0)), 64)
     kind = "fp32" if dtype == torch.float32 else "16bit"
     heavy = bool(constexprs["ROPE"] or constexprs["DROPOUT"])
-    configs = _CONFIGS[(kernel_name, size, kind, heavy)]
-    block_h2 = constexprs.get("BLOCK_H2", 0)
-    if kernel_name in _PADDED_HALVES_FIRST and constexprs["ROPE"] and block_h2 > 0:
-        block_h = constexprs["BLOCK_H"]
-        return _with_rotation_halves(tuple(configs), 2 * block_h, block_h, block_h2)
-    return configs
+    return _CONFIGS[(kernel_name, size, kind, heavy)]
 
 
 # Sequence-length buckets of the tuning key: the next power of two within these bounds.
@@ -241,10 +218,10 @@ class LaunchShape(NamedTuple):
 
 def tuning_key(kernel_name, dtype, constexprs, shape):
     """The tuner's cache key of a launch: kernel ("dkdv_atomic" for the fast mode's dK/dV),
-    device, dtype, head dim and the launch's column parts (they set the candidate list: with
-    split rotation halves the backward kernels' candidates include padded ones, so a cached
-    choice carries its halves), feature flags, TF32 (another compiled variant), the dK/dV
-    kernel's head split (another grid), group size, window classes, length buckets."""
+    device, dtype, head dim and the launch's column tiles (BLOCK_H, BLOCK_H2: the rotation halves'
+    layout, launch.ROPE_SPLIT_HALVES, is another compiled variant whose best tile may differ),
+    feature flags, TF32 (another compiled variant), the dK/dV kernel's head split (another grid),
+    group size, window classes, length buckets."""
     flags = tuple((name, constexprs[name]) for name in sorted(constexprs)
                   if name in ("HEAD_DIM", "BLOCK_D", "BLOCK_D2", "BLOCK_H", "BLOCK_H2", "ROPE", "SOFTCAP", "DROPOUT",
                               "VARLEN", "HEAD_SPLITS", "TF32"))
@@ -366,31 +343,22 @@ class Tuner:
 # Under the interpreter nothing is compiled (no shared memory to check: 0 bytes of a 0 limit)
 # and nothing timed (no CUDA events): the first candidate, as with REMAT_ATTENTION_AUTOTUNE=0.
 _TUNER = Tuner(False, shared_memory_limit=lambda device_index: 0) if _INTERPRETED else Tuner(_AUTOTUNE)
-
-
-def _interpreter_candidates(configs):
-    """The interpreter's candidates of a configuration list: each distinct set of its constexprs
-    other than the tile (the rotation halves of the backward kernels), in order; the tile is the
-    interpreter's fixed INTERPRETER_TILE, and warps and stages mean nothing there."""
-    variants = []
-    for config in configs:
-        extra = {name: value for name, value in config.kwargs.items() if name not in ("BLOCK_M", "BLOCK_N")}
-        if extra not in variants:
-            variants.append(extra)
-    return [triton.Config(extra) for extra in variants]
+# The interpreter's one candidate: no constexprs of its own (the tile is INTERPRETER_TILE, read at
+# each launch so that tests may set it; warps and stages mean nothing there).
+_INTERPRETER_CANDIDATES = (triton.Config({}),)
 
 
 def _launch(kernel, kernel_name, grid_of, args, constexprs, dtype, shape, accumulator=None):
     """Launch kernel over grid_of(BLOCK_M, BLOCK_N) with the configuration `_TUNER` chooses among
-    `_configs_for`'s list (under the interpreter: among `_interpreter_candidates`, with its fixed
-    tile) and return that configuration; its kwargs override `constexprs` (the backward kernels'
-    rotation halves). shape: the launch's LaunchShape; accumulator: None, or the tensor the kernel
-    accumulates into (the fast mode's fp32 dq, zero on entry), zeroed again before each timed
-    run and before the real launch after timing."""
+    `_configs_for`'s list (under the interpreter: `_INTERPRETER_CANDIDATES` with the fixed
+    INTERPRETER_TILE) and return that configuration; it sets the tile (and warps, stages), the
+    column tiles are `constexprs`'. shape: the launch's LaunchShape; accumulator: None, or the
+    tensor the kernel accumulates into (the fast mode's fp32 dq, zero on entry), zeroed again
+    before each timed run and before the real launch after timing."""
     candidates = _configs_for(kernel_name, constexprs, dtype)
     if _INTERPRETED:
         block_m, block_n = INTERPRETER_TILE
-        candidates = _interpreter_candidates(candidates)
+        candidates = list(_INTERPRETER_CANDIDATES)
 
         def options(config):
             return dict(constexprs, **config.kwargs, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=True)
