@@ -42,8 +42,7 @@ from .masks import (
 from .rope import (
     _add_part,
     _load_pair,
-    _load_qk_parts,
-    _load_rotated,
+    _load_qk_tiles,
     _pair_zeros,
     _qk_grad_dots,
     _qk_zeros,
@@ -98,8 +97,8 @@ def _bwd_kv_tile(
     rows = start_m + tl.arange(0, BLOCK_M)
     row_mask = rows < N
     positions = rows + (M - N)
-    q1, q2, q3, q4 = _load_rotated(q_ptr, q_base, rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base,
-                                   positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
+    q1, q2, q3, q4 = _load_qk_tiles(q_ptr, q_base, rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base,
+                                   positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
     do, do2 = _load_pair(do_ptr, do_base, rows, stride_don, row_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     lse = tl.load(lse_ptr + row_base + rows, mask=row_mask, other=0.0)
     delta = tl.load(delta_ptr + row_base + rows, mask=row_mask, other=0.0)
@@ -188,9 +187,9 @@ def _attn_bwd_dkdv_kernel(
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < m
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
-    k1, k2, k3, k4 = _load_rotated(
+    k1, k2, k3, k4 = _load_qk_tiles(
         k_ptr, _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN), keys, stride_kn, key_mask,
-        cos_ptr, sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
+        cos_ptr, sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
     v, v2 = _load_pair(v_ptr, _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN), keys,
                        stride_vn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     dv, dv2 = _pair_zeros(BLOCK_N, BLOCK_D, BLOCK_D2)
@@ -245,8 +244,8 @@ def _bwd_q_tile(
     updated four q/k tiles (dq1, dq2, dq3, dq4) (rope.py; the unused ones placeholders)."""
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < M
-    k1, k2, k3, k4 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
-                                   keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
+    k1, k2, k3, k4 = _load_qk_tiles(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
+                                   keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
     v, v2 = _load_pair(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     p, th = _recomputed_probs(_scores(q1, q2, q3, q4, k1, k2, k3, k4, ROPE, BLOCK_D2, BLOCK_H2, INTERPRETED, TF32),
                               lse[:, None], scale, cap_scale, softcap, SOFTCAP)
@@ -282,9 +281,9 @@ def _attn_bwd_dq_kernel(
     start_m, rows, row_mask, positions, h, kv_head, b, num_heads = _query_block(
         n, m, GROUP, BLOCK_M)
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
-    q1, q2, q3, q4 = _load_rotated(
+    q1, q2, q3, q4 = _load_qk_tiles(
         q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN), rows, stride_qn, row_mask,
-        cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
+        cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
     do, do2 = _load_pair(do_ptr, _operand_base(b, q_row0, stride_dob, stride_don, h, stride_doh, VARLEN), rows,
                          stride_don, row_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     stats = _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN) + rows
@@ -327,8 +326,9 @@ def _attn_bwd_dq_postprocess_kernel(
     row_mask = rows < n
     base = (q_row0 * num_heads + h) * HEAD_DIM
     row_stride = num_heads * HEAD_DIM
-    g1, g2, g3, g4 = _load_qk_parts(dq_acc_ptr, base, rows, row_stride, row_mask, HEAD_DIM, BLOCK_H, BLOCK_D2,
-                                    BLOCK_H2, ROPE)
-    _store_unrotated(dq_ptr, base, rows, row_stride, row_mask, g1, g2, g3, g4, cos_ptr, sin_ptr,
-                     _rope_base(b, k_row0, cs_stride_b, VARLEN), rows + (m - n), HEAD_DIM, BLOCK_H, BLOCK_D2,
-                     BLOCK_H2, ROPE, INTERPRETED)
+    cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
+    positions = rows + (m - n)
+    g1, g2, g3, g4 = _load_qk_tiles(dq_acc_ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base,
+                                    positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, False, INTERPRETED)
+    _store_unrotated(dq_ptr, base, rows, row_stride, row_mask, g1, g2, g3, g4, cos_ptr, sin_ptr, cs_base,
+                     positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)

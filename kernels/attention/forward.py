@@ -43,7 +43,7 @@ from .masks import (
     _stats_base,
     _visible,
 )
-from .rope import _load_pair, _load_rotated, _pair_zeros, _scores, _store_pair
+from .rope import _load_pair, _load_qk_tiles, _pair_zeros, _scores, _store_pair
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _fwd_tile(
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (acc, acc2, m, row_sum).
-    q1..q4: the query block's q/k tiles (rope.py `_load_rotated`).
+    q1..q4: the query block's q/k tiles (rope.py `_load_qk_tiles`).
 
     m is the running max of the logits (natural units), row_sum the running sum of the undropped
     probabilities exp2((t - m) * log2 e), acc the fp32 sum of round(P_dropped) @ V (its column
@@ -66,8 +66,8 @@ def _fwd_tile(
     """
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < M
-    k1, k2, k3, k4 = _load_rotated(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
-                                   keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
+    k1, k2, k3, k4 = _load_qk_tiles(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
+                                   keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
     t, _ = _logits(_scores(q1, q2, q3, q4, k1, k2, k3, k4, ROPE, BLOCK_D2, BLOCK_H2, INTERPRETED, TF32), scale,
                    cap_scale, softcap, SOFTCAP)
     if MASKED:
@@ -111,9 +111,9 @@ def _attn_fwd_kernel(
     start_m, rows, row_mask, positions, h, kv_head, b, num_heads = _query_block(
         n, m_len, GROUP, BLOCK_M)
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
-    q1, q2, q3, q4 = _load_rotated(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN),
+    q1, q2, q3, q4 = _load_qk_tiles(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN),
                                    rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
-                                   BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
+                                   BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
     k_base = _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN)
     v_base = _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN)
     # The dropout counters of key 0 of each row (row index into [B, Hq, N]; masks.py).

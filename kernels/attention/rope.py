@@ -148,52 +148,40 @@ def _rope_tables(cos_ptr, sin_ptr, cs_base, positions, row_mask, FIRST_COL: tl.c
 
 
 @triton.jit
-def _rotated_part(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions,
-                  FIRST_COL: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Columns FIRST_COL.. of both halves of x rotated at `positions`, in fp32 from the loaded
-    values and rounded to the input dtype: (x1 c - x2 s, x2 c + x1 s), x1, x2 = `_load_halves`."""
+def _halves_part(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions,
+                 FIRST_COL: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """Columns FIRST_COL.. of both halves of x (`_load_halves`); with ROTATE rotated at `positions`,
+    in fp32 from the loaded values and rounded to the input dtype: (x1 c - x2 s, x2 c + x1 s)."""
     x1, x2 = _load_halves(ptr, base, rows, row_stride, row_mask, FIRST_COL, WIDTH, HEAD_DIM)
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    c, s = _rope_tables(cos_ptr, sin_ptr, cs_base, positions, row_mask, FIRST_COL, WIDTH, HEAD_DIM)
-    dtype = ptr.dtype.element_ty
-    return _round(x1 * c - x2 * s, dtype, INTERPRETED), _round(x2 * c + x1 * s, dtype, INTERPRETED)
+    if ROTATE:
+        u1 = x1.to(tl.float32)
+        u2 = x2.to(tl.float32)
+        c, s = _rope_tables(cos_ptr, sin_ptr, cs_base, positions, row_mask, FIRST_COL, WIDTH, HEAD_DIM)
+        dtype = ptr.dtype.element_ty
+        x1 = _round(u1 * c - u2 * s, dtype, INTERPRETED)
+        x2 = _round(u2 * c + u1 * s, dtype, INTERPRETED)
+    return x1, x2
 
 
 @triton.jit
-def _load_rotated(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions,
-                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_H2: tl.constexpr,
-                  ROPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The QK^T operand of q or k rows: the four q/k tiles (x1, x2, x3, x4) of the module docstring.
+def _load_qk_tiles(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions,
+                   HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_H2: tl.constexpr,
+                   ROPE: tl.constexpr, ROTATE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The four q/k tiles (x1, x2, x3, x4) of the module docstring of rows of a [.., D] operand.
 
-    ROPE: each part of the halves rotated by `_rotated_part` (x1, x2: columns [0, BLOCK_H) of the
-    first and second half; x3, x4: [BLOCK_H, BLOCK_H + BLOCK_H2) with BLOCK_H2 > 0, else
-    placeholders). Without ROPE: the column parts of `_load_pair` as loaded (BLOCK_H = BLOCK_D),
-    x3, x4 placeholders.
+    ROPE: the parts of the rotation halves (x1, x2: columns [0, BLOCK_H) of the first and second
+    half; x3, x4: [BLOCK_H, BLOCK_H + BLOCK_H2) with BLOCK_H2 > 0, else placeholders), rotated by
+    `_halves_part` with ROTATE (the QK^T operand), as stored without it (the fast mode's fp32 dq
+    buffer). Without ROPE: the column parts of `_load_pair` as loaded (BLOCK_H = BLOCK_D), x3, x4
+    placeholders.
     """
     if ROPE:
-        x1, x2 = _rotated_part(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions, 0,
-                               BLOCK_H, HEAD_DIM, INTERPRETED)
+        x1, x2 = _halves_part(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions, 0,
+                              BLOCK_H, HEAD_DIM, ROTATE, INTERPRETED)
         if BLOCK_H2 > 0:
-            x3, x4 = _rotated_part(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions,
-                                   BLOCK_H, BLOCK_H2, HEAD_DIM, INTERPRETED)
-        else:
-            x3, x4 = x1, x2
-    else:
-        x1, x2 = _load_pair(ptr, base, rows, row_stride, row_mask, HEAD_DIM, BLOCK_H, BLOCK_D2)
-        x3, x4 = x1, x2
-    return x1, x2, x3, x4
-
-
-@triton.jit
-def _load_qk_parts(ptr, base, rows, row_stride, row_mask, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_D2: tl.constexpr, BLOCK_H2: tl.constexpr, ROPE: tl.constexpr):
-    """The four q/k tiles of rows of a [.., D] operand as stored (no rotation): the halves' parts
-    with ROPE (`_load_halves`), else `_load_pair`'s column parts; placeholders as `_load_rotated`."""
-    if ROPE:
-        x1, x2 = _load_halves(ptr, base, rows, row_stride, row_mask, 0, BLOCK_H, HEAD_DIM)
-        if BLOCK_H2 > 0:
-            x3, x4 = _load_halves(ptr, base, rows, row_stride, row_mask, BLOCK_H, BLOCK_H2, HEAD_DIM)
+            x3, x4 = _halves_part(ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base, positions,
+                                  BLOCK_H, BLOCK_H2, HEAD_DIM, ROTATE, INTERPRETED)
         else:
             x3, x4 = x1, x2
     else:
@@ -221,7 +209,7 @@ def _store_unrotated(ptr, base, rows, row_stride, row_mask, g1, g2, g3, g4, cos_
                      positions, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
                      BLOCK_H2: tl.constexpr, ROPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Store the gradient of q or k rows from the fp32 gradient of their rotated values, given as
-    the four q/k tiles (g1, g2, g3, g4) of `_load_rotated`.
+    the four q/k tiles (g1, g2, g3, g4) of `_load_qk_tiles`.
 
     ROPE: each part of the halves gets the transposed rotation (`_store_unrotated_part`; g3, g4
     only with BLOCK_H2 > 0). Without ROPE: (g1, g2) are the column parts of `_load_pair` (g2 unused
@@ -240,7 +228,7 @@ def _store_unrotated(ptr, base, rows, row_stride, row_mask, g1, g2, g3, g4, cos_
 @triton.jit
 def _scores(a1, a2, a3, a4, b1, b2, b3, b4, ROPE: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_H2: tl.constexpr,
             INTERPRETED: tl.constexpr, TF32: tl.constexpr):
-    """a @ b^T in fp32 for the four q/k tiles of `_load_rotated` of a and b: the sum of the used
+    """a @ b^T in fp32 for the four q/k tiles of `_load_qk_tiles` of a and b: the sum of the used
     parts' dots, a1 b1^T + a2 b2^T (with ROPE or BLOCK_D2 > 0) + a3 b3^T + a4 b4^T (with
     BLOCK_H2 > 0). TF32: fp32 operands multiply as TF32 (`_dot`)."""
     acc = tl.zeros([a1.shape[0], b1.shape[0]], dtype=tl.float32)
