@@ -1,17 +1,41 @@
 #!/usr/bin/env bash
 # `make gpu-check`: on a GPU machine with its own python3 and torch, no venv and no network.
-# Builds the extension for sm_90 in place, runs the gpu-marked tests and a short benchmark, and
-# writes logs and CSVs under $OUT (or gpu-out/): gpu.txt, build.log, tests.log, bench.log and one
-# CSV per benchmark (at most 8 files come back from the device tool). Exits non-zero if the build
-# or a test failed.
+# Builds the extension for sm_90 in place, runs the gpu-marked tests, then the benchmarks in order of
+# what the project lacks most (attention, layers, MLP, norm, cross-entropy, attention with the RoPE
+# rotation halves split), then the Triton test modules compiled; each phase gets what is left of a
+# deadline (GPU_CHECK_SECONDS, default 540 s from the start) so the whole check ends inside one
+# device call. Writes under $OUT (or gpu-out/): log.txt (everything, tests and tables included) and
+# one CSV per benchmark (the device tool brings back at most 8 files). Exits non-zero if the build,
+# a test or a benchmark failed or ran out of time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
+LOG="$OUT/log.txt"
 PY="${PYTHON:-python3}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+deadline=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-540} ))
 status=0
+
+# phase SECONDS NAME CMD...: runs CMD for at most SECONDS or what is left before the deadline,
+# stopping it with SIGINT (pytest then prints its summary so far); logs the exit status.
+phase() {
+  local want=$1 name=$2; shift 2
+  local left=$(( deadline - $(date +%s) ))
+  local limit=$(( want < left ? want : left ))
+  if [ "$limit" -lt 15 ]; then
+    echo "== $name: skipped, ${left}s left before the deadline" | tee -a "$LOG"
+    status=1
+    return
+  fi
+  echo "== $name (at most ${limit}s)" | tee -a "$LOG"
+  local start=$(date +%s)
+  timeout -s INT -k 15 "$limit" "$@" 2>&1 | tee -a "$LOG" | tail -n 40
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $(( $(date +%s) - start ))s" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || status=1
+}
 
 # Wheels carried from the build machine (`make gpu-wheels`: Liger-Kernel, the benchmarks' baseline),
 # installed without network into a folder of their own.
@@ -19,36 +43,39 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
-"$PY" -c "import liger_kernel; from importlib.metadata import version; print('liger-kernel', version('liger-kernel'))" \
-  >> "$OUT/gpu.txt" 2>&1 || echo "liger-kernel: not installed (make gpu-wheels here, carry .whl)" >> "$OUT/gpu.txt"
-cat "$OUT/gpu.txt"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  "$PY" -c "import liger_kernel; from importlib.metadata import version; print('liger-kernel', version('liger-kernel'))" \
+    || echo "liger-kernel: not installed (make gpu-wheels here, carry .whl)"
+  git log -1 --format='commit %h %s' 2>/dev/null
+} 2>&1 | tee -a "$LOG"
 
-echo "== build (sm_90)"
+echo "== build (archs $TORCH_CUDA_ARCH_LIST)" | tee -a "$LOG"
 start=$(date +%s)
-if ! "$PY" -m pip install --no-index --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
-  tail -n 40 "$OUT/build.log"
-  echo "build failed"
+if ! timeout 240 "$PY" -m pip install --no-index --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -n 60 "$OUT/build.log" | tee -a "$LOG"
+  echo "build failed" | tee -a "$LOG"
   exit 1
 fi
-echo "built in $(( $(date +%s) - start ))s"
-"$PY" -m remat info | tee -a "$OUT/gpu.txt"
+rm -f "$OUT/build.log"
+echo "built in $(( $(date +%s) - start ))s" | tee -a "$LOG"
+"$PY" -m remat info 2>&1 | tee -a "$LOG"
 
-echo "== gpu tests"
 # REMAT_ATTENTION_AUTOTUNE=0: one tile per Triton attention kernel, so the many feature
-# specializations of the tests compile once each instead of once per candidate tile.
-# Every gpu-marked test (they sit beside the CPU cases in each block's module), then the Triton
-# test modules that run compiled wherever a GPU is present.
-REMAT_ATTENTION_AUTOTUNE=0 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests \
-  2>&1 | tee "$OUT/tests.log" | tail -n 30
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-REMAT_ATTENTION_AUTOTUNE=0 timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_matmul.py \
-  tests/test_triton_attention.py tests/test_triton_gemm_paths.py tests/test_attention_triton_paths.py \
-  2>&1 | tee -a "$OUT/tests.log" | tail -n 10
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-echo "== benchmark"
-timeout 240 "$PY" -m benchmarks.run --quick --no-plots --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 70
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# specializations of the tests compile once each instead of once per candidate tile; eight
+# workers because compiling Triton kernels is CPU-bound.
+phase 150 "gpu-marked tests" env REMAT_ATTENTION_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -n 8 \
+  --timeout 90 -rfE --tb=short -m gpu tests
+for bench in attention layers mlp norm cross_entropy; do
+  case $bench in attention) want=110 ;; layers) want=80 ;; *) want=40 ;; esac
+  phase "$want" "benchmark $bench" "$PY" -m benchmarks.run --quick --no-plots --only "$bench" --out "$OUT"
+done
+mkdir -p "$OUT/splithalves"
+phase 70 "benchmark attention, RoPE rotation halves split" env REMAT_ATTENTION_ROPE_SPLIT_HALVES=1 \
+  "$PY" -m benchmarks.run --quick --no-plots --only attention --out "$OUT/splithalves"
+phase 120 "Triton test modules, compiled" env REMAT_ATTENTION_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -n 8 \
+  --timeout 90 -rfE --tb=short tests/test_triton_matmul.py tests/test_triton_attention.py \
+  tests/test_triton_gemm_paths.py tests/test_attention_triton_paths.py
+echo "== done, status $status" | tee -a "$LOG"
 exit $status
