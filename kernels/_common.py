@@ -33,6 +33,23 @@ def _round(value, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _round_to_tf32(value):
+    """fp32 value rounded to nearest-even on TF32's 10 mantissa bits (the low 13 bits zeroed);
+    inf and NaN pass unchanged.
+
+    Compiled TF32 dots drop the low 13 bits of each fp32 operand (truncation, triton-lang/triton
+    #4574), which on an H200 put the Triton GEMM and attention outputs at 2.3-2.6x the error of
+    cuBLAS's TF32 matmul (which rounds); rounding first makes the dropped bits zero. Under the
+    interpreter, whose fp32 dot is IEEE, it makes the products those of TF32 operands (exact in
+    fp32), so the CPU tests see TF32 numerics too.
+    """
+    bits = value.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0xFFF + ((bits >> 13) & 1)) >> 13) << 13
+    finite = (bits & 0x7F800000) != 0x7F800000
+    return tl.where(finite, rounded, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dot(a, b, acc, INTERPRETED: tl.constexpr, TF32: tl.constexpr = False):
     """acc + a @ b, accumulated in fp32: a [BLOCK_M, BLOCK_K], b [BLOCK_K, BLOCK_N], acc fp32.
 
@@ -40,13 +57,13 @@ def _dot(a, b, acc, INTERPRETED: tl.constexpr, TF32: tl.constexpr = False):
     interpreter multiplies bf16 dots as raw bit patterns (triton-lang/triton#11584). bf16
     products are exact in fp32, so only the summation order can differ from the compiled dot.
     Compiled code multiplies bf16/fp16 natively on tensor cores. fp32 operands use IEEE products
-    unless TF32 (the launcher passes `allow_tf32()`, PyTorch's fp32 matmul setting); the
-    interpreter multiplies fp32 in IEEE either way.
+    unless TF32 (the launcher passes `allow_tf32()`, PyTorch's fp32 matmul setting): then both
+    operands are rounded to nearest-even TF32 first (`_round_to_tf32`), compiled and interpreted.
     """
     if INTERPRETED and a.dtype == tl.bfloat16:
         result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif a.dtype == tl.float32 and TF32:
-        result = tl.dot(a, b, acc, input_precision="tf32")
+        result = tl.dot(_round_to_tf32(a), _round_to_tf32(b), acc, input_precision="tf32")
     elif a.dtype == tl.float32:
         result = tl.dot(a, b, acc, input_precision="ieee")
     else:

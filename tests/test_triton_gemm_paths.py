@@ -4,10 +4,12 @@ and every GEMM launcher passes PyTorch's fp32 matmul setting (torch.backends.cud
 to its kernel as the TF32 constexpr.
 
 The launch checks record the constexprs each kernel is launched with, under the interpreter on
-the CPU (TRITON_INTERPRET=1) or compiled on a GPU. The interpreter multiplies fp32 in IEEE
-whatever TF32 says, so the TF32 numerics are checked on a GPU only (marked gpu): the TF32 GEMMs'
-error against float64 is at most twice torch's own TF32 matmul error. That TF32=True compiles to
-TF32 dots and TF32=False to IEEE ones is checked on the TTIR by tests/test_triton_aot.py.
+the CPU (TRITON_INTERPRET=1) or compiled on a GPU. TF32 dots round both operands to nearest-even
+TF32 first (kernels/_common.py `_round_to_tf32`; a tensor-core TF32 dot alone truncates): checked
+on both, since the interpreter's IEEE products of rounded operands are TF32 products. On a GPU
+(marked gpu) the TF32 GEMMs' error against float64 is at most twice torch's own TF32 matmul
+error. That TF32=True compiles to TF32 dots and TF32=False to IEEE ones is checked on the TTIR by
+tests/test_triton_aot.py.
 """
 
 import os
@@ -176,19 +178,51 @@ def test_single_gemm_tile_is_chosen_per_row_class_dtype_and_tf32():
     assert first(4096, torch.float32, True).block_k > first(4096, torch.float32, False).block_k
 
 
+def _tf32(t, nearest=True):
+    """fp32 ``t`` on TF32's 10 mantissa bits: rounded to nearest-even (what the kernels'
+    `_round_to_tf32` does before a TF32 dot) or, with nearest=False, truncated (what a TF32
+    tensor-core dot does to unrounded operands). Finite values only."""
+    bits = t.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if nearest:
+        bits = bits + 0xFFF + ((bits >> 13) & 1)
+    bits = ((bits >> 13) << 13) & 0xFFFFFFFF
+    return torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32).view(torch.float32).view(t.shape)
+
+
+def test_tf32_dot_rounds_operands_to_nearest_even():
+    """With TF32 on, the GEMM's pre-activation (act_matmul at 64 x 256 -> 96) is the fp32 sum of
+    products of operands rounded to nearest-even TF32: within 1e-5 of the float64 product of those
+    operands, and at least 10x farther from the product of truncated operands. Compiled (GPU) and
+    interpreted alike: rounded operands make the tensor cores' truncation drop zeros."""
+    x, w, _, b, _ = _gemm_inputs(64, 256, 96, torch.float32, seed=6)
+    torch.backends.cuda.matmul.allow_tf32, saved = True, torch.backends.cuda.matmul.allow_tf32
+    try:
+        _, pre = matmul.act_matmul(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), "gelu", store_pre=True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    pre = pre.cpu().double()
+    nearest = _tf32(x).double() @ _tf32(w).double().T + b.double()
+    truncated = _tf32(x, nearest=False).double() @ _tf32(w, nearest=False).double().T + b.double()
+    error_nearest = (pre - nearest).abs().max().item()
+    error_truncated = (pre - truncated).abs().max().item()
+    assert error_nearest <= 1e-5, error_nearest
+    assert error_truncated >= 10 * error_nearest, (error_truncated, error_nearest)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="on a GPU TF32 changes the products (gpu tests below)")
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
 def test_single_gemm_new_tiles_match_float64_reference(activation, set_allow_tf32):
     """fp32 act_matmul at 127 rows (one 128-row tile of the new fp32 tile, ragged) and K 1000
     (ragged last K step) with the TF32 variant launched: pre and h within 2x of stock PyTorch's
-    error against float64 (the interpreter's products are IEEE either way), and the backward's
-    h is the forward's bit for bit."""
+    error against float64, both taken on the operands rounded to TF32 (what the TF32 dot
+    multiplies; the interpreter's products of those are exact), and the backward's h is the
+    forward's bit for bit."""
     set_allow_tf32(True)
     x, w, _, b, dh = _gemm_inputs(127, 1000, 72, torch.float32, seed=3)
     h, pre = matmul.act_matmul(x, w, b, activation, store_pre=True)
     _, h_recomputed = matmul.act_matmul_bwd(x, w, b, dh, activation)
-    reference_pre = x.double() @ w.double().T + b.double()
-    stock_pre = F.linear(x, w, b)
+    reference_pre = _tf32(x).double() @ _tf32(w).double().T + b.double()
+    stock_pre = F.linear(_tf32(x), _tf32(w), b)
     assert_within_2x_of_stock("pre", pre, stock_pre, reference_pre, torch.float32)
     reference_h = activate(pre.double(), activation)
     stock_h = activate(stock_pre, activation)
