@@ -147,6 +147,22 @@ def _normal_init(stock):
     return stock
 
 
+def _check_same_computation(what, got, want, routed):
+    """Raises unless ``got`` (remat's layer output, [B, N, hidden]) matches ``want`` (the stock
+    layer's) within 1e-3 (fp32) or 1e-1 (16-bit) on every token, or on all but 1% of the tokens
+    where ``routed`` (a mixture of experts): a router logit pair closer than the rounding of the
+    norm before it picks another expert, and stock in bf16 does the same against itself in fp32
+    (Mixtral, bf16, 1024 tokens: 3 tokens off for stock, 3 for remat; on the H200, 17 of 4096
+    for remat)."""
+    tolerance = 1e-3 if got.dtype == torch.float32 else 1e-1
+    off = ((got.float() - want.float()).abs() > tolerance + tolerance * want.float().abs()).flatten(0, -2).any(-1)
+    allowed = int(0.01 * off.numel()) if routed else 0
+    if int(off.sum()) > allowed:
+        raise AssertionError(f"{what}: {int(off.sum())} of {off.numel()} tokens differ from the stock layer "
+                             f"by more than {tolerance} (at most {allowed} allowed); max difference "
+                             f"{float((got.float() - want.float()).abs().max()):.3g}")
+
+
 def _policy_rows(block, shape, stock, remat_cls, x, stock_kwargs, remat_kwargs, device, quick, tags):
     """Rows for one stock decoder layer against ``remat_cls.from_module(stock, policy=p)`` for each
     policy: forward, backward (to x and every parameter) and full step timed in interleaved rounds
@@ -162,10 +178,8 @@ def _policy_rows(block, shape, stock, remat_cls, x, stock_kwargs, remat_kwargs, 
                  for p in ("speed", "balanced", "memory")}}
     with torch.no_grad():
         want = stock(x, **stock_kwargs)
-        tolerance = 1e-3 if x.dtype == torch.float32 else 1e-1
         for name, (layer, kwargs) in layers.items():
-            torch.testing.assert_close(layer(x, **kwargs), want, rtol=tolerance, atol=tolerance,
-                                       msg=lambda m, name=name: f"{block} {name}: {m}")
+            _check_same_computation(f"{block} {name}", layer(x, **kwargs), want, routed="experts" in shape)
     steps = {name: autograd_step(functools.partial(layer, **kwargs), (x,), [x, *params], dy)
              for name, (layer, kwargs) in layers.items()}
     times = interleaved_timings(steps, device, rounds=2 if quick else 12)

@@ -52,18 +52,21 @@ def _remat(kind, with_residual, name):
     return fn
 
 
-def _liger(kind, with_residual, hidden, dtype, device):
-    """Liger-Kernel's norm modules, if the package is installed (None otherwise)."""
+def _liger(kind, with_residual):
+    """Liger-Kernel's norm functions on the step's own weight (and bias), if the package is
+    installed (None otherwise). RMSNorm with in_place=False: Liger's default writes dX into the
+    incoming gradient, which would change the benchmark's shared output gradient between rounds."""
     try:
-        from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+        from liger_kernel.transformers.functional import liger_layer_norm, liger_rms_norm
     except ImportError:
         return None
-    module = (LigerRMSNorm(hidden, eps=1e-6) if kind == "rms" else LigerLayerNorm(hidden, eps=1e-5))
-    module = module.to(device=device, dtype=dtype)
 
     def fn(x, weight, bias, residual):
         h = x + residual if with_residual else x
-        y = module(h)
+        if kind == "rms":
+            y = liger_rms_norm(h, weight, 1e-6, in_place=False)
+        else:
+            y = liger_layer_norm(h, weight, bias, 1e-5)
         return (y, h) if with_residual else y
 
     return fn
@@ -80,7 +83,7 @@ def providers(kind, with_residual, hidden, dtype, device):
         return torch.utils.checkpoint.checkpoint(stock, *args, use_reentrant=False)
 
     out.append(("torch+checkpoint", checkpointed))
-    liger = _liger(kind, with_residual, hidden, dtype, device)
+    liger = _liger(kind, with_residual)
     if liger is not None:
         out.append(("liger", liger))
     return out

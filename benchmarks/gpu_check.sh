@@ -62,20 +62,33 @@ rm -f "$OUT/build.log"
 echo "built in $(( $(date +%s) - start ))s" | tee -a "$LOG"
 "$PY" -m remat info 2>&1 | tee -a "$LOG"
 
+# What runs can be narrowed for a rerun inside the same device budget (whitespace-separated,
+# no globbing): GPU_CHECK_TESTS (pytest arguments; default every gpu-marked test),
+# GPU_CHECK_BENCHES (default attention layers mlp norm cross_entropy), GPU_CHECK_SPLIT_HALVES
+# (1: the attention benchmark again with the RoPE rotation halves split), GPU_CHECK_TRITON_TESTS
+# (1: the Triton test modules, compiled); GPU_CHECK_TESTS_SECONDS (default 150) for the first tests.
+set -f
+read -ra tests <<< "${GPU_CHECK_TESTS:--m gpu tests}"
+read -ra benches <<< "${GPU_CHECK_BENCHES:-attention layers mlp norm cross_entropy}"
+set +f
 # REMAT_ATTENTION_AUTOTUNE=0: one tile per Triton attention kernel, so the many feature
-# specializations of the tests compile once each instead of once per candidate tile; eight
-# workers because compiling Triton kernels is CPU-bound.
-phase 150 "gpu-marked tests" env REMAT_ATTENTION_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -n 8 \
-  --timeout 90 -rfE --tb=short -m gpu tests
-for bench in attention layers mlp norm cross_entropy; do
+# specializations of the tests compile once each instead of once per candidate tile; -n 12
+# because compiling Triton kernels is CPU-bound (16 cores); -v puts every test's outcome in the log.
+pytest_args=(-p no:cacheprovider -n 12 -v --timeout 90 -rfE --tb=short)
+phase "${GPU_CHECK_TESTS_SECONDS:-150}" "tests: ${tests[*]}" env REMAT_ATTENTION_AUTOTUNE=0 "$PY" -m pytest "${pytest_args[@]}" "${tests[@]}"
+for bench in "${benches[@]}"; do
   case $bench in attention) want=110 ;; layers) want=80 ;; *) want=40 ;; esac
   phase "$want" "benchmark $bench" "$PY" -m benchmarks.run --quick --no-plots --only "$bench" --out "$OUT"
 done
-mkdir -p "$OUT/splithalves"
-phase 70 "benchmark attention, RoPE rotation halves split" env REMAT_ATTENTION_ROPE_SPLIT_HALVES=1 \
-  "$PY" -m benchmarks.run --quick --no-plots --only attention --out "$OUT/splithalves"
-phase 120 "Triton test modules, compiled" env REMAT_ATTENTION_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -n 8 \
-  --timeout 90 -rfE --tb=short tests/test_triton_matmul.py tests/test_triton_attention.py \
-  tests/test_triton_gemm_paths.py tests/test_attention_triton_paths.py
+if [ "${GPU_CHECK_SPLIT_HALVES:-1}" = 1 ]; then
+  mkdir -p "$OUT/splithalves"
+  phase 70 "benchmark attention, RoPE rotation halves split" env REMAT_ATTENTION_ROPE_SPLIT_HALVES=1 \
+    "$PY" -m benchmarks.run --quick --no-plots --only attention --out "$OUT/splithalves"
+fi
+if [ "${GPU_CHECK_TRITON_TESTS:-1}" = 1 ]; then
+  phase 120 "Triton test modules, compiled" env REMAT_ATTENTION_AUTOTUNE=0 "$PY" -m pytest "${pytest_args[@]}" \
+    tests/test_triton_matmul.py tests/test_triton_attention.py tests/test_triton_gemm_paths.py \
+    tests/test_attention_triton_paths.py
+fi
 echo "== done, status $status" | tee -a "$LOG"
 exit $status
