@@ -64,7 +64,7 @@ echo "built in $(( $(date +%s) - start ))s" | tee -a "$LOG"
 
 # What runs can be narrowed for a rerun inside the same device budget (whitespace-separated,
 # no globbing): GPU_CHECK_TESTS (pytest arguments; default every gpu-marked test),
-# GPU_CHECK_BENCHES (default attention layers mlp norm cross_entropy), GPU_CHECK_SPLIT_HALVES
+# GPU_CHECK_BENCHES (default attention layers mlp norm cross_entropy; NAME:SECONDS caps one), GPU_CHECK_SPLIT_HALVES
 # (1: the attention benchmark again with the RoPE rotation halves split), GPU_CHECK_TRITON_TESTS
 # (1: the Triton test modules, compiled); GPU_CHECK_TESTS_SECONDS (default 150) for the first tests.
 set -f
@@ -76,8 +76,11 @@ set +f
 # because compiling Triton kernels is CPU-bound (16 cores); -v puts every test's outcome in the log.
 pytest_args=(-p no:cacheprovider -n 12 -v --timeout 90 -rfE --tb=short)
 phase "${GPU_CHECK_TESTS_SECONDS:-150}" "tests: ${tests[*]}" env REMAT_ATTENTION_AUTOTUNE=0 "$PY" -m pytest "${pytest_args[@]}" "${tests[@]}"
-for bench in "${benches[@]}"; do
+for entry in "${benches[@]}"; do
+  # NAME or NAME:SECONDS (the most it may take; by default 110 s attention, 80 s layers, 40 s others).
+  bench=${entry%%:*}
   case $bench in attention) want=110 ;; layers) want=80 ;; *) want=40 ;; esac
+  [ "$entry" = "$bench" ] || want=${entry#*:}
   phase "$want" "benchmark $bench" "$PY" -m benchmarks.run --quick --no-plots --only "$bench" --out "$OUT"
 done
 if [ "${GPU_CHECK_SPLIT_HALVES:-1}" = 1 ]; then
