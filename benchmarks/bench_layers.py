@@ -9,6 +9,7 @@ Gemma 2/3, GPT-2, Qwen3-MoE (family_rows), against its remat layer. Every time i
 providers of a case side by side in interleaved rounds (benchmarks.common.interleaved_timings); the
 time_vs_* columns are medians of per-round ratios with their 20-80% bands."""
 
+import copy
 import functools
 
 import torch
@@ -147,20 +148,51 @@ def _normal_init(stock):
     return stock
 
 
-def _check_same_computation(what, got, want, routed):
-    """Raises unless ``got`` (remat's layer output, [B, N, hidden]) matches ``want`` (the stock
-    layer's) within 1e-3 (fp32) or 1e-1 (16-bit) on every token, or on all but 1% of the tokens
-    where ``routed`` (a mixture of experts): a router logit pair closer than the rounding of the
-    norm before it picks another expert, and stock in bf16 does the same against itself in fp32
-    (Mixtral, bf16, 1024 tokens: 3 tokens off for stock, 3 for remat; on the H200, 17 of 4096
-    for remat)."""
-    tolerance = 1e-3 if got.dtype == torch.float32 else 1e-1
-    off = ((got.float() - want.float()).abs() > tolerance + tolerance * want.float().abs()).flatten(0, -2).any(-1)
-    allowed = int(0.01 * off.numel()) if routed else 0
-    if int(off.sum()) > allowed:
-        raise AssertionError(f"{what}: {int(off.sum())} of {off.numel()} tokens differ from the stock layer "
-                             f"by more than {tolerance} (at most {allowed} allowed); max difference "
-                             f"{float((got.float() - want.float()).abs().max()):.3g}")
+def _float32(value):
+    """``value`` with every floating tensor in it (nested tuples, lists, dicts) cast to fp32."""
+    if torch.is_tensor(value):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_float32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _float32(v) for k, v in value.items()}
+    return value
+
+
+def _output(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+# Absolute floor of the 16-bit check, relative to the output's largest magnitude: about half a
+# unit in the last place (as tests/_checks.py).
+_FLOOR = {torch.bfloat16: 4e-3, torch.float16: 5e-4}
+
+
+def _check_same_computation(what, got, want, want32, routed):
+    """Raises unless remat's layer output ``got`` ([B, N, hidden]) is the stock layer's
+    computation. fp32: within 1e-3 of the stock output ``want`` on every element. 16-bit: the
+    2x rule of DESIGN.md section 7 against ``want32`` (the stock layer run in fp32 on the same
+    inputs): remat's largest per-token error at most twice stock's (``want``) plus a floor. A
+    mixture of experts (``routed``) compares the 99th percentile of the per-token errors: a
+    router logit pair closer than the rounding before it picks another expert for a few tokens,
+    and stock does the same (Mixtral, bf16, 1024 tokens: stock 3 tokens off its own fp32 run,
+    remat 3; the H200 saw 17 of 4096 between remat and stock). A wrong mask or rope table puts
+    most tokens off."""
+    got, want = _output(got), _output(want)
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3, msg=lambda m: f"{what}: {m}")
+        return
+    want32 = _output(want32)
+    quantile = 0.99 if routed else 1.0
+
+    def token_error(value):
+        return torch.quantile((value.float() - want32).abs().flatten(0, -2).amax(-1), quantile).item()
+
+    error, stock_error = token_error(got), token_error(want)
+    bound = 2 * stock_error + _FLOOR[got.dtype] * max(1.0, want32.abs().max().item())
+    if error > bound:
+        raise AssertionError(f"{what}: error against the fp32 stock layer {error:.3g} > 2 x stock's {stock_error:.3g} "
+                             f"+ floor = {bound:.3g} ({'99th percentile' if routed else 'largest'} per-token error)")
 
 
 def _policy_rows(block, shape, stock, remat_cls, x, stock_kwargs, remat_kwargs, device, quick, tags):
@@ -178,8 +210,10 @@ def _policy_rows(block, shape, stock, remat_cls, x, stock_kwargs, remat_kwargs, 
                  for p in ("speed", "balanced", "memory")}}
     with torch.no_grad():
         want = stock(x, **stock_kwargs)
+        want32 = None if x.dtype == torch.float32 else copy.deepcopy(stock).float()(x.float(), **_float32(stock_kwargs))
         for name, (layer, kwargs) in layers.items():
-            _check_same_computation(f"{block} {name}", layer(x, **kwargs), want, routed="experts" in shape)
+            _check_same_computation(f"{block} {name}", layer(x, **kwargs), want, want32, routed="experts" in shape)
+        del want32
     steps = {name: autograd_step(functools.partial(layer, **kwargs), (x,), [x, *params], dy)
              for name, (layer, kwargs) in layers.items()}
     times = interleaved_timings(steps, device, rounds=2 if quick else 12)

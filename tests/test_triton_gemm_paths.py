@@ -189,18 +189,15 @@ def _tf32(t, nearest=True):
     return torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32).view(torch.float32).view(t.shape)
 
 
-def test_tf32_dot_rounds_operands_to_nearest_even():
+def test_tf32_dot_rounds_operands_to_nearest_even(set_allow_tf32):
     """With TF32 on, the GEMM's pre-activation (act_matmul at 64 x 256 -> 96) is the fp32 sum of
     products of operands rounded to nearest-even TF32: within 1e-5 of the float64 product of those
     operands, and at least 10x farther from the product of truncated operands. Compiled (GPU) and
     interpreted alike: rounded operands make the tensor cores' truncation drop zeros."""
     x, w, _, b, _ = _gemm_inputs(64, 256, 96, torch.float32, seed=6)
-    torch.backends.cuda.matmul.allow_tf32, saved = True, torch.backends.cuda.matmul.allow_tf32
-    try:
-        _, pre = matmul.act_matmul(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), "gelu", store_pre=True)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
-    pre = pre.cpu().double()
+    set_allow_tf32(True)
+    _, pre = matmul.act_matmul(x, w, b, "gelu", store_pre=True)
+    pre, x, w, b = (t.cpu() for t in (pre.double(), x, w, b))
     nearest = _tf32(x).double() @ _tf32(w).double().T + b.double()
     truncated = _tf32(x, nearest=False).double() @ _tf32(w, nearest=False).double().T + b.double()
     error_nearest = (pre - nearest).abs().max().item()
