@@ -92,10 +92,28 @@ def _dot_precisions(ttir):
     return sorted(precisions)
 
 
+def _ieee_fp32_dot_accumulators(ttir):
+    """The ops defining the accumulator operand of each IEEE fp32 tt.dot in a TTIR listing:
+    "arith.select" (the fresh zero of the two-level summation in kernels/_common.py `_dot`),
+    "arith.constant" (a dot from zero), anything else (a loop-carried block argument: a dot
+    chained into its running sum, the whole K as one rounding chain)."""
+    defined_by = {}
+    for line in ttir.splitlines():
+        found = re.match(r"\s*(%[\w.]+)(?::\d+)? = ([\w.]+)", line)
+        if found:
+            defined_by[found.group(1)] = found.group(2)
+    kinds = set()
+    for line in ttir.splitlines():
+        if "tt.dot " in line and "inputPrecision" not in line and re.search(r"xf32> \*", line):
+            accumulator = re.search(r"tt\.dot %[\w.]+, %[\w.]+, (%[\w.]+)", line).group(1)
+            kinds.add(defined_by.get(accumulator, "block argument"))
+    return sorted(kinds)
+
+
 def compile_all(archs):
     """{case id: {"cubin": bytes, "ptx": chars, "ptx_target": str, "dot_precisions": [str],
-    "seconds": float} or {"error": traceback}}, for every spec of every kernel module and every
-    arch."""
+    "ieee_fp32_dot_accumulators": [str], "seconds": float} or {"error": traceback}}, for every
+    spec of every kernel module and every arch."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -126,6 +144,7 @@ def compile_all(archs):
                         "ptx": len(ptx),
                         "ptx_target": target_line,
                         "dot_precisions": _dot_precisions(compiled.asm["ttir"]),
+                        "ieee_fp32_dot_accumulators": _ieee_fp32_dot_accumulators(compiled.asm["ttir"]),
                         "seconds": time.perf_counter() - start,
                     }
                 except Exception:
@@ -193,6 +212,11 @@ def test_fp32_dots_follow_the_tf32_constexpr(case, precision, aot_results):
     assert "error" not in result, f"{case}: compile failed:\n{result.get('error')}"
     assert result["dot_precisions"] == [precision], (
         f"{case}: tt.dot precisions {result['dot_precisions']}, expected [{precision!r}]")
+    # IEEE fp32 dots sum each step from a fresh zero and add it to the running sum after
+    # (kernels/_common.py `_dot`), never straight into a loop-carried accumulator.
+    if precision == "ieee":
+        assert set(result["ieee_fp32_dot_accumulators"]) <= {"arith.select", "arith.constant"}, (
+            f"{case}: IEEE fp32 dot accumulators defined by {result['ieee_fp32_dot_accumulators']}")
 
 
 def test_attention_specs_cover_the_split_head_dims():
