@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # `make gpu-check`: on a GPU machine with its own python3 and torch, no venv and no network.
 # Builds the extension for sm_90 in place, runs the gpu-marked tests, then the benchmarks in order of
-# what the project lacks most (attention, layers, MLP, norm, cross-entropy, attention with the RoPE
-# rotation halves split), then the Triton test modules compiled; each phase gets what is left of a
-# deadline (GPU_CHECK_SECONDS, default 540 s from the start) so the whole check ends inside one
-# device call. Writes under $OUT (or gpu-out/): log.txt (everything, tests and tables included) and
+# what the project lacks most (attention, layers, MLP, norm, cross-entropy), then the Triton test
+# modules compiled; each phase gets what is left of a deadline (GPU_CHECK_SECONDS, default 540 s
+# from the start) so the whole check ends inside one device call. Writes under $OUT (or gpu-out/): log.txt (everything, tests and tables included) and
 # one CSV per benchmark (the device tool brings back at most 8 files). Exits non-zero if the build,
 # a test or a benchmark failed or ran out of time.
 set -uo pipefail
@@ -64,9 +63,9 @@ echo "built in $(( $(date +%s) - start ))s" | tee -a "$LOG"
 
 # What runs can be narrowed for a rerun inside the same device budget (whitespace-separated,
 # no globbing): GPU_CHECK_TESTS (pytest arguments; default every gpu-marked test),
-# GPU_CHECK_BENCHES (default attention layers mlp norm cross_entropy; NAME:SECONDS caps one), GPU_CHECK_SPLIT_HALVES
-# (1: the attention benchmark again with the RoPE rotation halves split), GPU_CHECK_TRITON_TESTS
-# (1: the Triton test modules, compiled); GPU_CHECK_TESTS_SECONDS (default 150) for the first tests.
+# GPU_CHECK_BENCHES (default attention layers mlp norm cross_entropy; NAME:SECONDS caps one),
+# GPU_CHECK_TRITON_TESTS (1: the Triton test modules, compiled), GPU_CHECK_TESTS_SECONDS (default
+# 150: the most the first tests may take).
 set -f
 read -ra tests <<< "${GPU_CHECK_TESTS:--m gpu tests}"
 read -ra benches <<< "${GPU_CHECK_BENCHES:-attention layers mlp norm cross_entropy}"
@@ -83,11 +82,6 @@ for entry in "${benches[@]}"; do
   [ "$entry" = "$bench" ] || want=${entry#*:}
   phase "$want" "benchmark $bench" "$PY" -m benchmarks.run --quick --no-plots --only "$bench" --out "$OUT"
 done
-if [ "${GPU_CHECK_SPLIT_HALVES:-1}" = 1 ]; then
-  mkdir -p "$OUT/splithalves"
-  phase 70 "benchmark attention, RoPE rotation halves split" env REMAT_ATTENTION_ROPE_SPLIT_HALVES=1 \
-    "$PY" -m benchmarks.run --quick --no-plots --only attention --out "$OUT/splithalves"
-fi
 if [ "${GPU_CHECK_TRITON_TESTS:-1}" = 1 ]; then
   phase 120 "Triton test modules, compiled" env REMAT_ATTENTION_AUTOTUNE=0 "$PY" -m pytest "${pytest_args[@]}" \
     tests/test_triton_matmul.py tests/test_triton_attention.py tests/test_triton_gemm_paths.py \
