@@ -3,9 +3,11 @@ dropout stream read four keys per Philox call at any row length and tile shape; 
 with each kv head's query heads split over several programs (GQA, MQA, rope, window, softcap,
 dropout, packed sequences, both backward modes) against the unsplit kernel and the float64
 reference, and the launcher's choice of the split; TF32 dots following PyTorch's fp32 matmul
-setting; head dims that are not powers of two split into power-of-two column parts (with RoPE
-the rotation halves padded by default, split with launch.ROPE_SPLIT_HALVES, one layout for the
-forward and every backward kernel) against the float64 reference and the padded tiles.
+setting; head dims that are not powers of two split into power-of-two column parts against the
+float64 reference and the padded tiles; RoPE in the forward kernel (forward-only calls: a call
+with a backward rotates q and k outside the kernels, remat.ops.attention rope_rotated_once) with
+the rotation halves padded by default or split with launch.ROPE_SPLIT_HALVES; the backward
+launchers refusing rotary tables before any kernel.
 
 Runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1 (tiny shapes), or on a CUDA GPU
 without it.
@@ -312,12 +314,13 @@ def test_head_dim_parts_and_their_tile_class():
 @pytest.mark.parametrize("spec,blocks", SPLIT_HEAD_DIM_CASES)
 def test_split_head_dim_within_reference(spec, blocks, deterministic, monkeypatch):
     """Forward and backward at split head dims within the 2x rule of the float64 reference
-    (run_and_check, fp32), and every forward, dK/dV and dQ launch gets the split tiles."""
+    (run_and_check, fp32), and every forward, dK/dV and dQ launch gets the split tiles (the
+    forward's q/k tiles the same, BLOCK_H = BLOCK_D without RoPE)."""
     seen = record_launch_constexprs(monkeypatch)
     run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
     assert sorted(name for name, _ in seen) == (["dkdv", "dq", "fwd"] if deterministic else ["dkdv", "fwd"])
-    assert all((c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == (blocks[0], blocks[0], blocks[1], 0)
-               for _, c in seen)
+    assert all((c["BLOCK_D"], c["BLOCK_D2"]) == blocks for _, c in seen)
+    assert all((c["BLOCK_H"], c["BLOCK_H2"]) == (blocks[0], 0) for name, c in seen if name == "fwd")
 
 
 def test_split_head_dim_bf16_within_reference(monkeypatch):
@@ -341,17 +344,38 @@ def padded_halves(blocks):
     return (block_d, 2 * block_h, block_d2, 0) if block_h2 else blocks
 
 
-def assert_tiles(seen, blocks):
-    """Every launch (forward, dK/dV, dQ) got the column tiles `blocks`: one layout for the call."""
-    assert seen
-    for name, c in seen:
-        assert (c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == blocks, name
+def assert_rope_forward_launch(seen, blocks):
+    """The call launched the forward kernel only, once, with RoPE and the column tiles `blocks`."""
+    assert [name for name, _ in seen] == ["fwd"]
+    c = seen[0][1]
+    assert c["ROPE"] is True
+    assert (c["BLOCK_D"], c["BLOCK_H"], c["BLOCK_D2"], c["BLOCK_H2"]) == blocks
 
 
-# RoPE at split head dims: name: spec, the expected (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2) of every
-# launch with ROPE_SPLIT_HALVES (by default: the same with padded halves, `padded_halves`). D = 40: v
-# side 32 + 16, halves of 20 padded to 32 (16 + 16 is no narrower); 80: halves of 40 as 32 + 16;
-# 96: 48 as 32 + 16; 192: 96 as 64 + 32.
+def forward_only_within_reference(spec, dtype):
+    """o of remat.attention(..., backend="triton") on the case's inputs, none of which needs a
+    gradient (a forward-only call: the forward kernel rotates q and k itself), within the 2x rule of
+    the float64 reference (stock: the eager computation in ``dtype``). Returns o on the CPU."""
+    q, k, v, dout, rope = make_inputs(spec, dtype, device=DEVICE)
+    dropout = spec.get("dropout", 0.0)
+    torch.manual_seed(1234)
+    rng = draw_rng_state(DEVICE).cpu()
+    torch.manual_seed(1234)
+    o = remat.attention(q, k, v, causal=spec.get("causal", False), dropout_p=dropout, rope=rope,
+                        window=spec.get("window"), softcap=spec.get("softcap"), backend="triton").cpu()
+    keep = None
+    if dropout:
+        keep = attention_dropout_keep(rng[0], rng[1], (spec["b"], spec["hq"], spec["n"], spec["m"]), dropout)
+    reference, stock = (attention_eager(q, k, v, dout, rope, spec, keep, t)[0] for t in (torch.float64, dtype))
+    assert o.dtype == dtype
+    assert_within_2x_of_stock("o", o, stock, reference, dtype)
+    return o
+
+
+# RoPE at split head dims: name: spec, the expected (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2) of the
+# forward launch with ROPE_SPLIT_HALVES (by default: the same with padded halves, `padded_halves`).
+# D = 40: v side 32 + 16, halves of 20 padded to 32 (16 + 16 is no narrower); 80: halves of 40 as
+# 32 + 16; 96: 48 as 32 + 16; 192: 96 as 64 + 32.
 ROPE_SPLIT_CASES = [
     pytest.param(dict(b=1, n=17, m=33, hq=4, hkv=2, d=40, causal=True, rope="shared"), (32, 32, 16, 0),
                  id="d40-gqa2-causal"),
@@ -366,101 +390,133 @@ ROPE_SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
 @pytest.mark.parametrize("spec,blocks", ROPE_SPLIT_CASES)
-def test_rope_splits_the_rotation_halves(spec, blocks, deterministic, monkeypatch):
-    """With RoPE, v, o, dout, dv run as BLOCK_D + BLOCK_D2 columns and q, k as two rotation halves,
-    by default padded in every kernel: o, dq, dk, dv within the 2x rule of float64 (fp32), every
-    launch with the padded halves. Then with ROPE_SPLIT_HALVES every kernel holds each half as
-    BLOCK_H + BLOCK_H2 columns (four tiles of q, k, dq, dk, the rotation and its transpose per part):
-    again within the rule, every launch with the split tiles."""
+def test_rope_forward_in_either_rotation_halves_layout(spec, blocks, monkeypatch):
+    """A forward-only call with RoPE: v, o run as BLOCK_D + BLOCK_D2 columns and q, k as two
+    rotation halves, by default padded: o within the 2x rule of float64 (fp32), the forward kernel
+    launched with RoPE and the padded halves. Then with ROPE_SPLIT_HALVES each half is held as
+    BLOCK_H + BLOCK_H2 columns (four q/k tiles, each part rotated on its own): again within the rule,
+    launched with the split tiles, and o equal to the padded layout's up to fp32 summation order."""
     seen = record_launch_constexprs(monkeypatch)
-    run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
-    assert sorted(name for name, _ in seen) == (["dkdv", "dq", "fwd"] if deterministic else ["dkdv", "fwd"])
-    assert_tiles(seen, padded_halves(blocks))
+    padded = forward_only_within_reference(spec, torch.float32)
+    assert_rope_forward_launch(seen, padded_halves(blocks))
     if blocks[3]:
         seen.clear()
         split_rope_halves(monkeypatch)
-        run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
-        assert_tiles(seen, blocks)
+        split = forward_only_within_reference(spec, torch.float32)
+        assert_rope_forward_launch(seen, blocks)
+        torch.testing.assert_close(split, padded, rtol=1e-5, atol=1e-5 * padded.abs().max().item())
 
 
-def test_rope_split_halves_bf16_within_reference(monkeypatch):
+@pytest.mark.parametrize("split_halves,blocks", [(False, (64, 64, 16, 0)), (True, (64, 32, 16, 16))],
+                         ids=["padded-halves", "split-halves"])
+def test_rope_forward_bf16_within_reference(split_halves, blocks, monkeypatch):
     """bf16 at D = 80 with RoPE (halves 64 by default, 32 + 16 with ROPE_SPLIT_HALVES), GQA, causal,
-    both backward modes: the rotated parts rounded to bf16 before the dots, dq and dk rounded once
-    after the transposed rotation, within the 2x rule of float64 in either layout, every forward,
-    dK/dV and dQ launch in the same one."""
+    forward only: the rotated parts rounded to bf16 before the dots, o within the 2x rule of float64."""
+    monkeypatch.setattr(launch, "ROPE_SPLIT_HALVES", split_halves)
     seen = record_launch_constexprs(monkeypatch)
-    spec = dict(b=1, n=17, m=17, hq=4, hkv=2, d=80, causal=True, rope="per_batch")
-    for deterministic in (True, False):
-        run_and_check(spec, torch.bfloat16, "triton", deterministic=deterministic, device=DEVICE)
-    assert sorted(name for name, _ in seen) == ["dkdv", "dkdv", "dq", "fwd", "fwd"]
-    assert_tiles(seen, (64, 64, 16, 0))
-    seen.clear()
-    split_rope_halves(monkeypatch)
-    for deterministic in (True, False):
-        run_and_check(spec, torch.bfloat16, "triton", deterministic=deterministic, device=DEVICE)
-    assert_tiles(seen, (64, 32, 16, 16))
+    forward_only_within_reference(dict(b=1, n=17, m=17, hq=4, hkv=2, d=80, causal=True, rope="per_batch"),
+                                  torch.bfloat16)
+    assert_rope_forward_launch(seen, blocks)
 
 
 @pytest.mark.parametrize("split_halves", [False, True], ids=["padded-halves", "split-halves"])
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
 @pytest.mark.parametrize("head_dim", [80, 96], ids=["d80", "d96"])
-def test_rope_halves_one_layout_for_forward_and_backward(head_dim, deterministic, split_halves, monkeypatch):
-    """fp32, causal, RoPE, logits of tens (q, k ~ 3 N(0, 1)): the backward recomputes P = exp(s - lse)
-    against the forward's lse, so it must sum QK^T over the rotation halves in the forward's order; a
-    forward on split halves with a backward on padded ones (330af18's default) put dv outside the 2x
-    rule here at D = 80 and 96 in both modes (dq, dk too at q, k ~ 6 N(0, 1)). In both layouts
-    (default padded, ROPE_SPLIT_HALVES split), both backward modes: o, dq, dk, dv within the 2x rule
-    of the float64 reference, and the forward, dK/dV and dQ launches all with the same
-    (BLOCK_H, BLOCK_H2): (64, 0), or (32, 16) split (both head dims' halves, 40 and 48 columns)."""
+def test_rope_forward_large_logits_in_either_layout(head_dim, split_halves, monkeypatch):
+    """fp32, causal, RoPE, logits of tens (q, k ~ 3 N(0, 1)), the forward kernel launched directly
+    with the tables: o within the 2x rule of the float64 reference in either halves layout, with
+    (BLOCK_H, BLOCK_H2) = (64, 0), or (32, 16) split (both head dims' halves, 40 and 48 columns)."""
     monkeypatch.setattr(launch, "ROPE_SPLIT_HALVES", split_halves)
     seen = record_launch_constexprs(monkeypatch)
     torch.manual_seed(0)
     n = 32
     q, k = (3.0 * torch.randn(1, n, 1, head_dim) for _ in range(2))
-    v, dout = (torch.randn(1, n, 1, head_dim) for _ in range(2))
+    v = torch.randn(1, n, 1, head_dim)
     angles = 6.28 * torch.rand(1, n, head_dim // 2)
     cos, sin = angles.cos(), angles.sin()
     scale = head_dim ** -0.5
 
     def reference(dtype):
-        leaves = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
-        out = attention_reference(*leaves, causal=True, scale=scale, rope=(cos.to(dtype), sin.to(dtype)))
-        out.backward(dout.to(dtype))
-        return [out.detach()] + [t.grad for t in leaves]
+        leaves = [t.to(dtype) for t in (q, k, v)]
+        return attention_reference(*leaves, causal=True, scale=scale, rope=(cos.to(dtype), sin.to(dtype)))
 
-    qd, kd, vd, dd = (t.to(DEVICE) for t in (q, k, v, dout))
-    cd, sd = cos.to(DEVICE), sin.to(DEVICE)
-    o, lse = launch.attention_fwd(qd, kd, vd, cd, sd, None, scale, 0.0, -1, 0, 0.0)
-    grads = launch.attention_bwd(dd, qd, kd, vd, o, lse, cd, sd, None, scale, 0.0, -1, 0, 0.0, deterministic)
-    for name, value, stock, ref in zip(("o", "dq", "dk", "dv"), (o, *grads), reference(torch.float32),
-                                       reference(torch.float64)):
-        assert_within_2x_of_stock(name, value.cpu(), stock, ref, torch.float32)
-    assert sorted(name for name, _ in seen) == (["dkdv", "dq", "fwd"] if deterministic else ["dkdv", "fwd"])
-    assert {(c["BLOCK_H"], c["BLOCK_H2"]) for _, c in seen} == {(32, 16) if split_halves else (64, 0)}
+    o, _ = launch.attention_fwd(*(t.to(DEVICE) for t in (q, k, v, cos, sin)), None, scale, 0.0, -1, 0, 0.0)
+    assert_within_2x_of_stock("o", o.cpu(), reference(torch.float32), reference(torch.float64), torch.float32)
+    assert [name for name, _ in seen] == ["fwd"]
+    assert (seen[0][1]["BLOCK_H"], seen[0][1]["BLOCK_H2"]) == ((32, 16) if split_halves else (64, 0))
 
 
-@pytest.mark.parametrize("split_halves", [False, True], ids=["padded-halves", "split-halves"])
+VARLEN_D80 = dict(lens_q=[9, 0, 17], lens_k=[9, 3, 19], hq=4, hkv=2, d=80, causal=True, window=(7, None),
+                  rope="per_token")
+
+
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
-def test_split_head_dim_varlen(deterministic, split_halves, monkeypatch):
-    """Packed sequences at D = 80 (v side 64 + 16, RoPE halves 64, or 32 + 16 with ROPE_SPLIT_HALVES),
-    GQA, a sequence without queries: within the 2x rule of the float64 per-sequence reference, every
-    launch with the split v side and the same halves."""
+def test_split_head_dim_varlen(deterministic, monkeypatch):
+    """Packed sequences at D = 80 (64 + 16) with RoPE, GQA, a sequence without queries, forward and
+    backward: within the 2x rule of the float64 per-sequence reference, every launch with the split
+    tiles, and no backward launch given RoPE fields (its kernels take q and k rotated)."""
     from test_varlen_attention import make_varlen_inputs, reference_outputs, run_varlen
 
-    spec = dict(lens_q=[9, 0, 17], lens_k=[9, 3, 19], hq=4, hkv=2, d=80, causal=True, window=(7, None),
-                rope="per_token")
     seen = record_launch_constexprs(monkeypatch)
-    monkeypatch.setattr(launch, "ROPE_SPLIT_HALVES", split_halves)
-    q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(spec, torch.float32)
+    q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(VARLEN_D80, torch.float32)
     with contextlib.nullcontext() if deterministic else deterministic_mode(False):
-        got = run_varlen(spec, q, k, v, dout, cu_q, cu_k, rope, "triton", device=DEVICE, deterministic=deterministic)
-    reference = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, None, torch.float64)
-    stock = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, None, torch.float32)
+        got = run_varlen(VARLEN_D80, q, k, v, dout, cu_q, cu_k, rope, "triton", device=DEVICE,
+                         deterministic=deterministic)
+    reference = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, VARLEN_D80, None, torch.float64)
+    stock = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, VARLEN_D80, None, torch.float32)
     for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), got, stock, reference):
         assert_within_2x_of_stock(name, value, stock_value, ref, torch.float32)
-    assert_tiles(seen, (64, 32, 16, 16) if split_halves else (64, 64, 16, 0))
+    assert seen and all((c["BLOCK_D"], c["BLOCK_D2"]) == (64, 16) for _, c in seen)
+    assert all(not {"ROPE", "BLOCK_H", "BLOCK_H2"} & set(c) for name, c in seen if name != "fwd")
+
+
+@pytest.mark.parametrize("split_halves,blocks", [(False, (64, 64, 16, 0)), (True, (64, 32, 16, 16))],
+                         ids=["padded-halves", "split-halves"])
+def test_rope_forward_varlen_in_either_layout(split_halves, blocks, monkeypatch):
+    """Packed sequences at D = 80 with per-token RoPE tables, forward only: the forward kernel rotates
+    with the halves of the option, o within the 2x rule of the float64 per-sequence reference."""
+    from test_varlen_attention import make_varlen_inputs, reference_outputs
+
+    monkeypatch.setattr(launch, "ROPE_SPLIT_HALVES", split_halves)
+    seen = record_launch_constexprs(monkeypatch)
+    q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(VARLEN_D80, torch.float32)
+    spec = VARLEN_D80
+    o = remat.attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu_seqlens_q=cu_q.to(DEVICE),
+                        cu_seqlens_k=cu_k.to(DEVICE), causal=True, rope=tuple(t.to(DEVICE) for t in rope),
+                        window=spec["window"], backend="triton").cpu()
+    reference = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, None, torch.float64)[0]
+    stock = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, None, torch.float32)[0]
+    assert_within_2x_of_stock("o", o, stock, reference, torch.float32)
+    assert_rope_forward_launch(seen, blocks)
+
+
+def test_backward_launchers_refuse_rope_tables(monkeypatch):
+    """attention_bwd and attention_varlen_bwd given cos and/or sin (tables the forward takes) raise
+    ValueError saying q and k must come rotated, before any kernel is launched or compiled."""
+    launched = []
+
+    class NoKernel:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            raise AssertionError("a backward kernel was launched")
+
+    monkeypatch.setattr(launch, "_launch", lambda *args, **kwargs: launched.append(args))
+    monkeypatch.setattr(launch, "_attn_bwd_preprocess_kernel", NoKernel())
+    monkeypatch.setattr(launch, "_attn_bwd_dq_postprocess_kernel", NoKernel())
+    q, k = torch.randn(1, 5, 2, 16, device=DEVICE), torch.randn(1, 7, 1, 16, device=DEVICE)
+    o, lse = torch.zeros_like(q), torch.zeros(1, 2, 5, device=DEVICE)
+    cos = torch.ones(1, 7, 8, device=DEVICE)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    for tables in ((cos, cos), (cos, None), (None, cos)):
+        for deterministic in (True, False):
+            with pytest.raises(ValueError, match="already rotated"):
+                launch.attention_bwd(q, q, k, k, o, lse, *tables, None, 0.25, 0.0, -1, 0, 0.0, deterministic)
+            with pytest.raises(ValueError, match="already rotated"):
+                launch.attention_varlen_bwd(q[0], q[0], k[0], k[0], o[0], lse[0], cu_q, cu_k, 3, 4,
+                                            *(None if t is None else t[0] for t in tables), None, 0.25, 0.0, -1, 0,
+                                            0.0, deterministic)
+    assert launched == []
 
 
 def padded_head_dim_parts(head_dim, rope, split_halves):
@@ -479,17 +535,14 @@ def padded_head_dim_parts(head_dim, rope, split_halves):
 def test_split_head_dim_matches_padded_tiles(spec, deterministic, monkeypatch):
     """The split tiles compute what the padded ones do (fp32: the same products, the dots' sums
     split in parts, so equal up to fp32 summation order): o, dq, dk, dv against a run with the
-    padded tiles forced; the padded run launches BLOCK_D2 = BLOCK_H2 = 0, the split one BLOCK_D2 > 0
-    and, with RoPE, BLOCK_H2 > 0 (ROPE_SPLIT_HALVES: the rotation halves' parts in every kernel)."""
-    rope = "rope" in spec
+    padded tiles forced; the padded run launches BLOCK_D2 = 0 (BLOCK_D = 128), the split one
+    BLOCK_D2 > 0, in every kernel (with RoPE and a backward the kernels get q and k rotated)."""
     seen = record_launch_constexprs(monkeypatch)
-    split_rope_halves(monkeypatch)
     split = run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
-    assert seen and all(c["BLOCK_D2"] > 0 and (c["BLOCK_H2"] > 0) == rope for _, c in seen)
+    assert seen and all(c["BLOCK_D2"] > 0 for _, c in seen)
     seen.clear()
     monkeypatch.setattr(launch, "_head_dim_parts", padded_head_dim_parts)
     padded = run_and_check(spec, torch.float32, "triton", deterministic=deterministic, device=DEVICE)
-    assert seen and all(c["BLOCK_D2"] == 0 and c["BLOCK_H2"] == 0 and c["BLOCK_D"] == 128 for _, c in seen)
-    assert all(c["BLOCK_H"] == (64 if rope else 128) for _, c in seen)
+    assert seen and all(c["BLOCK_D2"] == 0 and c["BLOCK_D"] == 128 for _, c in seen)
     for name, a, b in zip(("o", "dq", "dk", "dv"), split, padded):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=name)

@@ -1,8 +1,9 @@
 """remat's attention tuner (kernels/attention/tuning.py): the cache key (lengths bucketed, group,
 window classes, device), shared-memory pruning, no timing inside CUDA graph capture,
 REMAT_ATTENTION_AUTOTUNE=0, zeroing of the atomic dq accumulator, candidates that set tiles only
-(RoPE's rotation halves are the launch's, one layout per call: launch.ROPE_SPLIT_HALVES, read from
-REMAT_ATTENTION_ROPE_SPLIT_HALVES at import). The CPU cases drive the tuner with
+(the forward's RoPE rotation halves are the launch's: launch.ROPE_SPLIT_HALVES, read from
+REMAT_ATTENTION_ROPE_SPLIT_HALVES at import), backward launches without RoPE fields (their
+kernels take q and k rotated). The CPU cases drive the tuner with
 fake kernels, limits and clocks; the gpu cases run the real compiled path."""
 
 import os
@@ -257,36 +258,57 @@ def test_launchers_pass_lengths_group_windows_and_device(monkeypatch):
 
 
 def rope_constexprs(head_dim, split_halves, **extra):
-    """The launchers' constexprs of a bf16 RoPE launch at head_dim (launch._head_dim_parts)."""
+    """The forward launcher's constexprs of a bf16 RoPE launch at head_dim (launch._head_dim_parts)."""
     block_d, block_h, block_d2, block_h2 = launch._head_dim_parts(head_dim, True, split_halves)
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=block_h2,
                 ROPE=True, SOFTCAP=False, DROPOUT=False, VARLEN=False, **extra)
 
 
-KERNELS = [("fwd", {}), ("dq", {}), ("dkdv", dict(ATOMIC_DQ=False)), ("dkdv", dict(ATOMIC_DQ=True))]
-
-
 @pytest.mark.parametrize("head_dim,padded_half,split", [(80, 64, (32, 16)), (96, 64, (32, 16)),
                                                         (192, 128, (64, 32))])
-def test_candidates_set_tiles_only_in_either_rotation_halves_layout(head_dim, padded_half, split):
-    """With RoPE at a head dim whose rotation halves split, every kernel's candidates (forward and
-    backward) are its plain tile list of the head dim's class, the same for padded and split halves:
-    no candidate sets BLOCK_H or BLOCK_H2, so the tuner cannot give one kernel of a call another
-    layout. The two layouts are keyed apart (another compiled variant)."""
+def test_forward_candidates_set_tiles_only_in_either_rotation_halves_layout(head_dim, padded_half, split):
+    """With RoPE at a head dim whose rotation halves split, the forward's candidates are its plain
+    heavy tile list of the head dim's class, the same for padded and split halves: no candidate sets
+    BLOCK_H or BLOCK_H2. The two layouts are keyed apart (another compiled variant)."""
     padded = rope_constexprs(head_dim, False)
     split_halves = rope_constexprs(head_dim, True)
     assert (padded["BLOCK_H"], padded["BLOCK_H2"]) == (padded_half, 0)
     assert (split_halves["BLOCK_H"], split_halves["BLOCK_H2"]) == split
-    size = 128 if head_dim < 128 else 256
-    for name, extra in KERNELS:
-        tiles = tuning._CONFIGS[("dkdv_atomic" if extra.get("ATOMIC_DQ") else name, size, "16bit", True)]
-        for constexprs in (padded, split_halves):
-            candidates = tuning._configs_for(name, dict(constexprs, **extra), torch.bfloat16)
-            assert candidates is tiles
-            assert all(set(c.kwargs) == {"BLOCK_M", "BLOCK_N"} for c in candidates)
-        keys = {tuning_key(name, torch.bfloat16, dict(constexprs, **extra), shape())
-                for constexprs in (padded, split_halves)}
-        assert len(keys) == 2
+    tiles = tuning._CONFIGS[("fwd", 128 if head_dim < 128 else 256, "16bit", True)]
+    for constexprs in (padded, split_halves):
+        candidates = tuning._configs_for("fwd", constexprs, torch.bfloat16)
+        assert candidates is tiles
+        assert all(set(c.kwargs) == {"BLOCK_M", "BLOCK_N"} for c in candidates)
+    keys = {tuning_key("fwd", torch.bfloat16, constexprs, shape()) for constexprs in (padded, split_halves)}
+    assert len(keys) == 2
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "dropout"])
+def test_backward_launches_have_no_rope_fields(dropout, monkeypatch):
+    """The backward launchers (dense and packed, both modes) give the dK/dV and dQ kernels no ROPE,
+    BLOCK_H or BLOCK_H2, so neither their tuning keys nor their candidates depend on RoPE: the
+    candidates are the heavy list with dropout and the plain one without (D = 80: class 128)."""
+    recorded = []
+    monkeypatch.setattr(launch, "_launch", lambda kernel, name, grid_of, args, constexprs, dtype, launch_shape,
+                        accumulator=None: recorded.append((name, dict(constexprs), dtype, launch_shape)))
+    q = torch.randn(1, 5, 4, 80, dtype=torch.bfloat16)
+    k = torch.randn(1, 7, 2, 80, dtype=torch.bfloat16)
+    o, lse = torch.zeros_like(q), torch.zeros(1, 4, 5)
+    rng = torch.tensor([1, 2]) if dropout else None
+    p = 0.2 if dropout else 0.0
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 7], dtype=torch.int32)
+    for deterministic in (True, False):
+        launch.attention_bwd(q, q, k, k, o, lse, None, None, rng, 0.25, 5.0, -1, 0, p, deterministic)
+        launch.attention_varlen_bwd(q[0], q[0], k[0], k[0], o[0], lse[0], cu_q, cu_k, 3, 4, None, None, rng, 0.25,
+                                    5.0, -1, 0, p, deterministic)
+    assert sorted({name for name, *_ in recorded}) == ["dkdv", "dq"]
+    for name, constexprs, dtype, launch_shape in recorded:
+        assert not {"ROPE", "BLOCK_H", "BLOCK_H2"} & set(constexprs)
+        assert (constexprs["BLOCK_D"], constexprs["BLOCK_D2"], constexprs["DROPOUT"]) == (64, 16, dropout)
+        kernel = "dkdv_atomic" if constexprs.get("ATOMIC_DQ") else name
+        assert tuning._configs_for(name, constexprs, dtype) is tuning._CONFIGS[(kernel, 128, "16bit", dropout)]
+        flags = dict(tuning_key(kernel, dtype, constexprs, launch_shape)[3])
+        assert not {"ROPE", "BLOCK_H", "BLOCK_H2"} & set(flags) and flags["DROPOUT"] is dropout
 
 
 def test_rope_split_halves_option_read_at_import():
@@ -302,31 +324,35 @@ def test_rope_split_halves_option_read_at_import():
 
 @pytest.mark.parametrize("split_halves,halves", [(False, (64, 0)), (True, (32, 16))], ids=["padded", "split"])
 def test_features_take_the_layout_of_the_option(split_halves, halves, monkeypatch):
-    """`_features` (every launcher's constexprs, forward and backward) holds RoPE's halves at D = 80 as
-    the option says; without RoPE the option changes nothing."""
+    """`_features` holds the forward's RoPE halves at D = 80 as the option says (its rope
+    constexprs); every kernel's constexprs carry the v-side parts only; without RoPE the option
+    changes nothing."""
     monkeypatch.setattr(launch, "ROPE_SPLIT_HALVES", split_halves)
     q = torch.zeros(1, 1, 1, 80)
     cos = torch.zeros(1, 1, 40)
-    _, _, constexprs = launch._features(q, 80, cos, cos, None, 0.1, 0.0, 0.0)
-    assert (constexprs["BLOCK_D"], constexprs["BLOCK_D2"], constexprs["BLOCK_H"], constexprs["BLOCK_H2"]) == (
-        64, 16, *halves)
-    _, _, plain = launch._features(q, 80, None, None, None, 0.1, 0.0, 0.0)
-    assert (plain["BLOCK_D"], plain["BLOCK_D2"], plain["BLOCK_H"], plain["BLOCK_H2"]) == (64, 16, 64, 0)
+    features = launch._features(q, 80, cos, cos, None, 0.1, 0.0, 0.0)
+    assert features.rope_constexprs == dict(ROPE=True, BLOCK_H=halves[0], BLOCK_H2=halves[1])
+    assert features.rope_tables == (cos, cos)
+    assert (features.constexprs["BLOCK_D"], features.constexprs["BLOCK_D2"]) == (64, 16)
+    assert not {"ROPE", "BLOCK_H", "BLOCK_H2"} & set(features.constexprs)
+    plain = launch._features(q, 80, None, None, None, 0.1, 0.0, 0.0)
+    assert plain.rope_constexprs == dict(ROPE=False, BLOCK_H=64, BLOCK_H2=0)
+    assert (plain.constexprs["BLOCK_D"], plain.constexprs["BLOCK_D2"]) == (64, 16)
 
 
 def test_launch_passes_the_launch_rotation_halves_whatever_the_timing(monkeypatch):
-    """`_launch` compiled: the launch's BLOCK_H, BLOCK_H2 (padded or split) reach the dK/dV kernel
+    """`_launch` compiled: the launch's BLOCK_H, BLOCK_H2 (padded or split) reach the forward kernel
     unchanged whichever tile the tuner picks (untimed or timed); under the interpreter the one
     candidate sets nothing (the tile is INTERPRETER_TILE)."""
     monkeypatch.setattr(tuning, "_INTERPRETED", False)
     for split_halves, halves in ((False, (64, 0)), (True, (32, 16))):
-        constexprs = rope_constexprs(80, split_halves, ATOMIC_DQ=False)
+        constexprs = rope_constexprs(80, split_halves)
         for autotune in (False, True):
             tuner = Tuner(autotune, shared_memory_limit=lambda index: LIMIT_SM86, capturing=lambda: False,
                           time_candidate=lambda run, reset: 1.0 / run.args[0].kwargs["BLOCK_M"])
             monkeypatch.setattr(tuning, "_TUNER", tuner)
             kernel = FakeKernel()
-            chosen = tuning._launch(kernel, "dkdv", lambda block_m, block_n: (1, 1, 1), ("arg",), constexprs,
+            chosen = tuning._launch(kernel, "fwd", lambda block_m, block_n: (1, 1, 1), ("arg",), constexprs,
                                     torch.bfloat16, shape())
             (_, _, options), = kernel.launches
             assert set(chosen.kwargs) == {"BLOCK_M", "BLOCK_N"}

@@ -215,6 +215,7 @@ def test_fp32_dots_follow_the_tf32_constexpr(case, precision, aot_results):
     # IEEE fp32 dots sum each step from a fresh zero and add it to the running sum after
     # (kernels/_common.py `_dot`), never straight into a loop-carried accumulator.
     if precision == "ieee":
+        assert result["ieee_fp32_dot_accumulators"], f"{case}: no IEEE fp32 tt.dot found in the TTIR listing"
         assert set(result["ieee_fp32_dot_accumulators"]) <= {"arith.select", "arith.constant"}, (
             f"{case}: IEEE fp32 dot accumulators defined by {result['ieee_fp32_dot_accumulators']}")
 
@@ -222,39 +223,42 @@ def test_fp32_dots_follow_the_tf32_constexpr(case, precision, aot_results):
 def test_attention_specs_cover_the_split_head_dims():
     """The attention specs compile the split head-dim variant (BLOCK_D2 > 0, kernels/attention/launch.py
     `_head_dim_parts`) of every main kernel at D = 80 and of the forward, dK/dV and dQ kernels at 96 and
-    192; with RoPE the v side split and the default padded rotation halves (BLOCK_H2 = 0) in every
-    kernel that takes q or k, forward and backward alike, at D = 80 and 96 (halves 64) and at 192 (128)
-    for the forward, dK/dV and dQ kernels, packed and with the dK/dV head split too; the postprocess with
-    padded columns; and the split halves of launch.ROPE_SPLIT_HALVES ('-splithalves'), again one layout
-    for forward and backward: at 80 (32 + 16) the forward, dK/dV, atomic dK/dV and dQ kernels, at 192
-    (64 + 32) the forward and dK/dV kernels."""
+    192; with the heavy features the v side split and, in the forward with RoPE, the default padded
+    rotation halves (BLOCK_H2 = 0), at D = 80 and 96 (halves 64) and at 192 (128), packed and with the
+    dK/dV head split too; the backward kernels with softcap and dropout and never RoPE (no BLOCK_H,
+    BLOCK_H2, ROPE: q and k come rotated); the postprocess with padded columns; and the forward's split
+    halves of launch.ROPE_SPLIT_HALVES ('-splithalves') at 80 (32 + 16) and 192 (64 + 32), the only
+    split-halves specs."""
     from remat.kernels import attention
 
+    constexprs_of = {name: constexprs for name, _, _, constexprs, *_ in attention.aot_specs()}
     tiles = {name: tuple(constexprs.get(block) for block in ("BLOCK_D", "BLOCK_H", "BLOCK_D2", "BLOCK_H2"))
-             for name, _, _, constexprs, *_ in attention.aot_specs()}
+             for name, constexprs in constexprs_of.items()}
     kinds = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")
     assert all(tiles[f"attn_{kind}-bf16-d80"][2] == 16 for kind in kinds)
-    assert tiles["attn_bwd_dq_postprocess-bf16-d80"] == (None, 128, 0, 0)
+    assert tiles["attn_bwd_dq_postprocess-bf16-d80"] == (128, None, None, None)
     for head_dim, second in ((96, 32), (192, 64)):
         assert all(tiles[f"attn_{kind}-bf16-d{head_dim}"][2] == second for kind in ("fwd", "bwd_dkdv", "bwd_dq"))
     assert tiles["attn_fwd-bf16-d80-varlen"][2] == 16
-    all_kinds = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")
-    for head_dim, padded, kinds_of_dim in ((80, (64, 64, 16, 0), all_kinds), (96, (64, 64, 32, 0), all_kinds),
-                                           (192, (128, 128, 64, 0), all_kinds[:3])):
-        suffix = f"-bf16-d{head_dim}-rope-softcap-dropout"
-        assert all(tiles[f"attn_{kind}{suffix}"] == padded for kind in kinds_of_dim)
-    for head_dim in (80, 96):
-        assert tiles[f"attn_bwd_dq_postprocess-bf16-d{head_dim}-rope-softcap-dropout"] == (None, 64, 0, 0)
-    for name in ("fwd-bf16-d80-rope-softcap-dropout-varlen", "bwd_dkdv_atomic-bf16-d80-rope-softcap-dropout-varlen",
-                 "bwd_dkdv_split4-bf16-d80-rope-softcap-dropout",
-                 "bwd_dkdv_atomic_split4-bf16-d80-rope-softcap-dropout"):
-        assert tiles[f"attn_{name}"] == (64, 64, 16, 0)
+    backward_kinds = ("bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")
+    for head_dim, padded, kinds_of_dim in ((80, (64, 64, 16, 0), backward_kinds),
+                                           (96, (64, 64, 32, 0), backward_kinds),
+                                           (192, (128, 128, 64, 0), backward_kinds[:2])):
+        assert tiles[f"attn_fwd-bf16-d{head_dim}-rope-softcap-dropout"] == padded
+        assert all(tiles[f"attn_{kind}-bf16-d{head_dim}-softcap-dropout"] == (padded[0], None, padded[2], None)
+                   for kind in kinds_of_dim)
+    assert tiles["attn_fwd-bf16-d80-rope-softcap-dropout-varlen"] == (64, 64, 16, 0)
+    for name in ("bwd_dkdv_atomic-bf16-d80-softcap-dropout-varlen", "bwd_dkdv_split4-bf16-d80-softcap-dropout",
+                 "bwd_dkdv_atomic_split4-bf16-d80-softcap-dropout"):
+        assert tiles[f"attn_{name}"] == (64, None, 16, None)
     split = {name: value for name, value in tiles.items() if name.endswith("-splithalves")}
-    expected = {f"attn_{kind}-bf16-d80-rope-softcap-dropout-splithalves": (64, 32, 16, 16) for kind in all_kinds}
-    expected.update({f"attn_{kind}-bf16-d192-rope-softcap-dropout-splithalves": (128, 64, 64, 32)
-                     for kind in ("fwd", "bwd_dkdv")})
-    assert split == expected
+    assert split == {"attn_fwd-bf16-d80-rope-softcap-dropout-splithalves": (64, 32, 16, 16),
+                     "attn_fwd-bf16-d192-rope-softcap-dropout-splithalves": (128, 64, 64, 32)}
     assert not any(value[3] for name, value in tiles.items() if name not in split)
+    assert not any("ROPE" in constexprs or "BLOCK_H" in constexprs
+                   for name, constexprs in constexprs_of.items() if not name.startswith("attn_fwd"))
+    assert all(constexprs["ROPE"] == ("-rope" in name)
+               for name, constexprs in constexprs_of.items() if name.startswith("attn_fwd"))
 
 
 if __name__ == "__main__":

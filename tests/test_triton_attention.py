@@ -1,8 +1,10 @@
 """The Triton attention backend at head dims below one tile (D 1, 2, 3, 8, 15: the kernels pad
 D to BLOCK_D = 16 columns and mask the rest) against a float64 eager reference, under the
 2x-stock-PyTorch rule (DESIGN.md section 7): forward and dq, dk, dv, fp32 and bf16, plain,
-causal with GQA and N != M, and RoPE (even D, the halves padded to BLOCK_H = 16), with the
-deterministic backward and the fast one (atomic dq, then the rotate-and-cast pass).
+causal with GQA and N != M, and RoPE (even D; with a backward q and k are rotated once per pass
+outside the kernels), with the deterministic backward and the fast one (atomic dq, then the
+cast pass); and forward-only calls with RoPE, where the forward kernel rotates q and k itself
+(the halves padded to BLOCK_H = 16), at square and non-square tiles.
 
 Runs remat.attention(..., backend="triton") on CPU tensors under TRITON_INTERPRET=1 (tiny
 shapes), or on a CUDA GPU without it.
@@ -128,3 +130,49 @@ def test_non_square_tiles_match_reference(variant, tile, monkeypatch):
 
     for name, value, stock, ref in zip(("o", "dq", "dk", "dv"), got, eager(torch.float32), eager(torch.float64)):
         assert_within_2x_of_stock(name, value, stock, ref, torch.float32)
+
+
+# Forward-only calls with RoPE (no input needs a gradient): the forward kernel rotates q and k on
+# load. name: (D, N, M, Hq, Hkv, causal, interpreter tile or None for the default).
+FORWARD_ROPE_CASES = {
+    "d2-n17-m20-gqa2-causal": (2, 17, 20, 2, 1, True, None),
+    "d8-n17-h2": (8, 17, 17, 2, 2, False, None),
+    "d32-n21-m40-gqa2-causal-m16-n32": (32, 21, 40, 2, 1, True, (16, 32)),
+    "d32-n40-gqa2-causal-m32-n16": (32, 40, 40, 2, 1, True, (32, 16)),
+}
+
+
+@pytest.mark.parametrize("type_name", list(DTYPES))
+@pytest.mark.parametrize("variant", list(FORWARD_ROPE_CASES))
+def test_forward_only_rope_matches_reference(variant, type_name, monkeypatch):
+    """o of a forward-only call with RoPE (the forward kernel's own rotation, query i at key
+    position i + M - N) within the 2x rule of the float64 reference, and the forward kernel the
+    only launch, with RoPE on."""
+    from remat.kernels.attention import launch, tuning
+
+    d, n, m, hq, hkv, causal, tile = FORWARD_ROPE_CASES[variant]
+    if tile is not None:
+        if not INTERPRETED:
+            pytest.skip("the tile override is for the interpreter's launches")
+        monkeypatch.setattr(tuning, "INTERPRETER_TILE", tile)
+    launched = []
+    original = launch._launch
+
+    def recording(kernel, kernel_name, grid_of, args, constexprs, *rest, **options):
+        launched.append((kernel_name, constexprs["ROPE"]))
+        return original(kernel, kernel_name, grid_of, args, constexprs, *rest, **options)
+
+    monkeypatch.setattr(launch, "_launch", recording)
+    dtype = DTYPES[type_name]
+    g = torch.Generator().manual_seed(SEED)
+    q, dout = (torch.randn(1, n, hq, d, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, m, hkv, d, generator=g).to(dtype) for _ in range(2))
+    angles = torch.rand(m + 3, d // 2, generator=g) * 6.0
+    rope = (angles.cos(), angles.sin())
+    o = remat.attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal,
+                        rope=tuple(t.to(DEVICE) for t in rope), backend="triton").cpu()
+    reference = _eager(q, k, v, dout, rope, causal, torch.float64)[0]
+    stock = _eager(q, k, v, dout, rope, causal, dtype)[0]
+    assert o.dtype == dtype
+    assert_within_2x_of_stock("o", o, stock, reference, dtype)
+    assert launched == [("fwd", True)]

@@ -1,23 +1,26 @@
-"""The attention backward kernels, recomputing P (and the dropout mask and RoPE) from q, k and
-the forward's lse; the [N, M] matrices are never written to memory.
+"""The attention backward kernels, recomputing P (and the dropout mask) from q, k and the
+forward's lse; the [N, M] matrices are never written to memory.
+
+No RoPE here: q and k come already rotated (remat.ops.attention rotates them once per pass
+outside the kernels, rope_rotated_once, and rotates dq, dk back), and the forward kernel of such
+a call ran on the same rotated q and k without RoPE, so the scores recomputed here sum QK^T in
+the forward's order (rope.py `_pair_scores`).
 
 Rounding points: Delta = rowsum(dout * o) in fp32 (a preprocess pass), P = exp2((t - lse) *
 log2 e) from the forward's t bit for bit (logits.py), dS = P * (dP * keep/(1-p) - Delta) *
 dt/ddot; P and dS are rounded to the input dtype before their dots (dV += P^T dO, dQ += dS K,
-dK += dS^T Q), the accumulators are fp32 and dq, dk get the transposed rotation
-(rope_rotate_grad, rope.py) before the one rounding to the input dtype. fp32 inputs skip every
-rounding; their dots multiply in IEEE fp32, or in TF32 with the TF32 constexpr (forward.py).
-With a split head dim (BLOCK_D2 > 0, rope.py) every [rows, D] operand and accumulator is two
-column parts: dP = dO_1 V_1^T + dO_2 V_2^T, each part of dv, dk, dq its own dot; with RoPE and
-split rotation halves (BLOCK_H2 > 0) q, k, dq and dk are four tiles (two parts per half), each
-part's dots its own and each part's transposed rotation its own before the one rounding.
+dK += dS^T Q), the accumulators are fp32 and rounded once to the input dtype. fp32 inputs skip
+every rounding; their dots multiply in IEEE fp32, or in TF32 with the TF32 constexpr
+(forward.py). With a split head dim (BLOCK_D2 > 0, rope.py) every [rows, D] operand and
+accumulator is two column parts: QK^T and dP = dO_1 V_1^T + dO_2 V_2^T summed over the parts,
+each part of dv, dk, dq its own dot.
 
 Deterministic: a dK/dV kernel (program per key block and (batch, kv head), looping over the
 group's query heads and their visible query blocks; or, HEAD_SPLITS > 1, per key block and
 (batch, kv head, part of the group), writing fp32 partial sums that the launcher adds in a fixed
 order) and a dQ kernel (program per query block and (batch, query head)), no atomics. Fast: the
 dK/dV kernel also adds each tile's dQ into a zeroed fp32 buffer with atomics, then a small kernel
-rotates and casts it.
+casts it.
 """
 
 import triton
@@ -34,21 +37,19 @@ from .masks import (
     _operand_base,
     _query_block,
     _query_range,
-    _rope_base,
     _sequence,
     _stats_base,
     _visible,
 )
 from .rope import (
-    _add_part,
+    _add_pair,
     _load_pair,
-    _load_qk_tiles,
+    _load_part,
+    _pair_grad_dots,
+    _pair_scores,
     _pair_zeros,
-    _qk_grad_dots,
-    _qk_zeros,
-    _scores,
     _store_pair,
-    _store_unrotated,
+    _store_part,
 )
 
 
@@ -75,18 +76,16 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_kv_tile(
-    dv, dv2, dk1, dk2, dk3, dk4, k1, k2, k3, k4, v, v2, start_n, key_pos, start_m, q_ptr, do_ptr, q_base, do_base,
-    stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base, dq_row_stride,
-    cos_ptr, sin_ptr, cs_base, N, M, lo_d, hi_d,
+    dv, dv2, dk, dk2, k, k2, v, v2, start_n, key_pos, start_m, q_ptr, do_ptr, q_base, do_base,
+    stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base, dq_row_stride, N, M, lo_d, hi_d,
     scale, cap_scale, softcap, seed, rng_base, drop_groups, dropout_p, inv_keep,
-    MASKED, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_H2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    MASKED, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     INTERPRETED: tl.constexpr, TF32: tl.constexpr,
 ):
     """One query tile's contribution to dv, dk (and with ATOMIC_DQ, dq) of a key block: returns
-    (dv, dv2, dk1, dk2, dk3, dk4): dv's column parts and dk's four q/k tiles (rope.py; the unused
-    ones placeholders). k1..k4: the key block's q/k tiles.
+    (dv, dv2, dk, dk2), the column parts of dv and dk (rope.py; the second ones placeholders with
+    BLOCK_D2 = 0). k, k2 and v, v2: the key block's column parts.
 
     Works on the transposed [keys, queries] tiles, so dv and dk accumulate as plain dots.
     MASKED (a runtime scalar) applies the window and the row/key bounds; the caller clears it
@@ -97,14 +96,13 @@ def _bwd_kv_tile(
     rows = start_m + tl.arange(0, BLOCK_M)
     row_mask = rows < N
     positions = rows + (M - N)
-    q1, q2, q3, q4 = _load_qk_tiles(q_ptr, q_base, rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base,
-                                   positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
+    q, q2 = _load_pair(q_ptr, q_base, rows, stride_qn, row_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     do, do2 = _load_pair(do_ptr, do_base, rows, stride_don, row_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     lse = tl.load(lse_ptr + row_base + rows, mask=row_mask, other=0.0)
     delta = tl.load(delta_ptr + row_base + rows, mask=row_mask, other=0.0)
     # Rows that saw no key have lse = +inf: P = exp2(-inf) = 0.
-    p, th = _recomputed_probs(_scores(k1, k2, k3, k4, q1, q2, q3, q4, ROPE, BLOCK_D2, BLOCK_H2, INTERPRETED, TF32),
-                              lse[None, :], scale, cap_scale, softcap, SOFTCAP)
+    p, th = _recomputed_probs(_pair_scores(k, k2, q, q2, BLOCK_D2, INTERPRETED, TF32), lse[None, :], scale,
+                              cap_scale, softcap, SOFTCAP)
     if MASKED:
         row_pos = tl.where(row_mask, positions, -_OUT)
         p = tl.where(_visible(row_pos[None, :], key_pos[:, None], lo_d, hi_d), p, 0.0)
@@ -125,38 +123,24 @@ def _bwd_kv_tile(
         dv2 = _dot(p_dropped, do2, dv2, INTERPRETED, TF32)
     ds = _round(_times_logit_grad(p * (dp - delta[None, :]), th, scale, SOFTCAP), dtype,
                 INTERPRETED)
-    dk1, dk2, dk3, dk4 = _qk_grad_dots(ds, q1, q2, q3, q4, dk1, dk2, dk3, dk4, ROPE, BLOCK_D2, BLOCK_H2,
-                                       INTERPRETED, TF32)
+    dk, dk2 = _pair_grad_dots(ds, q, q2, dk, dk2, BLOCK_D2, INTERPRETED, TF32)
     if ATOMIC_DQ:
-        # This tile's dq of the rotated q, tile by tile of the q/k layout, added into the fp32 buffer.
-        dq1, dq2, dq3, dq4 = _qk_zeros(BLOCK_M, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE)
-        dq1, dq2, dq3, dq4 = _qk_grad_dots(tl.trans(ds), k1, k2, k3, k4, dq1, dq2, dq3, dq4, ROPE, BLOCK_D2,
-                                           BLOCK_H2, INTERPRETED, TF32)
-        if ROPE:
-            half: tl.constexpr = HEAD_DIM // 2
-            _add_part(dq_ptr, dq_base, rows, dq_row_stride, row_mask, dq1, 0, BLOCK_H, half)
-            _add_part(dq_ptr, dq_base + half, rows, dq_row_stride, row_mask, dq2, 0, BLOCK_H, half)
-            if BLOCK_H2 > 0:
-                _add_part(dq_ptr, dq_base, rows, dq_row_stride, row_mask, dq3, BLOCK_H, BLOCK_H2, half)
-                _add_part(dq_ptr, dq_base + half, rows, dq_row_stride, row_mask, dq4, BLOCK_H, BLOCK_H2, half)
-        else:
-            _add_part(dq_ptr, dq_base, rows, dq_row_stride, row_mask, dq1, 0, BLOCK_H, HEAD_DIM)
-            if BLOCK_D2 > 0:
-                _add_part(dq_ptr, dq_base, rows, dq_row_stride, row_mask, dq2, BLOCK_H, BLOCK_D2, HEAD_DIM)
-    return dv, dv2, dk1, dk2, dk3, dk4
+        # This tile's dq, column part by part, added into the fp32 buffer.
+        dq, dq2 = _pair_zeros(BLOCK_M, BLOCK_D, BLOCK_D2)
+        dq, dq2 = _pair_grad_dots(tl.trans(ds), k, k2, dq, dq2, BLOCK_D2, INTERPRETED, TF32)
+        _add_pair(dq_ptr, dq_base, rows, dq_row_stride, row_mask, dq, dq2, HEAD_DIM, BLOCK_D, BLOCK_D2)
+    return dv, dv2, dk, dk2
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
-    cos_ptr, sin_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh, cs_stride_b,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
-    HEAD_SPLITS: tl.constexpr = 1, BLOCK_D2: tl.constexpr = 0, BLOCK_H2: tl.constexpr = 0,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr, TF32: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRETED: tl.constexpr, HEAD_SPLITS: tl.constexpr = 1, BLOCK_D2: tl.constexpr = 0,
 ):
     """dk, dv of one key block x (kv head, batch), summed over the GROUP query heads of the kv
     head and their visible query blocks in a fixed order. Grid (key blocks, Hkv, B).
@@ -165,11 +149,10 @@ def _attn_bwd_dkdv_kernel(
     multiprocessors idle): grid (key blocks, Hkv * HEAD_SPLITS, B), program (.., kv_head *
     HEAD_SPLITS + s, ..) sums only the GROUP / HEAD_SPLITS query heads s * GROUP / HEAD_SPLITS ..
     of its kv head, and dk_ptr, dv_ptr are fp32 workspaces [B, M, Hkv * HEAD_SPLITS, D]
-    ([total_k, ..] with VARLEN) that receive the partial sums unrounded (dk un-rotated here, as
-    the whole sum is: the rotation's transpose is linear); the launcher sums the HEAD_SPLITS
-    partials of each kv head in a fixed order and rounds once.
+    ([total_k, ..] with VARLEN) that receive the partial sums unrounded; the launcher sums the
+    HEAD_SPLITS partials of each kv head in a fixed order and rounds once.
 
-    ATOMIC_DQ (the fast mode): also adds each tile's dq (of the rotated q) into dq_ptr, an fp32
+    ATOMIC_DQ (the fast mode): also adds each tile's dq into dq_ptr, an fp32
     [B, N, Hq, D] buffer the caller zeroed, with atomics; otherwise dq_ptr is not touched.
     VARLEN: batch entries are the packed sequences (masks.py); blocks past a sequence's end do
     nothing.
@@ -186,14 +169,12 @@ def _attn_bwd_dkdv_kernel(
     first_head = kv_head * GROUP + (out_head % HEAD_SPLITS) * heads_per_program
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < m
-    cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
-    k1, k2, k3, k4 = _load_qk_tiles(
-        k_ptr, _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN), keys, stride_kn, key_mask,
-        cos_ptr, sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
+    k, k2 = _load_pair(k_ptr, _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN), keys,
+                       stride_kn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     v, v2 = _load_pair(v_ptr, _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN), keys,
                        stride_vn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     dv, dv2 = _pair_zeros(BLOCK_N, BLOCK_D, BLOCK_D2)
-    dk1, dk2, dk3, dk4 = _qk_zeros(BLOCK_N, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE)
+    dk, dk2 = _pair_zeros(BLOCK_N, BLOCK_D, BLOCK_D2)
     if DROPOUT:
         seed = tl.load(rng_ptr)
         rng_offset = tl.load(rng_ptr + 1)
@@ -214,41 +195,40 @@ def _attn_bwd_dkdv_kernel(
         rng_base = rng_offset + (b * num_heads + h) * N * drop_groups
         dq_base = (q_row0 * num_heads + h) * HEAD_DIM
         for start_m in range(lo, hi, BLOCK_M):
-            dv, dv2, dk1, dk2, dk3, dk4 = _bwd_kv_tile(
-                dv, dv2, dk1, dk2, dk3, dk4, k1, k2, k3, k4, v, v2, start_n, key_pos, start_m, q_ptr, do_ptr, q_base,
+            dv, dv2, dk, dk2 = _bwd_kv_tile(
+                dv, dv2, dk, dk2, k, k2, v, v2, start_n, key_pos, start_m, q_ptr, do_ptr, q_base,
                 do_base, stride_qn, stride_don, lse_ptr, delta_ptr, row_base, dq_ptr, dq_base,
-                num_heads * HEAD_DIM, cos_ptr, sin_ptr, cs_base, n, m, lo_d, hi_d,
+                num_heads * HEAD_DIM, n, m, lo_d, hi_d,
                 scale, cap_scale, softcap, seed, rng_base, drop_groups, dropout_p, inv_keep,
                 (start_m < int_start) | (start_m >= int_end), ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_D2,
-                BLOCK_H, BLOCK_H2, BLOCK_M, BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
+                BLOCK_M, BLOCK_N, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     # dk, dv are contiguous [B, M, Hkv, D] ([total_k, Hkv, D] with VARLEN), or the fp32
     # workspaces [B, M, Hkv * HEAD_SPLITS, D].
     out_base = (k_row0 * num_out_heads + out_head) * HEAD_DIM
     out_row_stride = num_out_heads * HEAD_DIM
-    _store_unrotated(dk_ptr, out_base, keys, out_row_stride, key_mask, dk1, dk2, dk3, dk4, cos_ptr,
-                     sin_ptr, cs_base, keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
+    _store_pair(dk_ptr, out_base, keys, out_row_stride, key_mask, dk, dk2, HEAD_DIM, BLOCK_D, BLOCK_D2,
+                INTERPRETED)
     _store_pair(dv_ptr, out_base, keys, out_row_stride, key_mask, dv, dv2, HEAD_DIM, BLOCK_D, BLOCK_D2,
                 INTERPRETED)
 
 
 @triton.jit
 def _bwd_q_tile(
-    dq1, dq2, dq3, dq4, q1, q2, q3, q4, do, do2, lse, delta, positions, start_n,
-    k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
+    dq, dq2, q, q2, do, do2, lse, delta, positions, start_n,
+    k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn,
     M, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p,
     inv_keep, MASKED, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_H2: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr,
+    BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, INTERPRETED: tl.constexpr,
+    TF32: tl.constexpr,
 ):
-    """One key tile's contribution to the dq (of the rotated q) of a query block: returns the
-    updated four q/k tiles (dq1, dq2, dq3, dq4) (rope.py; the unused ones placeholders)."""
+    """One key tile's contribution to the dq of a query block: returns the updated column parts
+    (dq, dq2) (rope.py; dq2 a placeholder with BLOCK_D2 = 0)."""
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < M
-    k1, k2, k3, k4 = _load_qk_tiles(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
-                                   keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
+    k, k2 = _load_pair(k_ptr, k_base, keys, stride_kn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     v, v2 = _load_pair(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
-    p, th = _recomputed_probs(_scores(q1, q2, q3, q4, k1, k2, k3, k4, ROPE, BLOCK_D2, BLOCK_H2, INTERPRETED, TF32),
-                              lse[:, None], scale, cap_scale, softcap, SOFTCAP)
+    p, th = _recomputed_probs(_pair_scores(q, q2, k, k2, BLOCK_D2, INTERPRETED, TF32), lse[:, None], scale,
+                              cap_scale, softcap, SOFTCAP)
     if MASKED:
         key_pos = tl.where(key_mask, keys, _OUT)
         p = tl.where(_visible(positions[:, None], key_pos[None, :], lo_d, hi_d), p, 0.0)
@@ -260,19 +240,18 @@ def _bwd_q_tile(
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = _round(_times_logit_grad(p * (dp - delta[:, None]), th, scale, SOFTCAP), do.dtype,
                 INTERPRETED)
-    return _qk_grad_dots(ds, k1, k2, k3, k4, dq1, dq2, dq3, dq4, ROPE, BLOCK_D2, BLOCK_H2, INTERPRETED, TF32)
+    return _pair_grad_dots(ds, k, k2, dq, dq2, BLOCK_D2, INTERPRETED, TF32)
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cos_ptr, sin_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh, cs_stride_b,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     N, M, GROUP, scale, cap_scale, softcap, left, right, dropout_p, inv_keep,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROPE: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, TF32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_D2: tl.constexpr = 0,
-    BLOCK_H2: tl.constexpr = 0,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr, TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRETED: tl.constexpr, BLOCK_D2: tl.constexpr = 0,
 ):
     """dq of one query block x (query head, batch), over its visible key tiles in order (the
     deterministic mode). Grid (query blocks, Hq, B), query blocks last-first. VARLEN: batch
@@ -280,10 +259,8 @@ def _attn_bwd_dq_kernel(
     q_row0, k_row0, n, m, total_q = _sequence(cu_q_ptr, cu_k_ptr, tl.program_id(2).to(tl.int64), N, M, VARLEN)
     start_m, rows, row_mask, positions, h, kv_head, b, num_heads = _query_block(
         n, m, GROUP, BLOCK_M)
-    cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
-    q1, q2, q3, q4 = _load_qk_tiles(
-        q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN), rows, stride_qn, row_mask,
-        cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
+    q, q2 = _load_pair(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN), rows,
+                       stride_qn, row_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     do, do2 = _load_pair(do_ptr, _operand_base(b, q_row0, stride_dob, stride_don, h, stride_doh, VARLEN), rows,
                          stride_don, row_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     stats = _stats_base(b, h, num_heads, N, q_row0, total_q, VARLEN) + rows
@@ -292,43 +269,36 @@ def _attn_bwd_dq_kernel(
     k_base = _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN)
     v_base = _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN)
     seed, rng_rows = _dropout_rows(rng_ptr, (b * num_heads + h) * N + rows, M, DROPOUT)
-    dq1, dq2, dq3, dq4 = _qk_zeros(BLOCK_M, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE)
+    dq, dq2 = _pair_zeros(BLOCK_M, BLOCK_D, BLOCK_D2)
     lo, hi, int_start, int_end = _key_range(start_m, n, m, left, right, BLOCK_M, BLOCK_N)
     hi = tl.where(start_m < n, hi, lo)
     lo_d, hi_d = _offset_bounds(left, right)
     for start_n in range(lo, hi, BLOCK_N):
-        dq1, dq2, dq3, dq4 = _bwd_q_tile(
-            dq1, dq2, dq3, dq4, q1, q2, q3, q4, do, do2, lse, delta, positions, start_n,
-            k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn, cos_ptr, sin_ptr, cs_base,
+        dq, dq2 = _bwd_q_tile(
+            dq, dq2, q, q2, do, do2, lse, delta, positions, start_n,
+            k_ptr, v_ptr, k_base, v_base, stride_kn, stride_vn,
             m, lo_d, hi_d, scale, cap_scale, softcap, seed, rng_rows, dropout_p, inv_keep,
-            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_H, BLOCK_H2,
-            BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
+            (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_D2,
+            BLOCK_N, SOFTCAP, DROPOUT, INTERPRETED, TF32)
     # dq is contiguous [B, N, Hq, D] ([total_q, Hq, D] with VARLEN).
-    _store_unrotated(dq_ptr, (q_row0 * num_heads + h) * HEAD_DIM, rows, num_heads * HEAD_DIM,
-                     row_mask, dq1, dq2, dq3, dq4, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
-                     BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
+    _store_pair(dq_ptr, (q_row0 * num_heads + h) * HEAD_DIM, rows, num_heads * HEAD_DIM, row_mask, dq, dq2,
+                HEAD_DIM, BLOCK_D, BLOCK_D2, INTERPRETED)
 
 
 @triton.jit
 def _attn_bwd_dq_postprocess_kernel(
-    dq_acc_ptr, dq_ptr, cos_ptr, sin_ptr, cu_q_ptr, cu_k_ptr, cs_stride_b, N, M,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_D2: tl.constexpr = 0, BLOCK_H2: tl.constexpr = 0,
+    dq_acc_ptr, dq_ptr, N, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    """dq = rope_rotate_grad(dq_acc) rounded to dq's dtype, for one row block x (head, batch);
-    both [B, N, Hq, D] contiguous ([total_q, Hq, D] with VARLEN: batch entries are the packed
-    sequences), dq_acc fp32 (the fast mode's atomic buffer)."""
+    """dq = dq_acc rounded to dq's dtype, for one row block x (head, batch); both [B, N, Hq, D]
+    contiguous (packed sequences: one batch entry of N = total_q rows), dq_acc fp32 (the fast
+    mode's atomic buffer). BLOCK_D: the padded columns, max(16, next_pow2(D))."""
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    q_row0, k_row0, n, m, _ = _sequence(cu_q_ptr, cu_k_ptr, b, N, M, VARLEN)
     num_heads = tl.num_programs(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n
-    base = (q_row0 * num_heads + h) * HEAD_DIM
+    row_mask = rows < N
+    base = (b * N * num_heads + h) * HEAD_DIM
     row_stride = num_heads * HEAD_DIM
-    cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
-    positions = rows + (m - n)
-    g1, g2, g3, g4 = _load_qk_tiles(dq_acc_ptr, base, rows, row_stride, row_mask, cos_ptr, sin_ptr, cs_base,
-                                    positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, False, INTERPRETED)
-    _store_unrotated(dq_ptr, base, rows, row_stride, row_mask, g1, g2, g3, g4, cos_ptr, sin_ptr, cs_base,
-                     positions, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
+    dq = _load_part(dq_acc_ptr, base, rows, row_stride, row_mask, 0, BLOCK_D, HEAD_DIM)
+    _store_part(dq_ptr, base, rows, row_stride, row_mask, dq, 0, BLOCK_D, HEAD_DIM, INTERPRETED)

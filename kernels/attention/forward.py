@@ -9,7 +9,8 @@ and the logits are rope.py's and logits.py's):
 - P (dropped and scaled by 1/(1-p)) is rounded to v's dtype before the PV dot (FlashAttention's
   rounding point); o = acc / l is rounded once. With a split head dim (BLOCK_D2 > 0, rope.py) v,
   the accumulator and o are two column parts, each part's PV dot its own (the same sums); the
-  QK^T dot sums the parts of q and k (with RoPE up to four: two per rotation half, BLOCK_H2 > 0).
+  QK^T dot sums the parts of q and k (with RoPE up to four: two per rotation half, BLOCK_H2 > 0;
+  RoPE is applied in this kernel only: the backward kernels take q and k already rotated).
 fp32 inputs skip every rounding; their dots use IEEE fp32 products, or TF32 products when the
 launcher passes TF32 (PyTorch's torch.backends.cuda.matmul.allow_tf32, read per call).
 
@@ -67,7 +68,7 @@ def _fwd_tile(
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < M
     k1, k2, k3, k4 = _load_qk_tiles(k_ptr, k_base, keys, stride_kn, key_mask, cos_ptr, sin_ptr, cs_base,
-                                   keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
+                                   keys, HEAD_DIM, BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
     t, _ = _logits(_scores(q1, q2, q3, q4, k1, k2, k3, k4, ROPE, BLOCK_D2, BLOCK_H2, INTERPRETED, TF32), scale,
                    cap_scale, softcap, SOFTCAP)
     if MASKED:
@@ -113,7 +114,7 @@ def _attn_fwd_kernel(
     cs_base = _rope_base(b, k_row0, cs_stride_b, VARLEN)
     q1, q2, q3, q4 = _load_qk_tiles(q_ptr, _operand_base(b, q_row0, stride_qb, stride_qn, h, stride_qh, VARLEN),
                                    rows, stride_qn, row_mask, cos_ptr, sin_ptr, cs_base, positions, HEAD_DIM,
-                                   BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, True, INTERPRETED)
+                                   BLOCK_H, BLOCK_D2, BLOCK_H2, ROPE, INTERPRETED)
     k_base = _operand_base(b, k_row0, stride_kb, stride_kn, kv_head, stride_kh, VARLEN)
     v_base = _operand_base(b, k_row0, stride_vb, stride_vn, kv_head, stride_vh, VARLEN)
     # The dropout counters of key 0 of each row (row index into [B, Hq, N]; masks.py).

@@ -3,6 +3,7 @@ the ahead-of-time compile check (tests/test_triton_aot.py)."""
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -32,15 +33,38 @@ _MAX_HEAD_DIM = 256
 _MAX_LENGTH = 1 << 28
 _MAX_GRID_YZ = 65535
 
-# RoPE's q/k rotation halves at head dims where they split (80, 96, 192, ...: `_head_dim_parts`):
-# False (default), padded halves in the forward and every backward kernel; True
-# (REMAT_ATTENTION_ROPE_SPLIT_HALVES=1, read at import; any other value leaves it False), the split
-# halves in all of them. One layout for a whole call, never chosen per kernel: the forward's lse
-# comes from QK^T summed in its layout's order, and a backward that recomputes the scores in the
-# other order gets P = exp(s' - lse) off by about eps * |s| (fp32, large logits: gradients outside
-# the 2x rule). Padded by default: the split halves spill 4-25x more in the backward kernels at their
-# default tiles (tuning.py's notes); the option is for timing the split on a GPU. Tests set it here.
+# RoPE's q/k rotation halves in the forward kernel at head dims where they split (80, 96, 192, ...:
+# `_head_dim_parts`): False (default), padded halves; True (REMAT_ATTENTION_ROPE_SPLIT_HALVES=1,
+# read at import; any other value leaves it False), the split halves. Only the forward kernel
+# rotates (a call with a backward rotates q and k outside the kernels in both passes:
+# remat.ops.attention rope_rotated_once), so the layout concerns no backward kernel. Padded by
+# default (measured: tuning.py's notes); the option is for timing the split on a GPU. Tests set it
+# here.
 ROPE_SPLIT_HALVES = os.environ.get("REMAT_ATTENTION_ROPE_SPLIT_HALVES", "0") == "1"
+
+# The backward launchers' answer to rotary tables.
+_BACKWARD_ROPE_ERROR = ("cos, sin: the Triton attention backward kernels take q and k already rotated: "
+                        "remat.ops.attention rotates them once per pass outside the kernels (rope_rotated_once); "
+                        "pass cos = sin = None")
+
+
+class _Features(NamedTuple):
+    """A launch's feature arguments (`_features`): rope_tables, (cos, sin) or placeholders, and
+    rope_constexprs (ROPE, BLOCK_H, BLOCK_H2), the forward kernel's only; rng, the dropout state
+    or a placeholder; scalars (cap_scale, dropout_p, inv_keep) and constexprs (HEAD_DIM, BLOCK_D,
+    BLOCK_D2, SOFTCAP, DROPOUT, TF32), every kernel's."""
+
+    rope_tables: tuple
+    rope_constexprs: dict
+    rng: torch.Tensor
+    scalars: dict
+    constexprs: dict
+
+
+def _refuse_rope(cos, sin):
+    """The backward launchers' first check: no rotary tables (the backward kernels never rotate)."""
+    if cos is not None or sin is not None:
+        raise ValueError(_BACKWARD_ROPE_ERROR)
 
 
 def _describe(tensor):
@@ -65,7 +89,8 @@ def _check_operand(name, tensor, dtype, device):
 
 
 def _prepare(q, k, v, cos, sin, rng, scale, softcap, dropout_p):
-    """Checks the shared arguments; returns the kernels' common arguments and constexprs."""
+    """Checks the shared arguments; returns (sizes (B, N, M, Hq, Hkv), the rotary tables' batch
+    stride, `_Features`)."""
     _check_operand("q", q, None, None)
     _check_operand("k", k, q.dtype, q.device)
     _check_operand("v", v, q.dtype, q.device)
@@ -110,8 +135,8 @@ def _prepare(q, k, v, cos, sin, rng, scale, softcap, dropout_p):
                              f"{_describe(sin)}")
         if cos.shape[0] > 1:
             cs_stride_b = cos.stride(0)
-    tables, scalars, constexprs = _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p)
-    return (batch, n, m, num_heads, num_kv_heads), cs_stride_b, tables, scalars, constexprs
+    return (batch, n, m, num_heads, num_kv_heads), cs_stride_b, _features(q, head_dim, cos, sin, rng, scale,
+                                                                          softcap, dropout_p)
 
 
 def _two_parts(width):
@@ -125,14 +150,15 @@ def _two_parts(width):
 
 
 def _head_dim_parts(head_dim, rope, split_halves):
-    """(BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2): the column tiles of a head dim (rope.py).
+    """(BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2): the column tiles of a head dim (rope.py); the
+    backward kernels (never RoPE) take BLOCK_D, BLOCK_D2 only.
 
-    BLOCK_D, BLOCK_D2 (v, o, dout, dv and, without RoPE, q, k, dq, dk) = `_two_parts(D)`: split
+    BLOCK_D, BLOCK_D2 (v, o, dout, dv and, outside the forward's RoPE, q, k, dq, dk) = `_two_parts(D)`: split
     when D is not a power of two and the two parts are narrower than the padded tile: BLOCK_D =
     the largest power of two below D, BLOCK_D2 = max(16, next_pow2(the rest)), e.g. 80 -> 64 + 16,
     96 -> 64 + 32, 192 -> 128 + 64, 48 -> 32 + 16; else padded, BLOCK_D = max(16, next_pow2(D))
     and BLOCK_D2 = 0 (112 -> 64 + 64 is no narrower than 128). Without RoPE BLOCK_H = BLOCK_D and
-    BLOCK_H2 = 0. With RoPE q, k, dq, dk are held by rotation halves of D/2 columns each: with
+    BLOCK_H2 = 0. With RoPE the forward holds q, k by rotation halves of D/2 columns each: with
     split_halves (`ROPE_SPLIT_HALVES` at a launch) (BLOCK_H, BLOCK_H2) = `_two_parts(D / 2)` by the
     same rule: D = 80 -> 2 x (32 + 16) for 2 x 40, 96 -> 2 x (32 + 16), 192 -> 2 x (64 + 32),
     144 -> 2 x (64 + 16), padded where the split is no narrower (D = 40: 2 x 32 for 2 x 20, since
@@ -149,19 +175,16 @@ def _head_dim_parts(head_dim, rope, split_halves):
     return block_d, block_h, block_d2, block_h2
 
 
-def _postprocess_tiles(head_dim, rope):
-    """The atomic dq postprocess's column tiles: padded, never split (BLOCK_D2 = BLOCK_H2 = 0;
-    BLOCK_H = max(16, next_pow2(D)), with RoPE max(16, next_pow2(D / 2)) per half). It reads the
-    fp32 dq buffer as stored, so its tiles need not match the dK/dV kernel's; at its 64 rows the
-    split ones spilled more at D = 192 (ptxas, sm_80/sm_90: tuning.py's notes)."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_h = max(16, triton.next_power_of_2(head_dim // 2)) if rope else block_d
-    return dict(BLOCK_H=block_h, BLOCK_D2=0, BLOCK_H2=0)
+def _postprocess_block_d(head_dim):
+    """The atomic dq postprocess's columns: padded, never split, max(16, next_pow2(D)). It reads
+    the fp32 dq buffer as stored, so its tile need not match the dK/dV kernel's; at its 64 rows
+    the split one spilled more at D = 192 (ptxas, sm_80/sm_90: tuning.py's notes)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
     """Checks the scalar options and rng (the tables are checked by the caller); returns the
-    kernels' table arguments (placeholders where absent), scalars and constexprs."""
+    launch's `_Features` (table arguments placeholders where absent)."""
     rope = cos is not None
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
@@ -173,20 +196,20 @@ def _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p):
         raise ValueError(f"scale: expected a positive float, got {scale}")
     if softcap < 0.0:
         raise ValueError(f"softcap: expected 0 (off) or a positive float, got {softcap}")
-    # One rotation-halves layout for the forward and every backward kernel (ROPE_SPLIT_HALVES).
+    # The forward's rotation halves as ROPE_SPLIT_HALVES says (the backward kernels take none).
     block_d, block_h, block_d2, block_h2 = _head_dim_parts(head_dim, rope, ROPE_SPLIT_HALVES)
     # TF32: fp32 dots follow PyTorch's fp32 matmul setting at this call (a compiled variant of
     # its own); 16-bit operands ignore it, so it stays False for them (no second variant).
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=block_h2,
-                      ROPE=rope, SOFTCAP=softcap > 0.0, DROPOUT=dropout, TF32=q.dtype == torch.float32 and allow_tf32())
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_D2=block_d2, SOFTCAP=softcap > 0.0, DROPOUT=dropout,
+                      TF32=q.dtype == torch.float32 and allow_tf32())
     scalars = dict(
         cap_scale=scale / softcap if softcap > 0.0 else 0.0,
         dropout_p=float(dropout_p),
         inv_keep=1.0 / (1.0 - dropout_p),
     )
     # Placeholders for absent tensors: the constexpr flags keep the kernels from reading them.
-    tables = (cos if rope else q, sin if rope else q, rng.reshape(2) if dropout else q)
-    return tables, scalars, constexprs
+    return _Features((cos, sin) if rope else (q, q), dict(ROPE=rope, BLOCK_H=block_h, BLOCK_H2=block_h2),
+                     rng.reshape(2) if dropout else q, scalars, constexprs)
 
 
 def _window(extent):
@@ -253,7 +276,7 @@ def _launch_dkdv(inputs, dk, dv, dq_arg, common, constexprs, shape, batch):
     shape: the launch's LaunchShape (its m: M, or max_seqlen_k packed); batch: B, or the sequence
     count S.
 
-    With HEAD_SPLITS = s > 1 the kernel writes each program's fp32 partial dk (un-rotated) and dv
+    With HEAD_SPLITS = s > 1 the kernel writes each program's fp32 partial dk and dv
     into two workspaces [.., Hkv * s, D]: 2 * 4 * B * M * Hkv * s * D bytes (B * M = total_k
     packed), plus a 4 * B * M * Hkv * D byte sum per tensor, allocated here per backward call
     and freed on return (never saved for backward). They are summed over each kv head's s partials
@@ -298,39 +321,42 @@ def attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_ri
     that see no key). forward.py, logits.py and rope.py give the rounding points, masks.py
     the dropout counter.
     """
-    sizes, cs_stride_b, tables, scalars, constexprs = _prepare(
-        q, k, v, cos, sin, rng, scale, softcap, dropout_p)
+    sizes, cs_stride_b, features = _prepare(q, k, v, cos, sin, rng, scale, softcap, dropout_p)
     batch, n, m, num_heads, num_kv_heads = sizes
+    scalars = features.scalars
     o = torch.empty((batch, n, num_heads, q.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, num_heads, n), dtype=torch.float32, device=q.device)
-    args = (q, k, v, o, lse, *tables, q, q, *_strides(q), *_strides(k), *_strides(v), cs_stride_b,
-            n, m, num_heads // num_kv_heads, float(scale), scalars["cap_scale"], float(softcap),
+    args = (q, k, v, o, lse, *features.rope_tables, features.rng, q, q, *_strides(q), *_strides(k), *_strides(v),
+            cs_stride_b, n, m, num_heads // num_kv_heads, float(scale), scalars["cap_scale"], float(softcap),
             _window(window_left), _window(window_right), scalars["dropout_p"], scalars["inv_keep"])
     _launch(_attn_fwd_kernel, "fwd",
             lambda block_m, block_n: (triton.cdiv(n, block_m), num_heads, batch),
-            args, dict(constexprs, VARLEN=False), q.dtype,
+            args, dict(features.constexprs, **features.rope_constexprs, VARLEN=False), q.dtype,
             _launch_shape(q, n, m, num_heads // num_kv_heads, window_left, window_right))
     return o, lse
 
 
 def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left,
                   window_right, dropout_p, deterministic):
-    """Flash-attention backward, recomputing P (and the dropout mask and RoPE) from q, k, lse.
-    Returns (dq, dk, dv).
+    """Flash-attention backward, recomputing P (and the dropout mask) from q, k, lse. Returns
+    (dq, dk, dv).
 
-    q, k, v, cos, sin, rng, scale, softcap, window_left/right, dropout_p: as given to
-    attention_fwd; o, lse: its outputs (o may be any strided [B, N, Hq, D] view with a unit
-    last stride); dout: like q, any such strides. dq [B, N, Hq, D], dk, dv [B, M, Hkv, D]: new
-    contiguous, q's dtype, accumulated in fp32 and rounded once (dk, dv summed over each kv
-    head's query heads inside the kernel, or, when that grid would leave a GPU's multiprocessors
-    idle, over parts of the group in several programs whose fp32 partials are then added in a
+    q, k, v, rng, scale, softcap, window_left/right, dropout_p: as given to attention_fwd, which
+    ran without RoPE; cos, sin: None (the backward kernels never rotate: with RoPE the caller
+    rotates q and k once per pass outside the kernels, remat.ops.attention rope_rotated_once;
+    tables raise ValueError before any kernel). o, lse: its outputs (o may be any strided
+    [B, N, Hq, D] view with a unit last stride); dout: like q, any such strides. dq [B, N, Hq, D],
+    dk, dv [B, M, Hkv, D]: new contiguous, q's dtype, accumulated in fp32 and rounded once (dk,
+    dv summed over each kv head's query heads inside the kernel, or, when that grid would leave a
+    GPU's multiprocessors idle, over parts of the group in several programs whose fp32 partials are then added in a
     fixed order: `_launch_dkdv`). deterministic=True: no atomics (a dK/dV and a dQ
     kernel), so a rerun gives the same bits; False: the dK/dV kernel also accumulates dq with
-    fp32 atomics (summation order varies between runs), then a pass rotates and casts it.
+    fp32 atomics (summation order varies between runs), then a pass casts it.
     """
-    sizes, cs_stride_b, tables, scalars, constexprs = _prepare(
-        q, k, v, cos, sin, rng, scale, softcap, dropout_p)
+    _refuse_rope(cos, sin)
+    sizes, _, features = _prepare(q, k, v, None, None, rng, scale, softcap, dropout_p)
     batch, n, m, num_heads, num_kv_heads = sizes
+    scalars, constexprs = features.scalars, features.constexprs
     _check_operand("dout", dout, q.dtype, q.device)
     _check_operand("o", o, q.dtype, q.device)
     for name, tensor in (("dout", dout), ("o", o)):
@@ -354,7 +380,7 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
         HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_D2=constexprs["BLOCK_D2"], BLOCK_M=rows,
         num_warps=_ELEMENTWISE_WARPS)
     group = num_heads // num_kv_heads
-    common = (*tables, q, q, *_strides(q), *_strides(k), *_strides(v), *_strides(dout), cs_stride_b,
+    common = (features.rng, q, q, *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
               n, m, group, float(scale), scalars["cap_scale"], float(softcap),
               _window(window_left), _window(window_right),
               scalars["dropout_p"], scalars["inv_keep"])
@@ -369,9 +395,8 @@ def attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_l
         dq_acc = torch.zeros((batch, n, num_heads, head_dim), dtype=torch.float32, device=device)
         _launch_dkdv(inputs, dk, dv, dq_acc, common, dict(constexprs, VARLEN=False, ATOMIC_DQ=True), shape, batch)
         _attn_bwd_dq_postprocess_kernel[elementwise_grid](
-            dq_acc, dq, tables[0], tables[1], q, q, cs_stride_b, n, m,
-            HEAD_DIM=head_dim, **_postprocess_tiles(head_dim, constexprs["ROPE"]), ROPE=constexprs["ROPE"],
-            VARLEN=False, BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
+            dq_acc, dq, n, HEAD_DIM=head_dim, BLOCK_D=_postprocess_block_d(head_dim), BLOCK_M=rows,
+            INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
     return dq, dk, dv
 
 
@@ -380,7 +405,7 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     """Checks a packed call's arguments (the offsets' values are the caller's: remat.checks reads
     them once before the first kernel). Returns ((Hq, Hkv), the rotary tables' stride per packed
     key token (D/2 for per-token tables [1, T, D/2], 0 for tables [S_rows, D/2] that restart at
-    every sequence), the kernels' tables, scalars and constexprs, and the number of sequences)."""
+    every sequence), `_Features`, and the number of sequences)."""
     _check_operand("q", q[None], None, None)
     _check_operand("k", k[None], q.dtype, q.device)
     _check_operand("v", v[None], q.dtype, q.device)
@@ -419,9 +444,9 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                 raise ValueError(f"{name}: expected contiguous float32 [S >= max_seqlen_k = {max_seqlen_k}, "
                                  f"{head_dim // 2}] or [1, T >= total_k = {k.shape[0]}, {head_dim // 2}] tables on "
                                  f"{q.device} of one shape, got {_describe(table)}")
-    tables, scalars, constexprs = _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p)
+    features = _features(q, head_dim, cos, sin, rng, scale, softcap, dropout_p)
     cs_stride = head_dim // 2 if per_token else 0
-    return (num_heads, num_kv_heads), cs_stride, tables, scalars, constexprs, sequences
+    return (num_heads, num_kv_heads), cs_stride, features, sequences
 
 
 def _packed_strides(tensor):
@@ -441,31 +466,36 @@ def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     (positions restart per sequence) or [1, T, D/2] (per packed key token). The rest as
     attention_fwd. o: new contiguous [total_q, Hq, D]; lse: new contiguous fp32 [Hq, total_q].
     """
-    (num_heads, num_kv_heads), cs_stride, tables, scalars, constexprs, sequences = _prepare_varlen(
+    (num_heads, num_kv_heads), cs_stride, features, sequences = _prepare_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale, softcap, dropout_p)
+    scalars = features.scalars
     total_q = q.shape[0]
     o = torch.empty((total_q, num_heads, q.shape[2]), dtype=q.dtype, device=q.device)
     lse = torch.empty((num_heads, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0:
         return o, lse
-    args = (q, k, v, o, lse, *tables, cu_seqlens_q, cu_seqlens_k, *_packed_strides(q), *_packed_strides(k),
+    args = (q, k, v, o, lse, *features.rope_tables, features.rng, cu_seqlens_q, cu_seqlens_k, *_packed_strides(q),
+            *_packed_strides(k),
             *_packed_strides(v), cs_stride, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads, float(scale),
             scalars["cap_scale"], float(softcap), _window(window_left), _window(window_right),
             scalars["dropout_p"], scalars["inv_keep"])
     _launch(_attn_fwd_kernel, "fwd",
             lambda block_m, block_n: (triton.cdiv(max(max_seqlen_q, 1), block_m), num_heads, sequences),
-            args, dict(constexprs, VARLEN=True), q.dtype,
+            args, dict(features.constexprs, **features.rope_constexprs, VARLEN=True), q.dtype,
             _launch_shape(q, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads, window_left, window_right))
     return o, lse
 
 
 def attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin,
                          rng, scale, softcap, window_left, window_right, dropout_p, deterministic):
-    """Backward of attention_varlen_fwd, recomputing P (and the dropout mask and RoPE) from q, k,
-    lse: the backward kernels with VARLEN, grids over (block, head, sequence). Returns (dq, dk,
-    dv), new contiguous [total, H, D] in q's dtype; keys of a sequence without queries get 0."""
-    (num_heads, num_kv_heads), cs_stride, tables, scalars, constexprs, sequences = _prepare_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale, softcap, dropout_p)
+    """Backward of attention_varlen_fwd (run without RoPE), recomputing P (and the dropout mask)
+    from q, k, lse: the backward kernels with VARLEN, grids over (block, head, sequence). cos,
+    sin: None, as for attention_bwd (tables raise ValueError before any kernel). Returns (dq,
+    dk, dv), new contiguous [total, H, D] in q's dtype; keys of a sequence without queries get 0."""
+    _refuse_rope(cos, sin)
+    (num_heads, num_kv_heads), _, features, sequences = _prepare_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None, rng, scale, softcap, dropout_p)
+    scalars, constexprs = features.scalars, features.constexprs
     total_q, head_dim = q.shape[0], q.shape[2]
     for name, tensor in (("dout", dout), ("o", o)):
         if (not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(q.shape) or tensor.dtype != q.dtype
@@ -488,8 +518,8 @@ def attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_
         o[None], dout[None], delta, *_strides(o[None]), *_strides(dout[None]), total_q,
         HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], BLOCK_D2=constexprs["BLOCK_D2"], BLOCK_M=rows,
         num_warps=_ELEMENTWISE_WARPS)
-    common = (*tables, cu_seqlens_q, cu_seqlens_k, *_packed_strides(q), *_packed_strides(k), *_packed_strides(v),
-              *_packed_strides(dout), cs_stride, max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads,
+    common = (features.rng, cu_seqlens_q, cu_seqlens_k, *_packed_strides(q), *_packed_strides(k), *_packed_strides(v),
+              *_packed_strides(dout), max_seqlen_q, max_seqlen_k, num_heads // num_kv_heads,
               float(scale), scalars["cap_scale"], float(softcap), _window(window_left), _window(window_right),
               scalars["dropout_p"], scalars["inv_keep"])
     inputs = (q, k, v, dout, lse, delta)
@@ -503,10 +533,10 @@ def attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_
     else:
         dq_acc = torch.zeros((total_q, num_heads, head_dim), dtype=torch.float32, device=device)
         _launch_dkdv(inputs, dk, dv, dq_acc, common, dict(constexprs, ATOMIC_DQ=True), shape, sequences)
-        _attn_bwd_dq_postprocess_kernel[(triton.cdiv(max(max_seqlen_q, 1), rows), num_heads, sequences)](
-            dq_acc, dq, tables[0], tables[1], cu_seqlens_q, cu_seqlens_k, cs_stride, max_seqlen_q, max_seqlen_k,
-            HEAD_DIM=head_dim, **_postprocess_tiles(head_dim, constexprs["ROPE"]), ROPE=constexprs["ROPE"],
-            VARLEN=True, BLOCK_M=rows, INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
+        # The packed rows as one batch entry, as for the preprocess.
+        _attn_bwd_dq_postprocess_kernel[(triton.cdiv(total_q, rows), num_heads, 1)](
+            dq_acc, dq, total_q, HEAD_DIM=head_dim, BLOCK_D=_postprocess_block_d(head_dim), BLOCK_M=rows,
+            INTERPRETED=_INTERPRETED, num_warps=_ELEMENTWISE_WARPS)
     return dq, dk, dv
 
 
@@ -514,44 +544,45 @@ def aot_specs():
     """Yield (name, kernel, signature, constexprs, num_warps) for ahead-of-time compile checks.
 
     `signature` and `constexprs` are in the form `triton.compiler.ASTSource` takes; names are
-    'attn_<kernel>-<dtype>-d<D>[-rope-softcap-dropout][-varlen][-splithalves]'. bf16 and fp16 at
-    head dims 64 and 128: the forward, the backward preprocess, the deterministic dK/dV and dQ
-    kernels, the fast (atomic dQ) dK/dV kernel and its postprocess, without RoPE, softcap or dropout
-    (the window, causal or not, is a runtime argument). fp32 at head dim 64: the forward, dK/dV and
-    dQ kernels (FMA dots). bf16 with RoPE, softcap and dropout at split head dims (v side split,
-    `_head_dim_parts`, the rotation halves padded as by default, ROPE_SPLIT_HALVES off): at 80
-    (64 + 16, halves 64) and 96 (64 + 32, halves 64) the forward, the deterministic and atomic dK/dV
-    kernels, the dQ kernel and the postprocess (padded columns, `_postprocess_tiles`); at 192
-    (128 + 64, halves 128) the forward, dK/dV and dQ kernels. The split rotation halves of
-    ROPE_SPLIT_HALVES (names '-splithalves'), forward and backward alike: bf16 with RoPE, softcap
-    and dropout at 80 (halves 32 + 16), the forward, the deterministic and atomic dK/dV and the dQ
-    kernels; at 192 (halves 64 + 32), the forward and the dK/dV kernel. bf16 at head dim 8
-    (padded to the smallest tile, 16): the forward, dK/dV and dQ kernels. Packed sequences (VARLEN,
-    names '-varlen'): bf16 at head dim 64, the forward and the deterministic dK/dV and dQ kernels;
-    bf16 at head dim 80 with RoPE, softcap and dropout, the forward, the atomic dK/dV kernel and the
-    postprocess. fp32 with TF32 dots (names 'fp32-tf32') at head dim 64: the forward, dK/dV and dQ
-    kernels. The dK/dV kernel with its query heads split (HEAD_SPLITS = 4, names '-split4', fp32
-    dk/dv workspaces): bf16 at head dims 64 and 128, fp32 at 64, bf16 at 80 with RoPE, softcap and
-    dropout (deterministic and atomic), packed bf16 at 64. Split head dims without RoPE
-    (`_head_dim_parts`, q and k split too): bf16 at 80 (64 + 16) every main kind, at 96 (64 + 32)
-    and 192 (128 + 64) the forward, dK/dV and dQ kernels, packed bf16 at 80 the forward and dK/dV
-    kernels (about 1 s per spec and arch more on 2 CPU cores). Each main kernel takes its default
-    configuration (`_configs_for`); the compile check passes num_warps only, so num_stages is
-    Triton's default 3. Sizes are 32-bit and strides 64-bit (a launch gets i64 for a stride past
-    2^31 - 1). 78 specs: about 160 s of compiling for both archs on 2 shared CPU cores (measured
-    with a fresh Triton cache), about 2 s per RoPE spec and arch.
+    'attn_<kernel>-<dtype>-d<D>[-rope][-softcap-dropout][-varlen][-splithalves]'. bf16 and fp16
+    at head dims 64 and 128: the forward, the backward preprocess, the deterministic dK/dV and dQ
+    kernels, the fast (atomic dQ) dK/dV kernel and its postprocess, without RoPE, softcap or
+    dropout (the window, causal or not, is a runtime argument). fp32 at head dim 64: the forward,
+    dK/dV and dQ kernels (FMA dots). bf16 at split head dims (`_head_dim_parts`) with the heavy
+    features: the forward with RoPE, softcap and dropout (the rotation halves padded as by
+    default, ROPE_SPLIT_HALVES off), the backward kernels with softcap and dropout (they never
+    take RoPE): at 80 (64 + 16, halves 64) and 96 (64 + 32, halves 64) the forward, the
+    deterministic and atomic dK/dV kernels and the dQ kernel; at 192 (128 + 64, halves 128) the
+    forward, dK/dV and dQ kernels. The forward's split rotation halves of ROPE_SPLIT_HALVES (names
+    '-splithalves'): bf16 with RoPE, softcap and dropout at 80 (halves 32 + 16) and 192 (halves
+    64 + 32). bf16 at head dim 8 (padded to the smallest tile, 16): the forward, dK/dV and dQ
+    kernels. Packed sequences (VARLEN, names '-varlen'): bf16 at head dim 64, the forward and the
+    deterministic dK/dV and dQ kernels; bf16 at head dim 80 the forward with RoPE, softcap and
+    dropout and the atomic dK/dV kernel with softcap and dropout. fp32 with TF32 dots (names
+    'fp32-tf32') at head dim 64: the forward, dK/dV and dQ kernels. The dK/dV kernel with its
+    query heads split (HEAD_SPLITS = 4, names '-split4', fp32 dk/dv workspaces): bf16 at head dims
+    64 and 128, fp32 at 64, bf16 at 80 with softcap and dropout (deterministic and atomic), packed
+    bf16 at 64. Split head dims without the features (`_head_dim_parts`, q and k split too): bf16
+    at 80 (64 + 16) every main kind, at 96 (64 + 32) and 192 (128 + 64) the forward, dK/dV and dQ
+    kernels, packed bf16 at 80 the forward and dK/dV kernels. The postprocess (padded columns,
+    `_postprocess_block_d`) takes no feature. Each main kernel takes its default configuration
+    (`_configs_for`); the compile check passes num_warps only, so num_stages is Triton's default
+    3. Sizes are 32-bit and strides 64-bit (a launch gets i64 for a stride past 2^31 - 1). 71
+    specs.
     """
     main_kinds = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic",
                   "bwd_dq_postprocess")
+    # (kind, dtype, head dim, heavy features, varlen): the heavy features are RoPE, softcap and
+    # dropout in the forward, softcap and dropout in the backward kernels.
     cases = [(kind, type_name, head_dim, False, False) for type_name in ("bf16", "fp16")
              for head_dim in (64, 128) for kind in main_kinds]
     cases += [(kind, "fp32", 64, False, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
-    rope_kinds = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "bwd_dq_postprocess")
-    cases += [(kind, "bf16", head_dim, True, False) for head_dim in (80, 96) for kind in rope_kinds]
+    heavy_kinds = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")
+    cases += [(kind, "bf16", head_dim, True, False) for head_dim in (80, 96) for kind in heavy_kinds]
     cases += [(kind, "bf16", 192, True, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 8, False, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 64, False, True) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
-    cases += [(kind, "bf16", 80, True, True) for kind in ("fwd", "bwd_dkdv_atomic", "bwd_dq_postprocess")]
+    cases += [(kind, "bf16", 80, True, True) for kind in ("fwd", "bwd_dkdv_atomic")]
     cases += [(kind, "fp32-tf32", 64, False, False) for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [("bwd_dkdv_split4", "bf16", 64, False, False), ("bwd_dkdv_split4", "bf16", 128, False, False),
               ("bwd_dkdv_split4", "fp32", 64, False, False), ("bwd_dkdv_split4", "bf16", 80, True, False),
@@ -560,10 +591,9 @@ def aot_specs():
     cases += [(kind, "bf16", head_dim, False, False) for head_dim in (96, 192)
               for kind in ("fwd", "bwd_dkdv", "bwd_dq")]
     cases += [(kind, "bf16", 80, False, True) for kind in ("fwd", "bwd_dkdv")]
-    # The last field: the split rotation halves (ROPE_SPLIT_HALVES) instead of the default padded ones.
+    # The last field: the forward's split rotation halves (ROPE_SPLIT_HALVES) instead of the padded ones.
     cases = [case + (False,) for case in cases]
-    cases += [(kind, "bf16", 80, True, False, True) for kind in ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")]
-    cases += [(kind, "bf16", 192, True, False, True) for kind in ("fwd", "bwd_dkdv")]
+    cases += [("fwd", "bf16", head_dim, True, False, True) for head_dim in (80, 192)]
     torch_types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "fp32-tf32": torch.float32}
     scalars = {"scale": "fp32", "cap_scale": "fp32", "softcap": "fp32", "left": "i32",
@@ -572,22 +602,20 @@ def aot_specs():
         ("stride_qb", "stride_qn", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
          "stride_vb", "stride_vn", "stride_vh"), "i64")
     do_strides = dict.fromkeys(("stride_dob", "stride_don", "stride_doh"), "i64")
-    tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     offsets = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
     for kind, type_name, head_dim, features, varlen, split_halves in cases:
         element = "*fp32" if type_name == "fp32-tf32" else f"*{type_name}"
-        block_d, block_h, block_d2, block_h2 = _head_dim_parts(head_dim, features, split_halves)
-        flags = dict(ROPE=features, SOFTCAP=features, DROPOUT=features, VARLEN=varlen,
-                     TF32=type_name == "fp32-tf32")
-        constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_D2=block_d2, BLOCK_H2=block_h2,
-                          **flags)
+        rope = features and kind == "fwd"
+        block_d, block_h, block_d2, block_h2 = _head_dim_parts(head_dim, rope, split_halves)
+        constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_D2=block_d2, SOFTCAP=features, DROPOUT=features,
+                          VARLEN=varlen, TF32=type_name == "fp32-tf32")
         config_name = None
         if kind == "fwd":
             kernel, config_name = _attn_fwd_kernel, "fwd"
             signature = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "o_ptr": element,
-                         "lse_ptr": "*fp32", **tables, "rng_ptr": "*i64", **offsets, **strides,
-                         "cs_stride_b": "i64", "N": "i32", "M": "i32", "GROUP": "i32",
-                         **scalars}
+                         "lse_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rng_ptr": "*i64", **offsets,
+                         **strides, "cs_stride_b": "i64", "N": "i32", "M": "i32", "GROUP": "i32", **scalars}
+            constexprs.update(ROPE=rope, BLOCK_H=block_h, BLOCK_H2=block_h2)
         elif kind == "bwd_preprocess":
             kernel = _attn_bwd_preprocess_kernel
             signature = {"o_ptr": element, "do_ptr": element, "delta_ptr": "*fp32",
@@ -596,13 +624,12 @@ def aot_specs():
             constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_D2=block_d2, BLOCK_M=_ROWS_PER_PROGRAM)
         elif kind == "bwd_dq_postprocess":
             kernel = _attn_bwd_dq_postprocess_kernel
-            signature = {"dq_acc_ptr": "*fp32", "dq_ptr": element, **tables, **offsets,
-                         "cs_stride_b": "i64", "N": "i32", "M": "i32"}
-            constexprs = dict(HEAD_DIM=head_dim, **_postprocess_tiles(head_dim, features), ROPE=features,
-                              VARLEN=varlen, BLOCK_M=_ROWS_PER_PROGRAM, INTERPRETED=False)
+            signature = {"dq_acc_ptr": "*fp32", "dq_ptr": element, "N": "i32"}
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=_postprocess_block_d(head_dim), BLOCK_M=_ROWS_PER_PROGRAM,
+                              INTERPRETED=False)
         else:
-            common = {**tables, "rng_ptr": "*i64", **offsets, **strides, **do_strides,
-                      "cs_stride_b": "i64", "N": "i32", "M": "i32", "GROUP": "i32", **scalars}
+            common = {"rng_ptr": "*i64", **offsets, **strides, **do_strides, "N": "i32", "M": "i32", "GROUP": "i32",
+                      **scalars}
             inputs = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "do_ptr": element,
                       "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
             if kind == "bwd_dq":
@@ -624,7 +651,7 @@ def aot_specs():
         else:
             num_warps = _ELEMENTWISE_WARPS
         signature.update(dict.fromkeys(constexprs, "constexpr"))
-        suffix = (("-rope-softcap-dropout" if features else "") + ("-varlen" if varlen else "")
+        suffix = (("-rope" if rope else "") + ("-softcap-dropout" if features else "") + ("-varlen" if varlen else "")
                   + ("-splithalves" if split_halves else ""))
         yield (f"attn_{kind}-{type_name}-d{head_dim}{suffix}", kernel, signature, constexprs,
                num_warps)

@@ -3,10 +3,11 @@
 Compiled, each launch takes a configuration from `_configs_for`'s short list (per kernel, padded
 head dim, dtype class and feature weight) through `Tuner`, remat's own small tuner; under the
 interpreter, a fixed 16 x 16 tile. The candidates set tiles, warps and stages only: the column
-tiles (BLOCK_D, BLOCK_H, BLOCK_D2, BLOCK_H2, RoPE's rotation halves among them) are the launch's,
-one layout for the forward and every backward kernel of a call (launch.ROPE_SPLIT_HALVES). The
-tuner's key holds the kernel, the device, the dtype, the head dim and its column tiles (compiled
-variants of their own), the feature flags (TF32 included), the dK/dV kernel's head split, the
+tiles (BLOCK_D, BLOCK_D2, and the forward's RoPE rotation halves BLOCK_H, BLOCK_H2,
+launch.ROPE_SPLIT_HALVES) are the launch's. The backward kernels take no RoPE (q and k come
+rotated), so their constexprs, keys and candidates have no RoPE field. The tuner's key holds the
+kernel, the device, the dtype, the head dim and its column tiles (compiled variants of their
+own), the feature flags (TF32 included), the dK/dV kernel's head split, the
 query-group size, the window sides (unbounded, 0 = causal, or a bucketed extent) and the sequence lengths (N and
 M, or the packed maxima) bucketed to the next power of two in [64, 65536], so a shape in another
 bucket is tuned again instead of inheriting the first call's tiles. Candidates whose compiled kernel needs
@@ -65,8 +66,8 @@ def _configs(*entries):
 # aot_specs. Head-dim classes: 64 (D 1-64), 128, 256, by the columns the kernels hold
 # (BLOCK_D + BLOCK_D2: a split head dim of 80 or 96 is class 128, 192 class 256): the split
 # tiles hold fewer columns than the class's, so its tiles fit them (not timed on a GPU yet); with
-# RoPE the q/k rotation halves hold 2 * (BLOCK_H + BLOCK_H2) columns, never more than the class
-# (80, 96: 2 x 48 of 128; 192: 2 x 96 of 256). The shared-memory pruning needs no estimate of
+# RoPE the forward's q/k rotation halves hold 2 * (BLOCK_H + BLOCK_H2) columns, never more than the
+# class (80, 96: 2 x 48 of 128; 192: 2 x 96 of 256). The shared-memory pruning needs no estimate of
 # its own: it reads each candidate's compiled kernel (`_launch`), built with all the tile
 # constexprs (BLOCK_H2 included). Stack
 # bytes per thread (cuobjdump --dump-resource-usage, bf16, no alignment hints, split vs padded at
@@ -76,27 +77,20 @@ def _configs(*entries):
 # 80/96 (200/312 vs 0), dK/dV at 80/96 (40/128 vs 0) and fwd at 192 (816 vs 352), with
 # less shared memory for every backward kernel (23-41%): a few dozen bytes either way on sm_90, so the
 # v-side split stays the default of every kernel (the autotuner's smaller candidates of the
-# class may win on sm_80). With RoPE (bf16, RoPE + softcap + dropout, each config's warps and
-# stages, no alignment hints), the split rotation halves (BLOCK_H2 > 0) vs the padded ones at the
-# same tile (v side split in both): shared memory 19-35% less for every kernel and candidate;
-# stack bytes per thread for the forward about equal or less (d80 8 vs 0, d96 0-8 vs 8-24, d192
-# 0 vs 56-64 at the default tiles), for the backward kernels at their default tiles far more
-# (sm_90 / sm_80: dK/dV 824/848 vs 32/40 at d80, 880/936 vs 40/64 at d96, 1528/2448 vs 304/400
-# at d192; dQ 408/456 vs 120/208 at d80, 448/488 vs 120/200 at d96, 976/1720 vs 216/264 at
-# d192; the atomic dK/dV 776/1568 vs 40/200 at d80, 800/1680 vs 32/224 at d96, about equal at
-# d192, 280/528 vs 304/704; ptxas capped some split ones at 128 registers on sm_80), at other
-# tiles sometimes less (dK/dV d192 32 x 16: 72-192 vs 96-296; d80 32 x 64: 216 vs 224). The
-# forward and the backward must hold the halves alike (the backward recomputes the forward's
-# scores against its lse: summed in another order, P = exp(s - lse) drifts in fp32), so the
-# backward's spills set the default: padded halves in every kernel, the split halves in every
-# kernel only with REMAT_ATTENTION_ROPE_SPLIT_HALVES=1 (launch.ROPE_SPLIT_HALVES), for timing on
-# a GPU; the atomic dq postprocess takes padded columns either way (launch._postprocess_tiles:
-# at 64 rows and D = 192 the split ones spilled 2736 vs 824 bytes with RoPE, 168 vs 40 without,
-# sm_90; within 32 bytes at 80/96).
+# class may win on sm_80). With RoPE in the forward (bf16, RoPE + softcap + dropout, each
+# config's warps and stages, no alignment hints), the split rotation halves (BLOCK_H2 > 0) vs the
+# padded ones at the same tile (v side split in both): shared memory 19-35% less, stack bytes per
+# thread about equal or less (d80 8 vs 0, d96 0-8 vs 8-24, d192 0 vs 56-64 at the default tiles).
+# The padded halves stay the default (REMAT_ATTENTION_ROPE_SPLIT_HALVES=1 splits them, for timing
+# on a GPU): when the backward kernels still rotated, the forward and backward had to hold the
+# halves alike, and the split ones spilled 4-25x more in the backward. The atomic dq postprocess
+# takes padded columns (launch._postprocess_block_d: at 64 rows and D = 192 the split ones
+# spilled 168 vs 40 bytes, sm_90; within 32 bytes at 80/96).
 # None of this is timed on a GPU.
-# "heavy": RoPE (two more [tile, D/2] operands and the fp32 cos/sin tiles) or dropout (a Philox
-# call per four scores since the four-words stream; the measurements below predate it, when it was
-# one call per score) is on.
+# "heavy": in the forward RoPE (two more [tile, D/2] operands and the fp32 cos/sin tiles) or
+# dropout, in the backward kernels dropout (a Philox call per four scores since the four-words
+# stream; the measurements below predate it, when it was one call per score, and the backward
+# kernels still took RoPE) is on.
 # Measured with ptxas (cuobjdump --dump-resource-usage) on sm_80 and sm_90a builds compiled with
 # the 16-byte divisibility an aligned launch gets (pointers, strides) and each config's
 # num_stages, bf16, heavy measured with RoPE + softcap and with RoPE + softcap + dropout. The
@@ -168,15 +162,16 @@ for (_name, _size, _kind, _heavy), _entries in list(_CONFIGS.items()):
 def _configs_for(kernel_name, constexprs, dtype):
     """The configuration list of a launch: by kernel (the fast mode's dK/dV kernel has its
     own), head-dim class (the next power of two of the held columns BLOCK_D + BLOCK_D2, at least
-    64; RoPE's rotation halves, 2 * (BLOCK_H + BLOCK_H2) columns, never exceed it), dtype and
-    whether RoPE or dropout is on. constexprs: the launch's, with the head dim's column parts
-    (`launch._head_dim_parts`). The configurations set BLOCK_M, BLOCK_N (and warps, stages) only,
-    never the column tiles: the rotation halves are the call's (launch.ROPE_SPLIT_HALVES)."""
+    64; the forward's RoPE rotation halves, 2 * (BLOCK_H + BLOCK_H2) columns, never exceed it),
+    dtype and whether RoPE (the forward's only: backward constexprs have no ROPE) or dropout is
+    on. constexprs: the launch's, with the head dim's column parts (`launch._head_dim_parts`).
+    The configurations set BLOCK_M, BLOCK_N (and warps, stages) only, never the column tiles: the
+    rotation halves are the launch's (launch.ROPE_SPLIT_HALVES)."""
     if kernel_name == "dkdv" and constexprs.get("ATOMIC_DQ"):
         kernel_name = "dkdv_atomic"
     size = max(triton.next_power_of_2(constexprs["BLOCK_D"] + constexprs.get("BLOCK_D2", 0)), 64)
     kind = "fp32" if dtype == torch.float32 else "16bit"
-    heavy = bool(constexprs["ROPE"] or constexprs["DROPOUT"])
+    heavy = bool(constexprs.get("ROPE", False) or constexprs["DROPOUT"])
     return _CONFIGS[(kernel_name, size, kind, heavy)]
 
 
@@ -218,10 +213,11 @@ class LaunchShape(NamedTuple):
 
 def tuning_key(kernel_name, dtype, constexprs, shape):
     """The tuner's cache key of a launch: kernel ("dkdv_atomic" for the fast mode's dK/dV),
-    device, dtype, head dim and the launch's column tiles (BLOCK_H, BLOCK_H2: the rotation halves'
-    layout, launch.ROPE_SPLIT_HALVES, is another compiled variant whose best tile may differ),
-    feature flags, TF32 (another compiled variant), the dK/dV kernel's head split (another grid),
-    group size, window classes, length buckets."""
+    device, dtype, head dim and the launch's column tiles (the forward's BLOCK_H, BLOCK_H2: the
+    rotation halves' layout, launch.ROPE_SPLIT_HALVES, is another compiled variant whose best tile
+    may differ), feature flags (ROPE in the forward only), TF32 (another compiled variant), the
+    dK/dV kernel's head split (another grid), group size, window classes, length buckets. Flags a
+    kernel's constexprs lack (the backward's RoPE fields) are not in its key."""
     flags = tuple((name, constexprs[name]) for name in sorted(constexprs)
                   if name in ("HEAD_DIM", "BLOCK_D", "BLOCK_D2", "BLOCK_H", "BLOCK_H2", "ROPE", "SOFTCAP", "DROPOUT",
                               "VARLEN", "HEAD_SPLITS", "TF32"))
