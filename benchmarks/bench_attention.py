@@ -27,7 +27,6 @@ from benchmarks.common import (
     with_end_load,
 )
 from remat.memory import saved_bytes
-from remat.ops.attention import _rotate
 from remat.reference import attention_reference
 
 
@@ -57,7 +56,7 @@ def _flash_attn():
 
 # time_vs_<label> columns: the provider's time over the named provider's in the same round.
 BASELINES = {"eager": "torch", "sdpa_flash": "sdpa-flash", "checkpoint": "torch+checkpoint",
-             "compile": "torch.compile", "flash_attn": "flash_attn", "rope_in_kernel": "remat-triton-rope-in-kernel"}
+             "compile": "torch.compile", "flash_attn": "flash_attn", "rope_triton": "remat-triton-rope"}
 
 
 def rope_tables(length, head_dim, device):
@@ -67,25 +66,12 @@ def rope_tables(length, head_dim, device):
     return angles.cos(), angles.sin()
 
 
-def rotate_once(x, cos, sin):
-    """x [B, L, H, D] rotated with tables [L, D/2] in fp32 and rounded to x's dtype: the rotation
-    the aten core applies before its kernel (remat.ops.attention._rotate), as remat's kernels rotate
-    their tiles. Autograd keeps only the tables for its backward (a product with a constant), so
-    with remat's attention after it the saved bytes are those of the in-kernel rope call (the
-    rotated q, k replace the unrotated ones)."""
-    return _rotate(x, cos[None], sin[None], 0).to(x.dtype).transpose(1, 2)
-
-
 def rope_providers(device, cos, sin):
-    """Rope inside the Triton kernels (rotated per (query block, key tile) in forward and again in
-    the backward recompute) against rotating q and k once into temporaries before the same kernels
-    (never saved; autograd rotates the gradients back): the measurement issue #12 asks for before
-    choosing one. The aten core, which rotates once by design, where it runs."""
-    out = [("remat-triton-rope-in-kernel",
-            lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton"), "bnhd"),
-           ("remat-triton-rope-once",
-            lambda q, k, v, causal: remat.attention(rotate_once(q, cos, sin), rotate_once(k, cos, sin), v,
-                                                    causal=causal, backend="triton"), "bnhd")]
+    """Attention with rope on the Triton backend (which, for a call with a backward, rotates q and
+    k once per pass outside its kernels: remat.ops.attention.rope_rotated_once, chosen over the
+    in-kernel rotation by this benchmark on an H200) and on the aten core where it runs."""
+    out = [("remat-triton-rope",
+            lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton"), "bnhd")]
     if "aten" in remat_backends(device, attention=True):
         out.append(("remat-aten-rope",
                     lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="aten"),
@@ -131,10 +117,11 @@ def run(device, quick=False):
     rows = []
     cases = [(s, d, c, False) for s in shapes for d in dtypes for c in causals]
     if device.type == "cuda":
-        # Rope inside the kernels or rotated once (rope_providers), causal: GPU only (the CPU has no
-        # compiled Triton kernels).
+        # Rope on the Triton backend and the aten core (rope_providers), causal: GPU only (the CPU
+        # has no compiled Triton kernels).
         cases += [(s, d, True, True) for s in shapes for d in dtypes]
-    progress = Progress(sum(3 if rope else len(providers(device)) for *_, rope in cases), "attention")
+    progress = Progress(sum(len(rope_providers(device, None, None) if rope else providers(device))
+                            for *_, rope in cases), "attention")
     for (batch, heads, length, head_dim), dtype, causal, rope in cases:
         case_providers = rope_providers(device, *rope_tables(length, head_dim, device)) if rope else providers(device)
         g = torch.Generator(device=device).manual_seed(0)
@@ -176,5 +163,5 @@ def run(device, quick=False):
 
 summary_columns = ["length", "head_dim", "causal", "rope", "dtype", "provider", "mode", "time_vs_sdpa_flash",
                    "time_vs_sdpa_flash_q20", "time_vs_sdpa_flash_q80", "time_vs_sdpa_flash_verdict", "time_vs_eager",
-                   "time_vs_eager_verdict", "time_vs_rope_in_kernel", "time_vs_rope_in_kernel_verdict", "median_ms",
+                   "time_vs_eager_verdict", "time_vs_rope_triton", "time_vs_rope_triton_verdict", "median_ms",
                    "tflops", "saved_bytes_per_token", "peak_mem_bytes", "suspect"]

@@ -432,3 +432,12 @@ def real_shaped_per_token(layer, head_dim, n=64):
         rope = tuple(torch.nn.Parameter(torch.randn(1, n, head_dim, dtype=torch.bfloat16), requires_grad=False)
                      for _ in range(2))
     return saved_bytes(layer, x, position_embeddings=rope) / n
+
+
+def triton_bwd_sample(label, name, args, cos_index):
+    """A sample as the Triton backward op takes it: without rope tables (remat.ops.attention rotates q
+    and k once per pass outside the Triton kernels before a backward; its backward launchers
+    refuse tables). Other ops' samples unchanged."""
+    if label != "triton" or not name.endswith("_bwd"):
+        return args
+    return (*args[:cos_index], None, None, *args[cos_index + 2:])

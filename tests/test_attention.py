@@ -24,6 +24,7 @@ from helpers import (
     make_inputs,
     mask_from_output,
     run_and_check,
+    triton_bwd_sample,
 )
 
 # Shapes and options for the C++ CPU and torch backends.
@@ -93,6 +94,46 @@ def test_attention_every_head_dim_range(backend, spec, dtype, request):
 @pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton runs on the CPU only under TRITON_INTERPRET=1")
 def test_triton_attention_matches_reference(spec, dtype):
     run_and_check(spec, dtype, "triton", deterministic=True)
+
+
+@pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton runs on the CPU only under TRITON_INTERPRET=1")
+def test_triton_rope_rotates_once_per_pass_when_training(monkeypatch):
+    """Triton with rope (remat.ops.attention.rope_rotated_once): a call with a backward runs the
+    forward and backward kernels without rope tables (q and k rotated once per pass outside, as
+    measured faster on an H200) and saves what the torch backend saves (the rotated copies never);
+    a forward-only call (torch.no_grad(), even on tensors that require grad) keeps the tables in the
+    forward kernel, with the same output; tables that alone require grad (q, k, v do not) take the
+    rotated-once path and the backward runs."""
+    from remat.kernels import attention as kernels
+
+    launched = []
+    for name in ("attention_fwd", "attention_bwd"):
+        real = getattr(kernels, name)
+
+        def record(*args, name=name, real=real):
+            cos = args[3] if name == "attention_fwd" else args[6]
+            launched.append((name, cos is not None))
+            return real(*args)
+
+        monkeypatch.setattr(kernels, name, record)
+    spec = dict(b=1, n=9, m=12, hq=2, hkv=1, d=32, causal=True, rope="per_batch")
+    q, k, v, dout, rope = make_inputs(spec, torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    trained = remat.attention(*leaves, causal=True, rope=rope, backend="triton")
+    trained.backward(dout)
+    assert launched == [("attention_fwd", False), ("attention_bwd", False)]
+    launched.clear()
+    with torch.no_grad():
+        inferred = remat.attention(*leaves, causal=True, rope=rope, backend="triton")
+    assert launched == [("attention_fwd", True)]
+    assert torch.equal(inferred, trained.detach())
+    launched.clear()
+    tables = [t.detach().clone().requires_grad_() for t in rope]
+    remat.attention(q, k, v, causal=True, rope=tuple(tables), backend="triton").sum().backward()
+    assert launched == [("attention_fwd", False), ("attention_bwd", False)]
+    saved = {backend: saved_bytes(remat.attention, *leaves, causal=True, rope=rope, backend=backend)
+             for backend in ("triton", "torch")}
+    assert saved["triton"] == saved["torch"]
 
 
 @pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton runs on the CPU only under TRITON_INTERPRET=1")
@@ -224,8 +265,8 @@ def _opcheck_cases():
         namespaces.append(("remat", "cpp"))
     if "triton" in cpu_backends():
         namespaces.append(("remat_triton", "triton"))
-    return [pytest.param(ns, name, args, id=f"{label}-{name}-{i}") for ns, label in namespaces
-            for name, samples in _op_samples().items() for i, args in enumerate(samples)]
+    return [pytest.param(ns, name, triton_bwd_sample(label, name, args, 6), id=f"{label}-{name}-{i}")
+            for ns, label in namespaces for name, samples in _op_samples().items() for i, args in enumerate(samples)]
 
 
 @pytest.mark.parametrize("namespace,name,args", _opcheck_cases())
@@ -487,12 +528,11 @@ def test_default_on_cpu_is_the_aten_core_when_it_takes_the_call(monkeypatch):
     """Per op: CPU attention defaults to PyTorch's flash kernel (faster than remat's C++ kernel)
     when it takes the call, and to cpp for what it lacks; the fused layers too."""
     import remat.autograd.attention as attention_function
-    import remat.autograd.norm_attention as norm_attention_function
 
     used = []
-    for module in (attention_function, norm_attention_function):
-        real = module.ops_for
-        monkeypatch.setattr(module, "ops_for", lambda block, name, real=real: used.append(name) or real(block, name))
+    real = attention_function.ops_for
+    # The fused layers (remat.autograd.norm_attention) take their operators from the same place.
+    monkeypatch.setattr(attention_function, "ops_for", lambda block, name: used.append(name) or real(block, name))
     monkeypatch.delenv("REMAT_BACKEND", raising=False)
     q = torch.randn(1, 9, 4, 16, requires_grad=True)
     k = torch.randn(1, 9, 2, 16, requires_grad=True)

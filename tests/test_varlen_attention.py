@@ -17,7 +17,7 @@ from remat.ops import ops_for
 from remat.reference import attention_dropout_keep, attention_varlen_reference
 
 from _checks import assert_within_2x_of_stock
-from helpers import DTYPES, CompileCounter, cpu_backends, deterministic_mode, gpu_backends
+from helpers import DTYPES, CompileCounter, cpu_backends, deterministic_mode, gpu_backends, triton_bwd_sample
 
 
 def varlen_backends():
@@ -397,7 +397,8 @@ def _varlen_opcheck_cases():
         for name, samples in _varlen_op_samples().items():
             for i, args in enumerate(samples):
                 if label == "cpp" or i != 1:
-                    cases.append(pytest.param(namespace, name, args, id=f"{label}-{name}-{i}"))
+                    cases.append(pytest.param(namespace, name, triton_bwd_sample(label, name, args, 10),
+                                              id=f"{label}-{name}-{i}"))
     return cases
 
 

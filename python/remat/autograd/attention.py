@@ -7,7 +7,9 @@ Recompute contract (DESIGN.md section 2), checked byte for byte in tests/test_at
   one pair to every layer; remat.nn.Attention and LlamaLayer build their own per call). Nothing of
   size N x M.
 - recomputed in the backward kernels: the rotated q and k, the logits and probabilities from q, k
-  and lse, the dropout mask from (seed, offset).
+  and lse, the dropout mask from (seed, offset). The Triton backend with rope and a backward to
+  come rotates q and k once per pass outside its kernels instead (remat.ops.attention
+  rope_rotated_once), into temporaries that are never saved.
 
 Inputs are already [B, N, Hq, D] / [B, M, Hkv, D] with unit last stride (remat.functional checks
 and lays them out).
@@ -17,17 +19,29 @@ import torch
 
 from remat.autograd.common import draw_rng_state, kernel_rope_tables
 from remat.ops import ops_for
+from remat.ops.attention import rotated_once
+
+
+def attention_ops(backend, rotate_once):
+    """The attention operators of ``backend``, with rope rotated once per pass outside the kernels
+    where ``rotate_once`` (remat.ops.attention.rope_rotated_once, decided by the caller for both
+    passes)."""
+    ops = ops_for("attention", backend)
+    return rotated_once(ops) if rotate_once else ops
 
 
 class AttentionFunction(torch.autograd.Function):
     """o = softmax(logits(q, k)) v with causal/window masking, softcap, rope and dropout; the
-    scalar options are one :class:`remat.options.AttentionOptions`."""
+    scalar options are one :class:`remat.options.AttentionOptions`; ``rotate_once``: rope rotated
+    once per pass outside the kernels (remat.ops.attention.rope_rotated_once, decided by the caller,
+    which knows whether a backward can follow: inside forward grad mode is always off)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cos, sin, options, backend):
+    def forward(ctx, q, k, v, cos, sin, options, backend, rotate_once):
         rng = draw_rng_state(q.device) if options.dropout_p > 0 else None
         cos32, sin32 = kernel_rope_tables(cos, sin, q.shape[-1])
-        o, lse = ops_for("attention", backend).attention_fwd(q, k, v, cos32, sin32, rng, *options[:5])
+        ctx.rotate_once = rotate_once
+        o, lse = attention_ops(backend, ctx.rotate_once).attention_fwd(q, k, v, cos32, sin32, rng, *options[:5])
         ctx.save_for_backward(q, k, v, o, lse, rng, cos, sin)
         ctx.options, ctx.backend = options, backend
         return o
@@ -38,9 +52,9 @@ class AttentionFunction(torch.autograd.Function):
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         cos32, sin32 = kernel_rope_tables(cos, sin, q.shape[-1])
-        dq, dk, dv = ops_for("attention", ctx.backend).attention_bwd(dout, q, k, v, o, lse, cos32, sin32, rng,
-                                                                     *ctx.options)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = attention_ops(ctx.backend, ctx.rotate_once).attention_bwd(dout, q, k, v, o, lse, cos32, sin32,
+                                                                                rng, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def varlen_rope_tables(cos, sin, head_dim):
@@ -60,12 +74,14 @@ class VarlenAttentionFunction(torch.autograd.Function):
     an autograd.Function given one tensor twice)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, options, backend):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, options, backend,
+                rotate_once):
         rng = draw_rng_state(q.device) if options.dropout_p > 0 else None
         cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
         offsets_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-        o, lse = ops_for("attention", backend).attention_varlen_fwd(q, k, v, cu_seqlens_q, offsets_k, max_seqlen_q,
-                                                                    max_seqlen_k, cos32, sin32, rng, *options[:5])
+        ctx.rotate_once = rotate_once
+        o, lse = attention_ops(backend, ctx.rotate_once).attention_varlen_fwd(
+            q, k, v, cu_seqlens_q, offsets_k, max_seqlen_q, max_seqlen_k, cos32, sin32, rng, *options[:5])
         ctx.save_for_backward(q, k, v, o, lse, rng, cos, sin, cu_seqlens_q, cu_seqlens_k)
         ctx.options, ctx.backend, ctx.max_seqlens = options, backend, (max_seqlen_q, max_seqlen_k)
         return o
@@ -78,6 +94,6 @@ class VarlenAttentionFunction(torch.autograd.Function):
         cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
         if cu_seqlens_k is None:
             cu_seqlens_k = cu_seqlens_q
-        dq, dk, dv = ops_for("attention", ctx.backend).attention_varlen_bwd(
+        dq, dk, dv = attention_ops(ctx.backend, ctx.rotate_once).attention_varlen_bwd(
             dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, cos32, sin32, rng, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None

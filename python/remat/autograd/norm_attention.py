@@ -28,10 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from remat.autograd import lora
-from remat.autograd.attention import varlen_rope_tables
+from remat.autograd.attention import attention_ops, varlen_rope_tables
 from remat.autograd.common import draw_rng_state, kernel_rope_tables, linear_grads
 from remat.autograd.norm import norm_backward, norm_forward
-from remat.ops import ops_for
 
 
 def _project(normed, weights, biases, shape, adapters):
@@ -61,10 +60,10 @@ def _head_norm_backward(grad, t, weight, rstd, options):
     return d_rows.view(t.shape), d_weight
 
 
-def _attention_fwd(q, k, v, cos, sin, cu_seqlens, rng, options, backend):
+def _attention_fwd(q, k, v, cos, sin, cu_seqlens, rng, options, backend, rotate_once):
     """The attention kernels on q, k, v [B, N, heads, D]: dense, or with cu_seqlens (B = 1) packed
     self-attention over the sequences it delimits (o [1, T, Hq, D], lse [Hq, T])."""
-    ops = ops_for("attention", backend)
+    ops = attention_ops(backend, rotate_once)
     if cu_seqlens is None:
         cos32, sin32 = kernel_rope_tables(cos, sin, q.shape[-1])
         return ops.attention_fwd(q, k, v, cos32, sin32, rng, *options.attention[:5])
@@ -74,9 +73,9 @@ def _attention_fwd(q, k, v, cos, sin, cu_seqlens, rng, options, backend):
     return o[None], lse
 
 
-def _attention_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, rng, options, backend):
+def _attention_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, rng, options, backend, rotate_once):
     """dq, dk, dv [B, N, heads, D] of :func:`_attention_fwd`."""
-    ops = ops_for("attention", backend)
+    ops = attention_ops(backend, rotate_once)
     if cu_seqlens is None:
         cos32, sin32 = kernel_rope_tables(cos, sin, q.shape[-1])
         return ops.attention_bwd(dout, q, k, v, o, lse, cos32, sin32, rng, *options.attention)
@@ -86,17 +85,24 @@ def _attention_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, rng, options, ba
     return tuple(g[None] for g in grads)
 
 
+# The position of the first LoRA tensor among NormAttentionFunction.forward's inputs (after x, the
+# ten weights and biases, cos, sin, cu_seqlens, options, backend, rotate_once and lora_layout).
+_FIRST_LORA_INPUT = 18
+
+
 class NormAttentionFunction(torch.autograd.Function):
     """o = attention(rope(qn(norm(x) Wq^T + bq)), rope(kn(norm(x) Wk^T + bk)), norm(x) Wv^T + bv),
     with qn / kn the optional per-head norms (identity without ``options.qk_norm``); the
     non-tensor arguments are one :class:`remat.options.NormAttentionOptions`. LoRA adapters of the
     q/k/v projections (remat.autograd.lora) come last: their layout, then their flat tensors; their
     branches join the projections, are kept inside q, k, v under keep_qkv and recomputed with them
-    otherwise, and their rank-r intermediates are recomputed in backward."""
+    otherwise, and their rank-r intermediates are recomputed in backward. ``rotate_once``: rope
+    rotated once per pass outside the attention kernels (remat.ops.attention.rope_rotated_once,
+    decided by the caller)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, cos, sin,
-                cu_seqlens, options, backend, lora_layout=(), *lora_tensors):
+                cu_seqlens, options, backend, rotate_once=False, lora_layout=(), *lora_tensors):
         shape, attention = options.shape, options.attention
         batch, n, hq, hkv, head_dim = shape
         rows = x.reshape(batch * n, x.shape[-1])
@@ -111,7 +117,8 @@ class NormAttentionFunction(torch.autograd.Function):
             q_in, _ = _head_norm(q, q_norm_weight, options)
             k_in, _ = _head_norm(k, k_norm_weight, options)
         rng = draw_rng_state(x.device) if attention.dropout_p > 0 else None
-        o, lse = _attention_fwd(q_in, k_in, v, cos, sin, cu_seqlens, rng, options, backend)
+        ctx.rotate_once = rotate_once
+        o, lse = _attention_fwd(q_in, k_in, v, cos, sin, cu_seqlens, rng, options, backend, ctx.rotate_once)
         del q_in, k_in
         if not options.keep_qkv:
             q = k = v = None
@@ -143,7 +150,8 @@ class NormAttentionFunction(torch.autograd.Function):
             k_in, k_rstd = _head_norm(k, k_norm_weight, options)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv = _attention_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, rng, options, backend)
+        dq, dk, dv = _attention_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, rng, options, backend,
+                                    ctx.rotate_once)
         del q_in, k_in, v
         d_q_norm = d_k_norm = None
         if options.qk_norm is not None:
@@ -156,7 +164,8 @@ class NormAttentionFunction(torch.autograd.Function):
                 ((dq, w_q, b_q, need[3], need[6]), (dk, w_k, b_k, need[4], need[7]), (dv, w_v, b_v, need[5], need[8]))):
             grad = grad.reshape(batch * n, -1)
             d_in, d_w, d_b = linear_grads(grad, normed, weight, True, need_w, need_b and bias is not None)
-            d_lora, target_grads = lora.branch_grads(grad, normed, target, *adapters[:3], need[17:], adapters[3])
+            d_lora, target_grads = lora.branch_grads(grad, normed, target, *adapters[:3], need[_FIRST_LORA_INPUT:],
+                                                     adapters[3])
             if d_lora is not None:
                 d_in = d_in + d_lora
             lora_grads.update(target_grads)
@@ -168,4 +177,4 @@ class NormAttentionFunction(torch.autograd.Function):
         return (dx.view(x.shape), d_norm_weight if need[1] else None, d_norm_bias if need[2] else None,
                 grads[0][0], grads[1][0], grads[2][0], grads[0][1], grads[1][1], grads[2][1],
                 d_q_norm if need[9] else None, d_k_norm if need[10] else None, None, None, None, None, None, None,
-                *lora.grads_tuple(lora_grads, lora_count))
+                None, *lora.grads_tuple(lora_grads, lora_count))

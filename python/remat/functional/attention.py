@@ -17,7 +17,7 @@ from remat.backend import (
 )
 from remat.functional.lora import check_lora
 from remat.ops import ops_for
-from remat.ops.attention import aten_unsupported_reason
+from remat.ops.attention import aten_unsupported_reason, rope_rotated_once
 from remat.options import AttentionOptions, NormAttentionOptions
 
 
@@ -42,7 +42,9 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
         rope: ``(cos, sin)`` rotary tables, ``[S, D/2]`` or ``[B, S, D/2]``, or Hugging Face's
             ``[S, D]`` / ``[B, S, D]`` with equal halves, S >= M; rotate-half convention. k at
             position j uses row j, q row i uses row i + M - N (needs N <= M). Applied inside the
-            kernels in forward and again in the backward recompute; rotated copies are never stored.
+            kernels (the C++ and CUDA ones in forward and again in the backward recompute; the
+            Triton forward when no backward can follow) or to q and k once per pass before them
+            (the aten core; Triton when a backward can follow); rotated copies are never saved.
         window: ``(left, right)`` sliding window: query at position p sees keys p - left .. p +
             right; None on a side is unbounded. Combines with ``causal``.
         softcap: Gemma-2 logit capping, ``softcap * tanh(logits / softcap)``; None (default) off.
@@ -102,8 +104,15 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     checks.check_attention_dtype(name, q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with autocast_off:
-        o = AttentionFunction.apply(q, k, v, cos, sin, options, name)
+        o = AttentionFunction.apply(q, k, v, cos, sin, options, name,
+                                    rope_rotated_once(name, cos is not None, _backward_can_follow(q, k, v, cos, sin)))
     return o.transpose(1, 2) if layout == "bhnd" else o
+
+
+def _backward_can_follow(*tensors):
+    """Whether autograd will record the call: grad mode on and some tensor argument requiring grad
+    (an autograd.Function's forward cannot tell: it runs with grad mode off)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, dropout_p,
@@ -129,8 +138,9 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     # One offsets tensor for both (self-attention) is passed once: see VarlenAttentionFunction.
     distinct_k = None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k
     with autocast_off:
+        rotate_once = rope_rotated_once(name, cos is not None, _backward_can_follow(q, k, v, cos, sin))
         return VarlenAttentionFunction.apply(q, k, v, cu_seqlens_q, distinct_k, max_seqlen_q, max_seqlen_k, cos, sin,
-                                             options, name)
+                                             options, name, rotate_once)
 
 
 def _varlen_attention_backend(explicit, t, sizes, options):
@@ -332,7 +342,9 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
                                    attention_options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen)
     with autocast_off:
-        return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, options, name, lora_layout,
+        rotate_once = rope_rotated_once(name, cos is not None, _backward_can_follow(x, *params, cos, sin,
+                                                                                    *lora_tensors))
+        return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, options, name, rotate_once, lora_layout,
                                            *lora_tensors)
 
 
