@@ -32,6 +32,9 @@ from remat.memory import saved_bytes
 # time_vs_<label> columns: the provider's time over the named provider's in the same round.
 BASELINES = {"eager": "torch", "checkpoint": "torch+checkpoint", "compile": "torch.compile"}
 
+# The blocks of the last run() that failed the pre-timing check (_policy_rows), one line each.
+CHECK_FAILURES = []
+
 
 def _config(hidden, inter, heads, kv_heads):
     import transformers
@@ -71,6 +74,8 @@ def providers(stock_layers):
 
 def run(device, quick=False):
     import transformers
+
+    CHECK_FAILURES.clear()
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     if device.type == "cuda":
@@ -216,9 +221,10 @@ def _policy_rows(block, shape, stock, remat_cls, x, stock_kwargs, remat_kwargs, 
             for name, (layer, kwargs) in layers.items():
                 _check_same_computation(f"{block} {name}", layer(x, **kwargs), want, want32, routed="experts" in shape)
         except AssertionError as error:
-            # Not timed, and said so: the other blocks' rows still get written.
-            print(f"WARNING: {block} not timed, its remat layer is not the stock computation: {error}",
-                  file=sys.stderr)
+            # Not timed, and said so: the other blocks' rows still get written, then
+            # benchmarks.run exits non-zero (CHECK_FAILURES).
+            CHECK_FAILURES.append(f"{block} not timed, its remat layer is not the stock computation: {error}")
+            print(f"WARNING: {CHECK_FAILURES[-1]}", file=sys.stderr)
             return []
         del want32
     steps = {name: autograd_step(functools.partial(layer, **kwargs), (x,), [x, *params], dy)

@@ -62,7 +62,7 @@ echo "built in $(( $(date +%s) - start ))s" | tee -a "$LOG"
 "$PY" -m remat info 2>&1 | tee -a "$LOG"
 
 # What runs can be narrowed for a rerun inside the same device budget (whitespace-separated,
-# no globbing): GPU_CHECK_TESTS (pytest arguments; default every gpu-marked test),
+# no globbing; set to "" to skip): GPU_CHECK_TESTS (pytest arguments; default every gpu-marked test),
 # GPU_CHECK_BENCHES (NAME or NAME:SECONDS, the most one may take; default below),
 # GPU_CHECK_TRITON_TESTS (1: the Triton test modules, compiled), GPU_CHECK_TESTS_SECONDS (default
 # 220: the most the first tests may take).
@@ -70,16 +70,19 @@ set -f
 # The defaults put first what no GPU has run yet (the first H200 session, 2026-11-30, ran the
 # attention tests and the attention, MLP and cross-entropy benchmarks; ~800 gpu tests take longer
 # than one call, and xdist hands them out in the order given).
-read -ra tests <<< "${GPU_CHECK_TESTS:--m gpu tests/test_norm.py tests/test_mlp.py tests/test_ops.py \
+read -ra tests <<< "${GPU_CHECK_TESTS--m gpu tests/test_norm.py tests/test_mlp.py tests/test_ops.py \
 tests/test_cross_entropy.py tests/test_device_launch.py tests/test_attention_aten_core.py \
 tests/test_attention_tuning.py tests/test_varlen_attention.py tests/test_attention.py}"
-read -ra benches <<< "${GPU_CHECK_BENCHES:-layers:150 norm:45 attention:60 mlp:40 cross_entropy:40}"
+read -ra benches <<< "${GPU_CHECK_BENCHES-layers:150 norm:45 attention:60 mlp:40 cross_entropy:40}"
 set +f
 # REMAT_ATTENTION_AUTOTUNE=0: one tile per Triton attention kernel, so the many feature
 # specializations of the tests compile once each instead of once per candidate tile; -n 12
 # because compiling Triton kernels is CPU-bound (16 cores); -v puts every test's outcome in the log.
 pytest_args=(-p no:cacheprovider -n 12 -v --timeout 90 -rfE --tb=short)
-phase "${GPU_CHECK_TESTS_SECONDS:-220}" "tests: ${tests[*]}" env REMAT_ATTENTION_AUTOTUNE=0 "$PY" -m pytest "${pytest_args[@]}" "${tests[@]}"
+if [ "${#tests[@]}" -gt 0 ]; then
+  phase "${GPU_CHECK_TESTS_SECONDS:-220}" "tests: ${tests[*]}" env REMAT_ATTENTION_AUTOTUNE=0 "$PY" -m pytest \
+    "${pytest_args[@]}" "${tests[@]}"
+fi
 for entry in "${benches[@]}"; do
   # NAME or NAME:SECONDS (without SECONDS: 110 s attention, 80 s layers, 40 s others).
   bench=${entry%%:*}

@@ -14,6 +14,7 @@ takes about half an hour on an idle 2-core CPU; ``--quick`` a few minutes per be
 
 import argparse
 import os
+import sys
 
 import torch
 
@@ -79,6 +80,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tag = ("gpu" if device.type == "cuda" else "cpu") + ("-quick" if args.quick else "")
+    failures = []  # blocks a benchmark refused to time (its pre-timing check failed)
     if args.only in (None, "norm"):
         rows = bench_norm.run(device, quick=args.quick)
         print_table(rows, bench_norm.summary_columns)
@@ -94,6 +96,7 @@ def main(argv=None):
             print_table(rows, bench.summary_columns)
             path = write_csv(rows, f"{name}-{tag}.csv", args.out)
             print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
+            failures.extend(getattr(bench, "CHECK_FAILURES", []))
     for name, bench in (("checkpoint", bench_checkpoint), ("frontier", bench_frontier)):
         if args.only in (None, name):
             rows = bench.run(device, quick=args.quick)
@@ -102,6 +105,9 @@ def main(argv=None):
             png = None if args.no_plots else bench.plot(rows, os.path.splitext(path)[0] + ".png")
             print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; device: {rows[0]['device']}; "
                   f"commit {rows[0]['commit']}")
+    if failures:
+        print("\nNot timed:\n" + "\n".join(failures), file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
