@@ -136,6 +136,23 @@ def test_triton_rope_rotates_once_per_pass_when_training(monkeypatch):
     assert saved["triton"] == saved["torch"]
 
 
+def test_triton_backward_ops_refuse_rope_tables_when_traced():
+    """The Triton backward ops' fake (meta) kernels refuse rope tables as the launchers do, so a
+    traced graph fails at trace time rather than at run time (remat.ops.attention)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = torch.empty(1, 5, 2, 8), torch.empty(1, 6, 1, 8), torch.empty(1, 6, 1, 8)
+        o, lse, tables = torch.empty(1, 5, 2, 8), torch.empty(1, 2, 5), torch.empty(1, 6, 4)
+        with pytest.raises(ValueError, match="already rotated"):
+            torch.ops.remat_triton.attention_bwd(o, q, k, v, o, lse, tables, tables, None, 0.35, 0.0, -1, 0, 0.0,
+                                                 True)
+        cu = torch.zeros(2, dtype=torch.int32)
+        with pytest.raises(ValueError, match="already rotated"):
+            torch.ops.remat_triton.attention_varlen_bwd(o[0], q[0], k[0], v[0], o[0], lse[0], cu, cu, 5, 6, tables,
+                                                        tables, None, 0.35, 0.0, -1, 0, 0.0, True)
+
+
 @pytest.mark.skipif("triton" not in cpu_backends(), reason="Triton runs on the CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("spec", [TRITON_CASES[0], TRITON_CASES[2], TRITON_CASES[4]])
 def test_triton_fast_backward_matches_reference(spec):

@@ -1,6 +1,6 @@
 """Paths of the Triton attention kernels that the shared attention tests do not single out: the
 dropout stream read four keys per Philox call at any row length and tile shape; the dK/dV kernel
-with each kv head's query heads split over several programs (GQA, MQA, rope, window, softcap,
+with each kv head's query heads split over several programs (GQA, MQA, rope rotated before the kernels, window, softcap,
 dropout, packed sequences, both backward modes) against the unsplit kernel and the float64
 reference, and the launcher's choice of the split; TF32 dots following PyTorch's fp32 matmul
 setting; head dims that are not powers of two split into power-of-two column parts against the
@@ -470,17 +470,19 @@ def test_split_head_dim_varlen(deterministic, monkeypatch):
     assert all(not {"ROPE", "BLOCK_H", "BLOCK_H2"} & set(c) for name, c in seen if name != "fwd")
 
 
+@pytest.mark.parametrize("tables", ["per_token", "restart"])
 @pytest.mark.parametrize("split_halves,blocks", [(False, (64, 64, 16, 0)), (True, (64, 32, 16, 16))],
                          ids=["padded-halves", "split-halves"])
-def test_rope_forward_varlen_in_either_layout(split_halves, blocks, monkeypatch):
-    """Packed sequences at D = 80 with per-token RoPE tables, forward only: the forward kernel rotates
-    with the halves of the option, o within the 2x rule of the float64 per-sequence reference."""
+def test_rope_forward_varlen_in_either_layout(split_halves, blocks, tables, monkeypatch):
+    """Packed sequences at D = 80 with RoPE tables per packed token or restarting per sequence
+    ([S, D/2]), forward only: the forward kernel rotates with the halves of the option, o within
+    the 2x rule of the float64 per-sequence reference."""
     from test_varlen_attention import make_varlen_inputs, reference_outputs
 
     monkeypatch.setattr(launch, "ROPE_SPLIT_HALVES", split_halves)
     seen = record_launch_constexprs(monkeypatch)
-    q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(VARLEN_D80, torch.float32)
-    spec = VARLEN_D80
+    spec = dict(VARLEN_D80, rope=tables)
+    q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(spec, torch.float32)
     o = remat.attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu_seqlens_q=cu_q.to(DEVICE),
                         cu_seqlens_k=cu_k.to(DEVICE), causal=True, rope=tuple(t.to(DEVICE) for t in rope),
                         window=spec["window"], backend="triton").cpu()
@@ -488,6 +490,37 @@ def test_rope_forward_varlen_in_either_layout(split_halves, blocks, monkeypatch)
     stock = reference_outputs(q, k, v, dout, cu_q, cu_k, rope, spec, None, torch.float32)[0]
     assert_within_2x_of_stock("o", o, stock, reference, torch.float32)
     assert_rope_forward_launch(seen, blocks)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_training_rope_with_large_logits_at_split_head_dims(head_dim, deterministic):
+    """fp32 causal attention with RoPE at D = 80 / 96 (q/k as 64 + 16 / 64 + 32 column parts) and
+    q, k ~ 3 N(0, 1) (logits of tens): the training path (q and k rotated once outside the kernels)
+    within the 2x rule of stock fp32 for o, dq, dk, dv. The backward recomputes P against the
+    forward's lse, so its QK^T must sum the column parts in the forward's order: at these logits a
+    different order breaks the rule (as the forward/backward rotation-halves mismatch did)."""
+    g = torch.Generator().manual_seed(head_dim)
+    n = 32
+    q, k = (3.0 * torch.randn(1, n, 1, head_dim, generator=g) for _ in range(2))
+    v, dout = (torch.randn(1, n, 1, head_dim, generator=g) for _ in range(2))
+    angles = 6.28 * torch.rand(n, head_dim // 2, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+
+    def stock(dtype):
+        leaves = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+        out = attention_reference(*leaves, causal=True, rope=(cos[None].to(dtype), sin[None].to(dtype)))
+        out.backward(dout.to(dtype))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    leaves = [t.to(DEVICE, copy=True).requires_grad_() for t in (q, k, v)]
+    with deterministic_mode(deterministic):
+        o = remat.attention(*leaves, causal=True, rope=(cos.to(DEVICE), sin.to(DEVICE)), backend="triton")
+        o.backward(dout.to(DEVICE))
+    got = [o.detach().cpu()] + [t.grad.cpu() for t in leaves]
+    for name, value, stock_value, reference in zip(("o", "dq", "dk", "dv"), got, stock(torch.float32),
+                                                   stock(torch.float64)):
+        assert_within_2x_of_stock(name, value, stock_value, reference, torch.float32)
 
 
 def test_backward_launchers_refuse_rope_tables(monkeypatch):

@@ -181,8 +181,10 @@ def _scores(a1, a2, a3, a4, b1, b2, b3, b4, ROPE: tl.constexpr, BLOCK_D2: tl.con
 @triton.jit
 def _pair_scores(a1, a2, b1, b2, BLOCK_D2: tl.constexpr, INTERPRETED: tl.constexpr, TF32: tl.constexpr):
     """a @ b^T in fp32 for the column parts (`_load_pair`) of a and b: a1 b1^T + a2 b2^T (the
-    second with BLOCK_D2 > 0), summed in `_scores`' order without RoPE, so the backward's scores
-    are the forward's bit for bit. TF32 as `_scores`."""
+    second with BLOCK_D2 > 0), summed in `_scores`' order without RoPE, so the backward recomputes
+    the forward's scores (the dK/dV kernel takes K Q^T, the transpose: equal bits need the dot to
+    round alike with swapped operands, as the interpreter's and fp32 FMA dots do; not established
+    for tensor-core MMA). TF32 as `_scores`."""
     acc = tl.zeros([a1.shape[0], b1.shape[0]], dtype=tl.float32)
     acc = _dot(a1, tl.trans(b1), acc, INTERPRETED, TF32)
     if BLOCK_D2 > 0:

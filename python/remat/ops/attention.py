@@ -9,6 +9,10 @@ Every backend implements the same two functions (the recompute contract of DESIG
 - ``attention_varlen_fwd`` / ``attention_varlen_bwd``: packed (variable-length) sequences, every
   backend but aten (the contract is stated above torch_attention_varlen_fwd below).
 
+One exception: the Triton backward ops take no rope tables (cos = sin = None, else ValueError,
+also when traced): a call with rope and a backward rotates q and k once per pass outside the
+Triton kernels (:func:`rotated_once`, chosen by :func:`rope_rotated_once`).
+
 Shapes: q, o, dout ``[B, N, Hq, D]``; k, v ``[B, M, Hkv, D]`` with Hq a multiple of Hkv (query head
 h reads kv head h // (Hq // Hkv)); any strides with unit stride in the last dim. o, dq, dk, dv are
 new contiguous tensors in q's dtype; lse is fp32 ``[B, Hq, N]``.
@@ -712,9 +716,27 @@ def triton_attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o
 
 
 triton_attention_fwd.register_fake(_fake_attention_fwd)
-triton_attention_bwd.register_fake(_fake_attention_bwd)
+def _refuse_rope_tables(cos, sin):
+    if cos is not None or sin is not None:
+        raise ValueError("cos, sin: the Triton attention backward kernels take q and k already rotated; "
+                         "remat.ops.attention.rotated_once rotates them once per pass outside the kernels")
+
+
+def _fake_triton_attention_bwd(dout, q, k, v, o, lse, cos, sin, *args):
+    _refuse_rope_tables(cos, sin)
+    return _fake_attention_bwd(dout, q, k, v, o, lse, cos, sin, *args)
+
+
+def _fake_triton_attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      cos, sin, *args):
+    _refuse_rope_tables(cos, sin)
+    return _fake_attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      cos, sin, *args)
+
+
+triton_attention_bwd.register_fake(_fake_triton_attention_bwd)
 triton_attention_varlen_fwd.register_fake(_fake_attention_varlen_fwd)
-triton_attention_varlen_bwd.register_fake(_fake_attention_varlen_bwd)
+triton_attention_varlen_bwd.register_fake(_fake_triton_attention_varlen_bwd)
 
 TRITON_OPS = AttentionOps(triton_attention_fwd, triton_attention_bwd, triton_attention_varlen_fwd,
                           triton_attention_varlen_bwd)
