@@ -223,23 +223,30 @@ def test_compare_runs_refuses_different_benchmarks():
 
 @pytest.mark.skipif(not __import__("remat").backend.triton_interpreted(),
                     reason="the rope comparison runs remat's Triton kernels (interpreter on the CPU)")
-def test_rope_once_provider_computes_what_the_in_kernel_rope_does():
-    """bench_attention's rope comparison is of one computation: rotating q and k once before the
-    Triton kernels (rotate_once) gives the in-kernel rope call's output and gradients (to fp32
-    rounding order; both round the rotated operands to the dtype) and saves the same bytes."""
+def test_rope_providers_compute_the_rope_attention():
+    """bench_attention's rope rows time one computation: each provider (Triton, which rotates q and
+    k once per pass outside its kernels when training; the aten core where it runs) gives the torch
+    backend's rope output and gradients (to fp32 rounding order) and saves the same bytes."""
+    import remat
     from benchmarks.bench_attention import rope_providers, rope_tables
     from remat.memory import saved_bytes
 
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, 24, 2, 16, generator=g) for _ in range(4))
     cos, sin = rope_tables(24, 16, CPU)
+
+    def stock(q, k, v, causal):
+        return remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="torch")
+
     results = {}
-    for name, fn, _ in rope_providers(CPU, cos, sin):
+    providers = rope_providers(CPU, cos, sin)
+    assert [name for name, *_ in providers][0] == "remat-triton-rope"
+    for name, fn, _ in providers + [("torch", stock, "bnhd")]:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = fn(*leaves, True)
         grads = torch.autograd.grad(out, leaves, dout)
         results[name] = (out.detach(), *grads, saved_bytes(fn, *leaves, True))
-    in_kernel, once = results["remat-triton-rope-in-kernel"], results["remat-triton-rope-once"]
-    for a, b in zip(in_kernel[:4], once[:4]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert in_kernel[4] == once[4] > 0
+    for name, _, _ in providers:
+        for a, b in zip(results[name][:4], results["torch"][:4]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert results[name][4] == results["torch"][4] > 0
