@@ -168,19 +168,23 @@ def make_inputs(spec, dtype, seed=0, device="cpu"):
 
 
 def attention_eager(q, k, v, dout, rope, spec, keep, dtype):
-    """o, dq, dk, dv of eager attention in ``dtype`` (float64 for the reference), in [B, N, H, D]."""
-    leaves = [t.detach().cpu().to(dtype).requires_grad_() for t in (q, k, v)]
-    rope_d = tuple(t.cpu().to(dtype) for t in rope) if rope is not None else None
+    """o, dq, dk, dv of eager attention in ``dtype`` (float64 for the reference), in [B, N, H, D],
+    computed on q's device (on a GPU: cuBLAS in the dtype, fast float64; the CPU would take seconds
+    per case at the GPU tests' sizes) and returned on the CPU."""
+    device = q.device
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    rope_d = tuple(t.to(device, dtype) for t in rope) if rope is not None else None
+    keep = keep.to(device) if keep is not None else None
     o = attention_reference(*leaves, causal=spec.get("causal", False), keep=keep, dropout_p=spec.get("dropout", 0.0),
                             rope=rope_d, window=spec.get("window"), softcap=spec.get("softcap"))
-    o.backward(dout.cpu().to(dtype))
-    return [o.detach()] + [t.grad for t in leaves]
+    o.backward(dout.to(device, dtype))
+    return [t.cpu() for t in [o.detach()] + [t.grad for t in leaves]]
 
 
 def run_and_check(spec, dtype, backend, deterministic=True, device="cpu"):
-    """Runs remat.attention on the case and checks o, dq, dk, dv against the float64 CPU
-    reference under the 2x-stock rule (stock: the same eager computation in ``dtype`` on the CPU).
-    Returns remat's outputs."""
+    """Runs remat.attention on the case and checks o, dq, dk, dv against the float64 reference
+    under the 2x-stock rule (stock: the same eager computation in ``dtype``), both computed on
+    ``device``. Returns remat's outputs (on the CPU)."""
     q, k, v, dout, rope = make_inputs(spec, dtype, device=device)
     layout = spec.get("layout", "bnhd")
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
