@@ -442,14 +442,6 @@ def _flash_unsupported_reason(n, m, head_dim, dtype, device, options, varlen):
     return None
 
 
-def _core_operands(q, k, v, cos, sin):
-    """q, k, v as the core takes them: [B, H, L, D] views, q and k rotated into temporaries."""
-    n, m = q.shape[1], k.shape[1]
-    if cos is None:
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return (_rotate(q, cos, sin, m - n).to(q.dtype), _rotate(k, cos, sin, 0).to(k.dtype), v.transpose(1, 2))
-
-
 def _flash_window(window_left, window_right):
     """(is_causal, window_size_left, window_size_right) of FlashAttention-2 for remat's window:
     both count keys from the query's bottom-right-aligned position, -1 / None unbounded."""
@@ -469,10 +461,18 @@ def _check_aten_call(q, k, options, max_seqlens=None):
         raise ValueError(f"the aten attention core cannot run this call: {reason}")
 
 
-def aten_attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
-    """Forward through PyTorch's fused attention core (see aten_unsupported_reason)."""
+def _no_tables(cos, sin):
+    """The aten core functions below take q and k already rotated (ATEN_OPS wraps them in
+    rotated_once); tables reaching them would be ignored, so they are refused."""
+    if cos is not None or sin is not None:
+        raise ValueError("cos, sin: the aten attention core takes q and k rotated (use ATEN_OPS)")
+
+
+def _aten_core_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
+    """Forward through PyTorch's fused attention core (see aten_unsupported_reason), q and k rotated."""
+    _no_tables(cos, sin)
     _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False))
-    qh, kh, vh = _core_operands(q, k, v, cos, sin)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     if q.device.type == "cpu":
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, window_right == 0,
                                                                             scale=scale)
@@ -490,14 +490,15 @@ def _no_flash_rng(device):
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 
-def aten_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p,
-                       deterministic):
-    """Backward through PyTorch's fused attention core: the probabilities recomputed from q, k and
-    lse by its backward kernel, rope re-applied to q and k and transposed onto dq and dk here. The
-    CPU kernel is deterministic; FlashAttention-2's backward is deterministic under PyTorch's
-    deterministic mode only, which the backend choice checked (aten_unsupported_reason)."""
+def _aten_core_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p,
+                   deterministic):
+    """Backward through PyTorch's fused attention core, q and k rotated: the probabilities
+    recomputed from q, k and lse by its backward kernel. The CPU kernel is deterministic;
+    FlashAttention-2's backward is deterministic under PyTorch's deterministic mode only, which the
+    backend choice checked (aten_unsupported_reason)."""
+    _no_tables(cos, sin)
     n, m = q.shape[1], k.shape[1]
-    qh, kh, vh = _core_operands(q, k, v, cos, sin)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     if q.device.type == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.transpose(1, 2), qh, kh, vh, o.transpose(1, 2), lse, 0.0, window_right == 0, scale=scale)
@@ -508,73 +509,60 @@ def aten_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, win
             dout, qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), o, lse, None, None, n, m, 0.0, causal,
             *_no_flash_rng(q.device), scale=scale, window_size_left=left, window_size_right=right)
         dq, dk, dv = (g.transpose(1, 2) for g in (dq, dk, dv))
-    if cos is not None:
-        dq = _unrotate(dq.float(), cos, sin, m - n)
-        dk = _unrotate(dk.float(), cos, sin, 0)
     return tuple(g.transpose(1, 2).to(q.dtype).contiguous() for g in (dq, dk, dv))
 
 
-def aten_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale,
-                              softcap, window_left, window_right, dropout_p):
+def _aten_core_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale,
+                          softcap, window_left, window_right, dropout_p):
     """Packed attention through FlashAttention-2's variable-length entry (CUDA only; the CPU flash
-    kernel has none): q [total_q, Hq, D], k, v [total_k, Hkv, D] with int32 offsets, rope rows per
-    token as torch_attention_varlen_fwd computes them. Returns o [total_q, Hq, D], lse [Hq, total_q]."""
+    kernel has none): q [total_q, Hq, D] (rotated), k, v [total_k, Hkv, D] with int32 offsets.
+    Returns o [total_q, Hq, D], lse [Hq, total_q]."""
+    _no_tables(cos, sin)
     if q.device.type != "cuda":
         raise ValueError("the aten attention core has packed (cu_seqlens) attention on CUDA only")
     _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False),
                      (max_seqlen_q, max_seqlen_k))
-    q_core, k_core = _varlen_core_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k)
     causal, left, right = _flash_window(window_left, window_right)
     o, lse = torch.ops.aten._flash_attention_forward(
-        q_core, k_core, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale,
         window_size_left=left, window_size_right=right)[:2]
     return o.contiguous(), lse
 
 
-def aten_attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin,
-                              rng, scale, softcap, window_left, window_right, dropout_p, deterministic):
-    """Backward of aten_attention_varlen_fwd: FlashAttention-2's variable-length backward on the
-    re-rotated q, k; dq and dk rotated back per token in fp32."""
-    geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], cos is not None and cos.dim() == 3)
-    q_core, k_core = _varlen_core_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k, geometry)
+def _aten_core_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin,
+                          rng, scale, softcap, window_left, window_right, dropout_p, deterministic):
+    """Backward of _aten_core_varlen_fwd: FlashAttention-2's variable-length backward on the
+    rotated q, k."""
+    _no_tables(cos, sin)
     causal, left, right = _flash_window(window_left, window_right)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout, q_core, k_core, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal,
+        dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal,
         *_no_flash_rng(q.device), scale=scale, window_size_left=left, window_size_right=right)
-    if cos is not None:
-        dq = _unrotate_rows(dq.transpose(0, 1).float(), cos, sin, geometry.query_row).transpose(0, 1)
-        dk = _unrotate_rows(dk.transpose(0, 1).float(), cos, sin, geometry.key_row).transpose(0, 1)
     return tuple(g.to(q.dtype).contiguous() for g in (dq, dk, dv))
 
 
-def _varlen_core_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k, geometry=None):
+def _rotated_varlen_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k, geometry=None):
     """Packed q [total_q, Hq, D] and k [total_k, Hkv, D] rotated per token (rounded to the dtype)
-    into temporaries, or q and k themselves without rope."""
-    if cos is None:
-        return q, k
+    into temporaries of the same shapes (views of [H, T, D] buffers)."""
     if geometry is None:
         geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], cos.dim() == 3)
-    rotated = (_rotate_rows(q, cos, sin, geometry.query_row).to(q.dtype).transpose(0, 1),
-               _rotate_rows(k, cos, sin, geometry.key_row).to(k.dtype).transpose(0, 1))
-    # Kernels take a unit last stride; torch.cat of size-1 halves (D = 2) can return another.
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in rotated)
-
-
-ATEN_OPS = AttentionOps(aten_attention_fwd, aten_attention_bwd, aten_attention_varlen_fwd, aten_attention_varlen_bwd)
+    return _unit_last_stride((_rotate_rows(q, cos, sin, geometry.query_row).to(q.dtype).transpose(0, 1),
+                              _rotate_rows(k, cos, sin, geometry.key_row).to(k.dtype).transpose(0, 1)))
 
 
 # Rope rotated once per pass, outside a backend's kernels: q and k are rotated (fp32, rounded to
-# the dtype; _core_operands, as for the aten core) into temporaries before the forward kernel and
-# again before the backward kernels, from the saved unrotated q and k; the kernels run without
-# rope and the backward's dq, dk are rotated back in fp32 and rounded again (two roundings, as the
-# aten core). The rotated copies are never saved. The Triton backend trains this way
-# (rope_rotated_once): on an H200 (B1 H16 N4096 D128 bf16 causal, two runs) the full step took
-# 0.90 [0.87, 0.95] and 0.97 [0.96, 0.97] of the time with rope inside the kernels (backward 0.76,
-# the in-kernel rotation being redone per (query block, key tile) pair in three kernels; forward
-# 1.3x slower, so forward-only calls keep the rotation in the forward kernel). Forward and
-# backward rotate with the same function, so the backward recomputes the probabilities from
-# the very q and k the forward's lse came from.
+# the dtype) into temporaries before the forward kernel and again before the backward kernels, from
+# the saved unrotated q and k; the kernels run without rope and the backward's dq, dk are rotated
+# back in fp32 and rounded again (two roundings). The rotated copies are never saved. The aten
+# core always runs this way (ATEN_OPS: PyTorch's kernels have no rope); the Triton backend when a
+# backward follows (rope_rotated_once): on an H200 (B1 H16 N4096 D128 bf16 causal) the full step
+# took 0.90 [0.87, 0.95] of the time with rope inside the kernels (a second run read 0.97 against
+# a baseline row the harness flagged suspect; backward 0.76 in both, the in-kernel rotation being
+# redone per (query block, key tile) pair in three kernels; forward 1.3x slower, so forward-only
+# calls keep the rotation in the forward kernel). Forward and backward rotate with the same
+# function, so the backward recomputes the probabilities from the very q and k the forward's lse
+# came from.
 
 
 def rope_rotated_once(backend, rope, needs_grad):
@@ -584,15 +572,22 @@ def rope_rotated_once(backend, rope, needs_grad):
     return backend == "triton" and rope and needs_grad
 
 
+def _unit_last_stride(tensors):
+    """The kernels take a unit last stride; torch.cat of size-1 halves (D = 2) can return another."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 def _rotated_operands(q, k, cos, sin):
     """q [B, N, Hq, D] and k [B, M, Hkv, D] rotated into temporaries of the same shapes and dtype
-    (views of [B, H, L, D] buffers, unit last stride)."""
-    qh, kh, _ = _core_operands(q, k, k, cos, sin)
-    # The kernels take a unit last stride; torch.cat of size-1 halves (D = 2) can return another.
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (qh.transpose(1, 2), kh.transpose(1, 2)))
+    (views of [B, H, L, D] buffers)."""
+    n, m = q.shape[1], k.shape[1]
+    return _unit_last_stride((_rotate(q, cos, sin, m - n).to(q.dtype).transpose(1, 2),
+                              _rotate(k, cos, sin, 0).to(k.dtype).transpose(1, 2)))
 
 
 def _rotated_once_fwd(ops, q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
+    if cos is None:
+        return ops.attention_fwd(q, k, v, None, None, rng, scale, softcap, window_left, window_right, dropout_p)
     q_rotated, k_rotated = _rotated_operands(q, k, cos, sin)
     return ops.attention_fwd(q_rotated, k_rotated, v, None, None, rng, scale, softcap, window_left, window_right,
                              dropout_p)
@@ -600,6 +595,9 @@ def _rotated_once_fwd(ops, q, k, v, cos, sin, rng, scale, softcap, window_left, 
 
 def _rotated_once_bwd(ops, dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p,
                       deterministic):
+    if cos is None:
+        return ops.attention_bwd(dout, q, k, v, o, lse, None, None, rng, scale, softcap, window_left, window_right,
+                                 dropout_p, deterministic)
     n, m = q.shape[1], k.shape[1]
     q_rotated, k_rotated = _rotated_operands(q, k, cos, sin)
     dq, dk, dv = ops.attention_bwd(dout, q_rotated, k_rotated, v, o, lse, None, None, rng, scale, softcap, window_left,
@@ -611,15 +609,22 @@ def _rotated_once_bwd(ops, dout, q, k, v, o, lse, cos, sin, rng, scale, softcap,
 
 def _rotated_once_varlen_fwd(ops, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng,
                              scale, softcap, window_left, window_right, dropout_p):
-    q_rotated, k_rotated = _varlen_core_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k)
+    if cos is None:
+        return ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None,
+                                        rng, scale, softcap, window_left, window_right, dropout_p)
+    q_rotated, k_rotated = _rotated_varlen_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k)
     return ops.attention_varlen_fwd(q_rotated, k_rotated, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     None, None, rng, scale, softcap, window_left, window_right, dropout_p)
 
 
 def _rotated_once_varlen_bwd(ops, dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos,
                              sin, rng, scale, softcap, window_left, window_right, dropout_p, deterministic):
-    geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], cos is not None and cos.dim() == 3)
-    q_rotated, k_rotated = _varlen_core_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k, geometry)
+    if cos is None:
+        return ops.attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        None, None, rng, scale, softcap, window_left, window_right, dropout_p,
+                                        deterministic)
+    geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], cos.dim() == 3)
+    q_rotated, k_rotated = _rotated_varlen_operands(q, k, cos, sin, cu_seqlens_q, cu_seqlens_k, geometry)
     dq, dk, dv = ops.attention_varlen_bwd(dout, q_rotated, k_rotated, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                                           max_seqlen_q, max_seqlen_k, None, None, rng, scale, softcap, window_left,
                                           window_right, dropout_p, deterministic)
@@ -630,10 +635,16 @@ def _rotated_once_varlen_bwd(ops, dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
 
 def rotated_once(ops):
     """``ops`` (an AttentionOps) with rope rotated once per pass outside its kernels (see the comment
-    above): the same signatures; the kernels get cos = sin = None."""
+    above): the same signatures; the kernels get cos = sin = None. Calls without tables go
+    straight through."""
     return AttentionOps(functools.partial(_rotated_once_fwd, ops), functools.partial(_rotated_once_bwd, ops),
                         functools.partial(_rotated_once_varlen_fwd, ops),
                         functools.partial(_rotated_once_varlen_bwd, ops))
+
+
+# The aten core: PyTorch's kernels have no rope, so remat's is applied around them by rotated_once.
+ATEN_OPS = rotated_once(AttentionOps(_aten_core_fwd, _aten_core_bwd, _aten_core_varlen_fwd, _aten_core_varlen_bwd))
+aten_attention_fwd, aten_attention_bwd, aten_attention_varlen_fwd, aten_attention_varlen_bwd = ATEN_OPS
 
 
 def _fake_attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
@@ -717,9 +728,11 @@ def triton_attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o
 
 triton_attention_fwd.register_fake(_fake_attention_fwd)
 def _refuse_rope_tables(cos, sin):
+    """The Triton backward launchers' refusal of rotary tables, in the fake kernels too."""
     if cos is not None or sin is not None:
-        raise ValueError("cos, sin: the Triton attention backward kernels take q and k already rotated; "
-                         "remat.ops.attention.rotated_once rotates them once per pass outside the kernels")
+        from remat.kernels.attention.launch import _BACKWARD_ROPE_ERROR
+
+        raise ValueError(_BACKWARD_ROPE_ERROR)
 
 
 def _fake_triton_attention_bwd(dout, q, k, v, o, lse, cos, sin, *args):
