@@ -77,7 +77,7 @@ def extension_modules():
 
     cpp_sources = ["csrc/ops.cpp", "csrc/norm/norm_cpu.cpp", "csrc/mlp/act_cpu.cpp",
                    "csrc/attention/attention_cpu.cpp", "csrc/dropout/dropout_cpu.cpp",
-                   "csrc/cross_entropy/cross_entropy_cpu.cpp"]
+                   "csrc/cross_entropy/cross_entropy_cpu.cpp", "csrc/rope/rope_cpu.cpp"]
     cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if cuda_root:

@@ -56,7 +56,8 @@ def _flash_attn():
 
 # time_vs_<label> columns: the provider's time over the named provider's in the same round.
 BASELINES = {"eager": "torch", "sdpa_flash": "sdpa-flash", "checkpoint": "torch+checkpoint",
-             "compile": "torch.compile", "flash_attn": "flash_attn", "rope_triton": "remat-triton-rope"}
+             "compile": "torch.compile", "flash_attn": "flash_attn", "rope_triton": "remat-triton-rope",
+             "sdpa_rope": "sdpa-flash+rope"}
 
 
 def rope_tables(length, head_dim, device):
@@ -66,15 +67,36 @@ def rope_tables(length, head_dim, device):
     return angles.cos(), angles.sin()
 
 
+def _stock_rope_sdpa(cos, sin):
+    """What a Hugging Face model runs: its apply_rotary_pos_emb on [B, H, N, D] q and k with the
+    rotary module's full-width tables in the activations' dtype, then SDPA (its flash kernel)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    full_cos, full_sin = torch.cat([cos, cos], dim=-1)[None], torch.cat([sin, sin], dim=-1)[None]
+    sdpa = _sdpa("flash")
+
+    def run(q, k, v, causal):
+        q, k = apply_rotary_pos_emb(q, k, full_cos.to(q.dtype), full_sin.to(q.dtype))
+        return sdpa(q, k, v, causal)
+
+    return run
+
+
 def rope_providers(device, cos, sin):
-    """Attention with rope on the Triton backend (which, for a call with a backward, rotates q and
-    k once per pass outside its kernels: remat.ops.attention.rope_rotated_once, chosen over the
-    in-kernel rotation by this benchmark on an H200) and on the aten core where it runs."""
-    out = [("remat-triton-rope",
-            lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton"), "bnhd")]
-    if "aten" in remat_backends(device, attention=True):
+    """Attention with rope: the stock path ("sdpa-flash+rope", Hugging Face's rotation then SDPA
+    flash), the aten core where it runs and the Triton backend on a GPU (remat_backends). Both remat paths
+    rotate q and k once per pass outside the attention kernels (remat.ops.attention.rotated_once,
+    with remat.ops.rope's kernel); the Triton backend chose that over its in-kernel rotation by this
+    benchmark on an H200."""
+    backends = remat_backends(device, attention=True)
+    out = [("sdpa-flash+rope", _stock_rope_sdpa(cos, sin), "bhnd")]
+    if "aten" in backends:
         out.append(("remat-aten-rope",
                     lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="aten"),
+                    "bnhd"))
+    if "triton" in backends:
+        out.append(("remat-triton-rope",
+                    lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton"),
                     "bnhd"))
     return out
 
@@ -116,10 +138,9 @@ def run(device, quick=False):
     tags = environment_tags()
     rows = []
     cases = [(s, d, c, False) for s in shapes for d in dtypes for c in causals]
-    if device.type == "cuda":
-        # Rope on the Triton backend and the aten core (rope_providers), causal: GPU only (the CPU
-        # has no compiled Triton kernels).
-        cases += [(s, d, True, True) for s in shapes for d in dtypes]
+    # Rope, causal (rope_providers): the stock rotation + SDPA against remat's aten core and, on a
+    # GPU, its Triton backend.
+    cases += [(s, d, True, True) for s in shapes for d in dtypes]
     progress = Progress(sum(len(rope_providers(device, None, None) if rope else providers(device))
                             for *_, rope in cases), "attention")
     for (batch, heads, length, head_dim), dtype, causal, rope in cases:
@@ -163,5 +184,6 @@ def run(device, quick=False):
 
 summary_columns = ["length", "head_dim", "causal", "rope", "dtype", "provider", "mode", "time_vs_sdpa_flash",
                    "time_vs_sdpa_flash_q20", "time_vs_sdpa_flash_q80", "time_vs_sdpa_flash_verdict", "time_vs_eager",
-                   "time_vs_eager_verdict", "time_vs_rope_triton", "time_vs_rope_triton_verdict", "median_ms",
+                   "time_vs_eager_verdict", "time_vs_rope_triton", "time_vs_rope_triton_verdict", "time_vs_sdpa_rope",
+                   "time_vs_sdpa_rope_q20", "time_vs_sdpa_rope_q80", "time_vs_sdpa_rope_verdict", "median_ms",
                    "tflops", "saved_bytes_per_token", "peak_mem_bytes", "suspect"]

@@ -50,6 +50,12 @@ TORCH_LIBRARY(remat, m) {
         " Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, Tensor? cos, Tensor? sin,"
         " Tensor? rng, float scale, float softcap, int window_left, int window_right, float dropout_p,"
         " bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Rotary embedding applied once to a whole tensor (python/remat/ops/rope.py states the contract):
+  // x [B, L, H, D] with unit last stride; cos/sin fp32 contiguous [R, D/2]; token (b, l) reads row
+  // rows[b * L + l] (int64 [B * L]) or b * table_batch_stride + first_position + l; inverse applies
+  // the transpose (gradients). y contiguous [B, L, H, D] in x's dtype, bitwise PyTorch's rotation.
+  m.def("rope_rotate(Tensor x, Tensor cos, Tensor sin, Tensor? rows, int first_position, int table_batch_stride,"
+        " bool inverse) -> Tensor y");
   // Dropout with a Philox mask that is never stored: y = keep ? x / (1 - p) : 0, keep(i) from
   // word i % 4 of the Philox call at counter offset + i / 4, rng = (seed, offset) (common/philox.h).
   // x contiguous.

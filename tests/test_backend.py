@@ -91,6 +91,8 @@ def test_info_reports(capsys, monkeypatch):
     d = remat.info.__globals__["info_dict"]()
     assert d["extension_built"] == _extension.LOADED
     assert d["default_backend"]["rms_norm"]["cpu"] == backend.default_backend(torch.device("cpu"))
+    assert d["rope_rotation"]["cpu"] == ("cpp" if _extension.LOADED else "torch")
+    assert f"rope rotation         cpu -> {d['rope_rotation']['cpu']}" in out
     # The other branch, whichever this installation has.
     monkeypatch.setattr(_extension, "LOADED", not _extension.LOADED)
     monkeypatch.setattr(_extension, "LOAD_ERROR", None if _extension.LOADED else "ImportError: test")

@@ -221,12 +221,11 @@ def test_compare_runs_refuses_different_benchmarks():
         disagreements(rows * 2, rows * 2)
 
 
-@pytest.mark.skipif(not __import__("remat").backend.triton_interpreted(),
-                    reason="the rope comparison runs remat's Triton kernels (interpreter on the CPU)")
 def test_rope_providers_compute_the_rope_attention():
-    """bench_attention's rope rows time one computation: each provider (Triton, which rotates q and
-    k once per pass outside its kernels when training; the aten core where it runs) gives the torch
-    backend's rope output and gradients (to fp32 rounding order) and saves the same bytes."""
+    """bench_attention's rope rows time one computation: each provider (the stock rotation + SDPA
+    flash in [B, H, N, D]; the aten core, which rotates q and k once per pass outside the kernel)
+    gives the torch backend's rope output and gradients (to fp32 rounding order), and remat's keep
+    the torch backend's saved bytes."""
     import remat
     from benchmarks.bench_attention import rope_providers, rope_tables
     from remat.memory import saved_bytes
@@ -240,13 +239,16 @@ def test_rope_providers_compute_the_rope_attention():
 
     results = {}
     providers = rope_providers(CPU, cos, sin)
-    assert [name for name, *_ in providers][0] == "remat-triton-rope"
-    for name, fn, _ in providers + [("torch", stock, "bnhd")]:
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert [name for name, *_ in providers] == ["sdpa-flash+rope", "remat-aten-rope"]
+    for name, fn, layout in providers + [("torch", stock, "bnhd")]:
+        leaves = [(t.transpose(1, 2).contiguous() if layout == "bhnd" else t.clone()).requires_grad_()
+                  for t in (q, k, v)]
         out = fn(*leaves, True)
-        grads = torch.autograd.grad(out, leaves, dout)
+        grads = torch.autograd.grad(out, leaves, dout.transpose(1, 2) if layout == "bhnd" else dout)
+        if layout == "bhnd":
+            out, grads = out.transpose(1, 2), [grad.transpose(1, 2) for grad in grads]
         results[name] = (out.detach(), *grads, saved_bytes(fn, *leaves, True))
     for name, _, _ in providers:
         for a, b in zip(results[name][:4], results["torch"][:4]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        assert results[name][4] == results["torch"][4] > 0
+    assert results["remat-aten-rope"][4] == results["torch"][4] > 0

@@ -72,10 +72,11 @@ def _fused_matmul_op_samples(dtype=torch.float16):
     }
 
 
-# Opchecked in tests/test_attention.py, tests/test_varlen_attention.py, tests/test_cross_entropy.py
+# Opchecked in tests/test_attention.py, tests/test_varlen_attention.py, tests/test_cross_entropy.py,
+# tests/test_rope_rotate.py
 # with their own samples.
 _OPCHECKED_ELSEWHERE = {"attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd",
-                        "philox_dropout", "linear_cross_entropy_fwd", "linear_cross_entropy_bwd"}
+                        "philox_dropout", "linear_cross_entropy_fwd", "linear_cross_entropy_bwd", "rope_rotate"}
 
 
 def _namespaces():

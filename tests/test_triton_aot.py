@@ -112,8 +112,9 @@ def _ieee_fp32_dot_accumulators(ttir):
 
 def compile_all(archs):
     """{case id: {"cubin": bytes, "ptx": chars, "ptx_target": str, "dot_precisions": [str],
-    "ieee_fp32_dot_accumulators": [str], "seconds": float} or {"error": traceback}}, for every
-    spec of every kernel module and every arch."""
+    "ieee_fp32_dot_accumulators": [str], "fp32_fmas": int (fma.*.f32 instructions in the PTX),
+    "seconds": float} or {"error": traceback}}, for every spec of every kernel module and every
+    arch."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -145,6 +146,7 @@ def compile_all(archs):
                         "ptx_target": target_line,
                         "dot_precisions": _dot_precisions(compiled.asm["ttir"]),
                         "ieee_fp32_dot_accumulators": _ieee_fp32_dot_accumulators(compiled.asm["ttir"]),
+                        "fp32_fmas": len(re.findall(r"\bfma\.\w+\.f32\b", ptx)),
                         "seconds": time.perf_counter() - start,
                     }
                 except Exception:
@@ -259,6 +261,25 @@ def test_attention_specs_cover_the_split_head_dims():
                    for name, constexprs in constexprs_of.items() if not name.startswith("attn_fwd"))
     assert all(constexprs["ROPE"] == ("-rope" in name)
                for name, constexprs in constexprs_of.items() if name.startswith("attn_fwd"))
+
+
+def rope_rotate_cases():
+    from remat.kernels import rope_rotate
+
+    return [case_id(spec[0], arch) for spec in rope_rotate.aot_specs() for arch in ARCHS]
+
+
+@pytest.mark.parametrize("case", rope_rotate_cases())
+def test_rope_rotation_has_no_fma(case, aot_results):
+    """The rope rotation (kernels/rope_rotate.py, launched with enable_fp_fusion=False) rounds each
+    product on its own, as PyTorch's rotation does: its PTX holds no fp32 FMA. A control: the other
+    kernels, compiled with fusion on, hold some, so the count does find them."""
+    result = aot_results[case]
+    assert "error" not in result, f"{case}: compile failed:\n{result.get('error')}"
+    assert result["fp32_fmas"] == 0, f"{case}: {result['fp32_fmas']} fp32 FMAs in the PTX"
+    controls = [value["fp32_fmas"] for name, value in aot_results.items()
+                if not name.startswith("rope_rotate") and "error" not in value]
+    assert controls and max(controls) > 0, "no fp32 FMA found in any other kernel's PTX"
 
 
 if __name__ == "__main__":

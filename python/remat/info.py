@@ -3,6 +3,7 @@
 import torch
 
 from remat import _extension, backend
+from remat.ops import rope
 
 OPS = ("rms_norm", "layer_norm", "swiglu_mlp", "geglu_mlp", "gelu_mlp", "norm_mlp", "attention", "dropout",
        "linear_cross_entropy")
@@ -42,6 +43,9 @@ def info_dict():
         "gpu_capability": torch.cuda.get_device_capability(0) if gpu else None,
         "cuda_kernels_on_gpu": (backend.cuda_kernels_reason(torch.device("cuda", 0)) or "yes") if gpu else None,
         "requested_backend": _requested_or_error(),
+        # The rotation of q and k around the attention cores that take no rope (remat.ops.rope).
+        "rope_rotation": {"cpu": rope.rope_implementation("cpu"),
+                          "cuda": rope.rope_implementation("cuda") if gpu else None},
         "default_backend": {op: {"cpu": f"aten if it takes the call, else {default_cpu}" if op == "attention"
                                  else default_cpu, "cuda": attention_gpu if op == "attention" else default_gpu}
                             for op in OPS},
@@ -50,7 +54,8 @@ def info_dict():
 
 def info(file=None):
     """Print what is available: extension built or not, CUDA archs compiled, Triton version, GPU
-    present, and which backend each op would use on CPU and CUDA tensors."""
+    present, which implementation rotates q and k for the attention paths that rotate once, and
+    which backend each op would use on CPU and CUDA tensors."""
     d = info_dict()
     lines = [
         f"torch                 {d['torch']} (CUDA {d['torch_cuda']})",
@@ -63,6 +68,8 @@ def info(file=None):
         + (f" (sm_{''.join(map(str, d['gpu_capability']))})" if d["gpu_capability"] else ""),
         f"CUDA kernels run here {d['cuda_kernels_on_gpu'] or 'n/a (no GPU)'}",
         f"REMAT_BACKEND/context {d['requested_backend'] or 'not set'}",
+        f"rope rotation         cpu -> {d['rope_rotation']['cpu']}, "
+        f"cuda -> {d['rope_rotation']['cuda'] or 'n/a (no GPU)'} (q, k rotated once around cores without rope)",
     ]
     for op, choice in d["default_backend"].items():
         lines.append(f"{op:<21} default backend: cpu -> {choice['cpu']}, cuda -> {choice['cuda'] or 'n/a (no GPU)'}")
