@@ -72,11 +72,15 @@ def _stock_rope_sdpa(cos, sin):
     rotary module's full-width tables in the activations' dtype, then SDPA (its flash kernel)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    full_cos, full_sin = torch.cat([cos, cos], dim=-1)[None], torch.cat([sin, sin], dim=-1)[None]
+    full = {}
     sdpa = _sdpa("flash")
 
     def run(q, k, v, causal):
-        q, k = apply_rotary_pos_emb(q, k, full_cos.to(q.dtype), full_sin.to(q.dtype))
+        # The tables in the activations' dtype, made once per dtype (a model makes them once per
+        # forward, for all its layers), outside the timed work.
+        if q.dtype not in full:
+            full[q.dtype] = tuple(torch.cat([t, t], dim=-1)[None].to(q.dtype) for t in (cos, sin))
+        q, k = apply_rotary_pos_emb(q, k, *full[q.dtype])
         return sdpa(q, k, v, causal)
 
     return run

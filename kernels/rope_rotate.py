@@ -42,10 +42,12 @@ def _rope_rotate_kernel(x_ptr, cos_ptr, sin_ptr, rows_ptr, y_ptr, tokens, length
     table = row[:, None] * half + pair[None, :]
     c = tl.load(cos_ptr + table, mask=mask, other=0.0)
     s = tl.load(sin_ptr + table, mask=mask, other=0.0)
-    x_rows = batch * stride_xb + position * stride_xl
-    y_rows = token * heads * (2 * half)
-    for head in range(heads):
-        x_first = x_ptr + (x_rows + head * stride_xh)[:, None] + pair[None, :]
+    # Element offsets of each token's current head, int64 and advanced per head (a product
+    # head * stride_xh could wrap int32: heads-first storage seen as [B, L, H, D] has stride_xh = L * D).
+    x_head = batch * stride_xb + position * stride_xl
+    y_head = token * heads * (2 * half)
+    for _ in range(heads):
+        x_first = x_ptr + x_head[:, None] + pair[None, :]
         x1 = tl.load(x_first, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_first + half, mask=mask, other=0.0).to(tl.float32)
         if INVERSE:
@@ -54,9 +56,11 @@ def _rope_rotate_kernel(x_ptr, cos_ptr, sin_ptr, rows_ptr, y_ptr, tokens, length
         else:
             y1 = x1 * c - x2 * s
             y2 = x2 * c + x1 * s
-        y_first = y_ptr + (y_rows + head * (2 * half))[:, None] + pair[None, :]
+        y_first = y_ptr + y_head[:, None] + pair[None, :]
         tl.store(y_first, _round(y1, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
         tl.store(y_first + half, _round(y2, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        x_head += stride_xh
+        y_head += 2 * half
 
 
 def _tile(half):
@@ -70,9 +74,9 @@ def rope_rotate(x, cos, sin, rows, first_position, table_batch_stride, inverse):
     [B, L, H, D] in x's dtype."""
     batch, length, heads, head_dim = x.shape
     y = torch.empty((batch, length, heads, head_dim), dtype=x.dtype, device=x.device)
-    tokens = batch * length
-    if tokens == 0 or heads == 0:
+    if y.numel() == 0:
         return y
+    tokens = batch * length
     block_t, half_pad = _tile(head_dim // 2)
     _rope_rotate_kernel[(triton.cdiv(tokens, block_t),)](
         x, cos, sin, rows if rows is not None else cos, y, tokens, length, heads, head_dim // 2, x.stride(0),
@@ -95,13 +99,14 @@ def _aot_cases():
 
 def aot_specs():
     """(name, kernel, signature, constexprs, num_warps, options) for the ahead-of-time compile test,
-    compiled as the launcher runs it: enable_fp_fusion off."""
+    compiled as the launcher runs it: enable_fp_fusion off, and the sizes and strides 32-bit, as
+    the JIT specializes them below 2^31 (the int64 index math is in the kernel either way)."""
     for type_name, head_dim, has_rows, inverse in _aot_cases():
         block_t, half_pad = _tile(head_dim // 2)
         signature = {"x_ptr": f"*{type_name}", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                     "rows_ptr": "*i64" if has_rows else "*fp32", "y_ptr": f"*{type_name}", "tokens": "i64",
-                     "length": "i64", "heads": "i32", "half": "i32", "stride_xb": "i64", "stride_xl": "i64",
-                     "stride_xh": "i64", "first_position": "i64", "table_batch_stride": "i64",
+                     "rows_ptr": "*i64" if has_rows else "*fp32", "y_ptr": f"*{type_name}", "tokens": "i32",
+                     "length": "i32", "heads": "i32", "half": "i32", "stride_xb": "i32", "stride_xl": "i32",
+                     "stride_xh": "i32", "first_position": "i32", "table_batch_stride": "i32",
                      "HAS_ROWS": "constexpr", "INVERSE": "constexpr", "BLOCK_T": "constexpr",
                      "HALF_PAD": "constexpr", "INTERPRETED": "constexpr"}
         constexprs = {"HAS_ROWS": has_rows, "INVERSE": inverse, "BLOCK_T": block_t, "HALF_PAD": half_pad,

@@ -113,7 +113,8 @@ def _ieee_fp32_dot_accumulators(ttir):
 def compile_all(archs):
     """{case id: {"cubin": bytes, "ptx": chars, "ptx_target": str, "dot_precisions": [str],
     "ieee_fp32_dot_accumulators": [str], "fp32_fmas": int (fma.*.f32 instructions in the PTX),
-    "seconds": float} or {"error": traceback}}, for every spec of every kernel module and every
+    "fp32_arith_without_rounding_mode": int (mul/add/sub.f32 without .rn, which ptxas may still fuse
+    into FMAs), "seconds": float} or {"error": traceback}}, for every spec of every kernel module and every
     arch."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
@@ -147,6 +148,7 @@ def compile_all(archs):
                         "dot_precisions": _dot_precisions(compiled.asm["ttir"]),
                         "ieee_fp32_dot_accumulators": _ieee_fp32_dot_accumulators(compiled.asm["ttir"]),
                         "fp32_fmas": len(re.findall(r"\bfma\.\w+\.f32\b", ptx)),
+                        "fp32_arith_without_rounding_mode": len(re.findall(r"\b(?:mul|add|sub)\.f32\b", ptx)),
                         "seconds": time.perf_counter() - start,
                     }
                 except Exception:
@@ -272,11 +274,14 @@ def rope_rotate_cases():
 @pytest.mark.parametrize("case", rope_rotate_cases())
 def test_rope_rotation_has_no_fma(case, aot_results):
     """The rope rotation (kernels/rope_rotate.py, launched with enable_fp_fusion=False) rounds each
-    product on its own, as PyTorch's rotation does: its PTX holds no fp32 FMA. A control: the other
-    kernels, compiled with fusion on, hold some, so the count does find them."""
+    product on its own, as PyTorch's rotation does: its PTX holds no fp32 FMA, and every fp32
+    mul/add/sub carries .rn (ptxas does not fuse those into FMAs). A control: the other kernels,
+    compiled with fusion on, hold FMAs, so the count does find them."""
     result = aot_results[case]
     assert "error" not in result, f"{case}: compile failed:\n{result.get('error')}"
     assert result["fp32_fmas"] == 0, f"{case}: {result['fp32_fmas']} fp32 FMAs in the PTX"
+    assert result["fp32_arith_without_rounding_mode"] == 0, (
+        f"{case}: {result['fp32_arith_without_rounding_mode']} fp32 mul/add/sub without .rn, fusable by ptxas")
     controls = [value["fp32_fmas"] for name, value in aot_results.items()
                 if not name.startswith("rope_rotate") and "error" not in value]
     assert controls and max(controls) > 0, "no fp32 FMA found in any other kernel's PTX"

@@ -3,9 +3,10 @@
 // to every head: widen the two halves to fp32, rotate, narrow once to the dtype.
 //
 // Rounding: each product and each sum rounds to fp32 on its own, as PyTorch's x1 * c - x2 * s
-// does, so the result is bitwise PyTorch's. The products go to buffers in one loop and the sums
-// read them in another: an FMA (which the x86-64-v3 clone has, and GCC contracts a * b - c * d
-// into by default) cannot join a product stored to memory with a sum in a later loop.
+// does, so the result is bitwise PyTorch's. GCC contracts a * b - c * d into an FMA by default
+// (the x86-64-v3 clone has FMA; aarch64 always does), so the products and the sums are separate
+// functions compiled with fp-contract off: a product reaches its sum only through memory, and the
+// target_clones functions are called through their resolver, never inlined into each other.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -15,14 +16,21 @@
 
 #include "common/cpu_convert.h"
 
+#if defined(__GNUC__) && !defined(__clang__)
+#define REMAT_NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define REMAT_NO_FP_CONTRACT
+#endif
+
 namespace remat {
 namespace {
 
 // a = x1 * c, b = x2 * s, d = x2 * c, e = x1 * s (the four products of one rotation).
-REMAT_CPU_CLONES void rope_products(const float* __restrict__ x1, const float* __restrict__ x2,
-                                    const float* __restrict__ c, const float* __restrict__ s, float* __restrict__ a,
-                                    float* __restrict__ b, float* __restrict__ d, float* __restrict__ e,
-                                    int64_t half) {
+REMAT_CPU_CLONES REMAT_NO_FP_CONTRACT void rope_products(const float* __restrict__ x1,
+                                                         const float* __restrict__ x2, const float* __restrict__ c,
+                                                         const float* __restrict__ s, float* __restrict__ a,
+                                                         float* __restrict__ b, float* __restrict__ d,
+                                                         float* __restrict__ e, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
     a[i] = x1[i] * c[i];
     b[i] = x2[i] * s[i];
@@ -32,9 +40,10 @@ REMAT_CPU_CLONES void rope_products(const float* __restrict__ x1, const float* _
 }
 
 // y1 = a - b, y2 = d + e (the rotation), or y1 = a + b, y2 = d - e (its transpose, `inverse`).
-REMAT_CPU_CLONES void rope_sums(const float* __restrict__ a, const float* __restrict__ b,
-                                const float* __restrict__ d, const float* __restrict__ e, float* __restrict__ y1,
-                                float* __restrict__ y2, int64_t half, bool inverse) {
+REMAT_CPU_CLONES REMAT_NO_FP_CONTRACT void rope_sums(const float* __restrict__ a, const float* __restrict__ b,
+                                                     const float* __restrict__ d, const float* __restrict__ e,
+                                                     float* __restrict__ y1, float* __restrict__ y2, int64_t half,
+                                                     bool inverse) {
   if (inverse) {
     for (int64_t i = 0; i < half; ++i) y1[i] = a[i] + b[i];
     for (int64_t i = 0; i < half; ++i) y2[i] = d[i] - e[i];

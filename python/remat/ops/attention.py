@@ -565,7 +565,8 @@ def _rotated_varlen_operands(q, k, cos, sin, geometry):
 # replaced six PyTorch ops over fp32 temporaries: 80 us instead of 195 us for a Llama layer's q and
 # k of 256 tokens on the 2-core CPU). The rotated copies are never saved. The aten
 # core always runs this way (ATEN_OPS: PyTorch's kernels have no rope); the Triton backend when a
-# backward follows (rope_rotated_once): on an H200 (B1 H16 N4096 D128 bf16 causal) the full step
+# backward follows (rope_rotated_once): on an H200 (B1 H16 N4096 D128 bf16 causal), with the
+# rotation still in PyTorch ops (heads-first temporaries, before remat.ops.rope), the full step
 # took 0.90 [0.87, 0.95] of the time with rope inside the kernels (a second run read 0.97 against
 # a baseline row the harness flagged suspect; backward 0.76 in both, the in-kernel rotation being
 # redone per (query block, key tile) pair in three kernels; forward 1.3x slower, so forward-only

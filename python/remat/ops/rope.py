@@ -16,9 +16,10 @@ rotated_once) run before the core and again, inverted, on the core's dq and dk.
   implementation.
 
 Implementations, one per device, all bitwise equal: the Triton kernel (kernels/rope_rotate.py)
-for CUDA tensors where Triton is installed and compiles (not under TRITON_INTERPRET=1; the tests
-run it interpreted through :func:`triton_rope_rotate`), the C++ kernel of remat._C for CPU
-tensors, and :func:`torch_rope_rotate` (plain PyTorch ops: several passes over fp32 temporaries)
+for CUDA tensors where Triton is installed (compiled at its first call; not under
+TRITON_INTERPRET=1, where the tests run it interpreted through :func:`triton_rope_rotate`), so the
+aten core on CUDA with rope needs a working Triton too; the C++ kernel of remat._C for CPU
+tensors; and :func:`torch_rope_rotate` (plain PyTorch ops: several passes over fp32 temporaries)
 elsewhere. :func:`rope_implementation` says which one a
 device gets; ``remat info`` prints it.
 """
@@ -52,9 +53,10 @@ def check_rope_rotate_args(x, cos, sin, rows, first_position, table_batch_stride
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if rows is not None:
-        if rows.shape != (batch * length,) or rows.dtype != torch.int64 or rows.device != x.device:
-            raise ValueError(f"rows must be an int64 [B * L = {batch * length}] tensor on {x.device}, "
-                             f"got {rows.dtype} {tuple(rows.shape)} on {rows.device}")
+        if (rows.shape != (batch * length,) or rows.dtype != torch.int64 or not rows.is_contiguous()
+                or rows.device != x.device):
+            raise ValueError(f"rows must be a contiguous int64 [B * L = {batch * length}] tensor on {x.device}, "
+                             f"got {rows.dtype} {tuple(rows.shape)} with stride {rows.stride()} on {rows.device}")
         return
     if first_position < 0 or table_batch_stride < 0:
         raise ValueError(f"first_position and table_batch_stride must be >= 0, got {first_position}, "
