@@ -108,6 +108,9 @@ def _configs(*entries):
 # fp32 (IEEE products on the FMA units, operands held in registers): small tiles; the defaults
 # do not spill except dK/dV at D 128 on sm_90 (16 bytes), but with RoPE or dropout they spill
 # 16-550 bytes, and halving the tiles did not help (fp32 is the accuracy path, not a fast one).
+# These fp32 figures predate the two-level sums of IEEE fp32 dots (kernels/_common.py `_dot`),
+# which cost 12-36 more registers in the fp32 GEMM and attention kernels (ptxas, sm_90); the fp32
+# dK/dV kernel at D 64 then spilled 812 bytes per thread instead of 676. Not re-measured per tile.
 _CONFIGS = {
     ("fwd", 64, "16bit", False): _configs((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3),
                                           (64, 64, 4, 3)),
