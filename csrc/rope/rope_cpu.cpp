@@ -1,6 +1,7 @@
 // Rotary embedding applied once to a whole q or k tensor on the CPU (python/remat/ops/rope.py
 // states the contract). Tokens run in parallel; each token's cos/sin row is read once and applied
-// to every head: widen the two halves to fp32, rotate, narrow once to the dtype.
+// to every head: widen the token to fp32, rotate all its heads, narrow once to the dtype (four
+// calls per token: the loops are target_clones functions, called through their resolver).
 //
 // Rounding: each product and each sum rounds to fp32 on its own, as PyTorch's x1 * c - x2 * s
 // does, so the result is bitwise PyTorch's. GCC contracts a * b - c * d into an FMA by default
@@ -25,31 +26,37 @@
 namespace remat {
 namespace {
 
-// a = x1 * c, b = x2 * s, d = x2 * c, e = x1 * s (the four products of one rotation).
-REMAT_CPU_CLONES REMAT_NO_FP_CONTRACT void rope_products(const float* __restrict__ x1,
-                                                         const float* __restrict__ x2, const float* __restrict__ c,
+// One token's H heads, x [H, D] fp32 with halves (x1, x2) = (x[h, :D/2], x[h, D/2:]):
+// a = x1 * c, b = x2 * s, d = x2 * c, e = x1 * s, each [H, D/2] (the four products of the rotation).
+REMAT_CPU_CLONES REMAT_NO_FP_CONTRACT void rope_products(const float* __restrict__ x, const float* __restrict__ c,
                                                          const float* __restrict__ s, float* __restrict__ a,
                                                          float* __restrict__ b, float* __restrict__ d,
-                                                         float* __restrict__ e, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
-    a[i] = x1[i] * c[i];
-    b[i] = x2[i] * s[i];
-    d[i] = x2[i] * c[i];
-    e[i] = x1[i] * s[i];
+                                                         float* __restrict__ e, int64_t heads, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x1 = x + h * 2 * half;
+    const float* x2 = x1 + half;
+    float *ah = a + h * half, *bh = b + h * half, *dh = d + h * half, *eh = e + h * half;
+    for (int64_t i = 0; i < half; ++i) {
+      ah[i] = x1[i] * c[i];
+      bh[i] = x2[i] * s[i];
+      dh[i] = x2[i] * c[i];
+      eh[i] = x1[i] * s[i];
+    }
   }
 }
 
-// y1 = a - b, y2 = d + e (the rotation), or y1 = a + b, y2 = d - e (its transpose, `inverse`).
+// y [H, D] fp32: (a - b, d + e) per head (the rotation), or (a + b, d - e) (its transpose, `inverse`).
 REMAT_CPU_CLONES REMAT_NO_FP_CONTRACT void rope_sums(const float* __restrict__ a, const float* __restrict__ b,
                                                      const float* __restrict__ d, const float* __restrict__ e,
-                                                     float* __restrict__ y1, float* __restrict__ y2, int64_t half,
+                                                     float* __restrict__ y, int64_t heads, int64_t half,
                                                      bool inverse) {
-  if (inverse) {
-    for (int64_t i = 0; i < half; ++i) y1[i] = a[i] + b[i];
-    for (int64_t i = 0; i < half; ++i) y2[i] = d[i] - e[i];
-  } else {
-    for (int64_t i = 0; i < half; ++i) y1[i] = a[i] - b[i];
-    for (int64_t i = 0; i < half; ++i) y2[i] = d[i] + e[i];
+  const float sign = inverse ? 1.0f : -1.0f;  // exact: a + sign * b rounds once, as a -/+ b does
+  for (int64_t h = 0; h < heads; ++h) {
+    float* y1 = y + h * 2 * half;
+    float* y2 = y1 + half;
+    const float *ah = a + h * half, *bh = b + h * half, *dh = d + h * half, *eh = e + h * half;
+    for (int64_t i = 0; i < half; ++i) y1[i] = ah[i] + sign * bh[i];
+    for (int64_t i = 0; i < half; ++i) y2[i] = dh[i] - sign * eh[i];
   }
 }
 
@@ -87,26 +94,30 @@ at::Tensor rope_rotate_cpu(const at::Tensor& x, const at::Tensor& cos, const at:
   const int64_t stride_b = x.stride(0), stride_l = x.stride(1), stride_h = x.stride(2);
   // Tokens per task: enough work (heads x D elements each) to amortise a task's buffers.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, heads * head_dim));
+  // Heads of a token adjacent in memory (stride_h == D: a contiguous [B, L, H, D] tensor or a
+  // slice of the sequence) are widened in one call, else one head at a time.
+  const bool heads_adjacent = stride_h == head_dim;
   at::parallel_for(0, batch * length, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(8 * half);
-    float *x1 = buffer.data(), *x2 = x1 + half, *a = x2 + half, *b = a + half, *d = b + half, *e = d + half;
-    float *y1 = e + half, *y2 = y1 + half;
+    const int64_t token_elements = heads * head_dim;
+    std::vector<float> buffer(4 * token_elements);
+    // fp32 buffers of one token: its input, the four products, its output.
+    float *in_f = buffer.data(), *a = in_f + token_elements, *b = a + token_elements / 2;
+    float *d = b + token_elements / 2, *e = d + token_elements / 2, *out_f = e + token_elements / 2;
     for (int64_t token = begin; token < end; ++token) {
       const int64_t bi = token / length, li = token % length;
       const int64_t row = row_data ? row_data[token] : bi * table_batch_stride + first_position + li;
       TORCH_CHECK(row >= 0 && row < table_rows, "rope table row ", row, " out of range [0, ", table_rows, ")");
-      const float* c = cos_data + row * half;
-      const float* s = sin_data + row * half;
-      for (int64_t h = 0; h < heads; ++h) {
-        const char* in = src + (bi * stride_b + li * stride_l + h * stride_h) * element;
-        char* out = dst + ((token * heads + h) * head_dim) * element;
-        widen(in, x1, half, storage);
-        widen(in + half * element, x2, half, storage);
-        rope_products(x1, x2, c, s, a, b, d, e, half);
-        rope_sums(a, b, d, e, y1, y2, half, inverse);
-        narrow(y1, out, half, storage);
-        narrow(y2, out + half * element, half, storage);
+      const char* in = src + (bi * stride_b + li * stride_l) * element;
+      if (heads_adjacent) {
+        widen(in, in_f, token_elements, storage);
+      } else {
+        for (int64_t h = 0; h < heads; ++h) {
+          widen(in + h * stride_h * element, in_f + h * head_dim, head_dim, storage);
+        }
       }
+      rope_products(in_f, cos_data + row * half, sin_data + row * half, a, b, d, e, heads, half);
+      rope_sums(a, b, d, e, out_f, heads, half, inverse);
+      narrow(out_f, dst + token * token_elements * element, token_elements, storage);
     }
   });
   return y;
