@@ -557,22 +557,22 @@ def _rotated_varlen_operands(q, k, cos, sin, geometry):
             rope_rotate(k[None], cos, sin, rows=geometry.key_row)[0])
 
 
-# Rope rotated once per pass, outside a backend's kernels: q and k are rotated (fp32, rounded to
-# the dtype) into temporaries before the forward kernel and again before the backward kernels, from
-# the saved unrotated q and k; the kernels run without rope and the backward's dq, dk are rotated
-# back in fp32 and rounded again (two roundings). The rotations are remat.ops.rope's kernel (one
-# pass over the tensor, in [B, L, H, D] order, so the cores take and return contiguous tensors; it
-# replaced six PyTorch ops over fp32 temporaries: 69 us instead of 193 us (fp32; bf16 85 us
-# instead of 281 us) for a Llama layer's q and k of 256 tokens on the 2-core CPU). The rotated
-# copies are never saved. The aten core always runs this way (ATEN_OPS: PyTorch's kernels have no rope); the Triton backend when a
-# backward follows (rope_rotated_once): on an H200 (B1 H16 N4096 D128 bf16 causal), with the
-# rotation still in PyTorch ops (heads-first temporaries, before remat.ops.rope), the full step
-# took 0.90 [0.87, 0.95] of the time with rope inside the kernels (a second run read 0.97 against
-# a baseline row the harness flagged suspect; backward 0.76 in both, the in-kernel rotation being
-# redone per (query block, key tile) pair in three kernels; forward 1.3x slower, so forward-only
-# calls keep the rotation in the forward kernel). Forward and backward rotate with the same
-# function, so the backward recomputes the probabilities from the very q and k the forward's lse
-# came from.
+# Rope rotated once per pass, outside a backend's kernels: q and k are rotated (fp32, rounded to the
+# dtype) into temporaries before the forward kernel and again before the backward kernels, from the
+# saved unrotated q and k; the kernels run without rope and the backward's dq, dk are rotated back
+# in fp32 and rounded again (two roundings). The rotations are remat.ops.rope's kernel (one pass
+# over the tensor, in [B, L, H, D] order, so the cores take and return contiguous tensors; it
+# replaced six PyTorch ops over fp32 temporaries: 69 us instead of 193 us (fp32; bf16 85 us instead
+# of 281 us) for a Llama layer's q and k of 256 tokens on the 2-core CPU). The rotated copies are
+# never saved. The aten core always runs this way (ATEN_OPS: PyTorch's kernels have no rope); the
+# Triton backend when a backward follows (rope_rotated_once): on an H200 (B1 H16 N4096 D128 bf16
+# causal), with the rotation still in PyTorch ops (heads-first temporaries, before remat.ops.rope),
+# the full step took 0.90 [0.87, 0.95] of the time with rope inside the kernels (a second run read
+# 0.97 against a baseline row the harness flagged suspect; backward 0.76 in both, the in-kernel
+# rotation being redone per (query block, key tile) pair in three kernels; forward 1.3x slower, so
+# forward-only calls keep the rotation in the forward kernel). Forward and backward rotate with the
+# same function, so the backward recomputes the probabilities from the very q and k the forward's
+# lse came from.
 
 
 def rope_rotated_once(backend, rope, needs_grad):
