@@ -86,9 +86,30 @@ def _stock_rope_sdpa(cos, sin):
     return run
 
 
+def _triton_rope_rotated_once(cos, sin):
+    """The Triton backend with rope rotated once outside its kernels in every mode: in training
+    this is what remat.attention runs; forward-only ("forward" rows, under no_grad), where
+    remat.attention keeps the rotation inside the forward kernel, it runs the training forward's
+    path instead (remat.ops.attention.rotated_once), so the two "forward" rows time the open choice
+    for forward-only calls (rope_rotated_once)."""
+    from remat.ops.attention import TRITON_OPS, rotated_once
+
+    ops = rotated_once(TRITON_OPS)
+
+    def run(q, k, v, causal):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton")
+        # The kernels' table layout, fp32 [1, S, D/2] (rope_tables' are [S, D/2] fp32 already).
+        tables = (cos[None].contiguous(), sin[None].contiguous())
+        return ops.attention_fwd(q, k, v, *tables, None, q.shape[-1] ** -0.5, 0.0, -1, 0 if causal else -1, 0.0)[0]
+
+    return run
+
+
 def rope_providers(device, cos, sin):
     """Attention with rope: the stock path ("sdpa-flash+rope", Hugging Face's rotation then SDPA
-    flash), the aten core where it runs and the Triton backend on a GPU (remat_backends). Both remat paths
+    flash), the aten core where it runs and the Triton backend on a GPU (remat_backends), also
+    with rope rotated once in its forward-only calls ("remat-triton-rope-once"). Both remat paths
     rotate q and k once per pass outside the attention kernels (remat.ops.attention.rotated_once,
     with remat.ops.rope's kernel); the Triton backend chose that over its in-kernel rotation by this
     benchmark on an H200."""
@@ -102,6 +123,7 @@ def rope_providers(device, cos, sin):
         out.append(("remat-triton-rope",
                     lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton"),
                     "bnhd"))
+        out.append(("remat-triton-rope-once", _triton_rope_rotated_once(cos, sin), "bnhd"))
     return out
 
 

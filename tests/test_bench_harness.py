@@ -252,3 +252,28 @@ def test_rope_providers_compute_the_rope_attention():
         for a, b in zip(results[name][:4], results["torch"][:4]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert results["remat-aten-rope"][4] == results["torch"][4] > 0
+
+
+@pytest.mark.skipif(not __import__("remat").backend.triton_interpreted(),
+                    reason="runs remat's Triton kernels (the interpreter on the CPU)")
+def test_triton_rope_rotated_once_provider_computes_the_rope_attention():
+    """The GPU-only "remat-triton-rope-once" provider: forward-only (no_grad) it rotates q and k
+    once and runs the rope-free kernel, and gives the torch backend's rope attention; with grad it
+    is remat.attention's Triton call (the same gradients)."""
+    import remat
+    from benchmarks.bench_attention import _triton_rope_rotated_once, rope_tables
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(1, 20, 2, 16, generator=g) for _ in range(4))
+    cos, sin = rope_tables(20, 16, CPU)
+    run = _triton_rope_rotated_once(cos, sin)
+    expected = remat.attention(q, k, v, causal=True, rope=(cos, sin), backend="torch")
+    with torch.no_grad():
+        torch.testing.assert_close(run(q, k, v, True), expected, rtol=1e-5, atol=1e-5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(run(*leaves, True), leaves, dout)
+    expected_grads = torch.autograd.grad(remat.attention(*reference, causal=True, rope=(cos, sin), backend="torch"),
+                                         reference, dout)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
