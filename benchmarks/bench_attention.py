@@ -9,6 +9,7 @@ They do not count recompute: remat's deterministic backward recomputes QK^T in b
 its dq pass, which this convention leaves out (as it leaves out FlashAttention's own recompute)."""
 
 import functools
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -87,21 +88,27 @@ def _stock_rope_sdpa(cos, sin):
 
 
 def _triton_rope_rotated_once(cos, sin):
-    """The Triton backend with rope rotated once outside its kernels in every mode: in training
-    this is what remat.attention runs; forward-only ("forward" rows, under no_grad), where
-    remat.attention keeps the rotation inside the forward kernel, it runs the training forward's
-    path instead (remat.ops.attention.rotated_once), so the two "forward" rows time the open choice
-    for forward-only calls (rope_rotated_once)."""
-    from remat.ops.attention import TRITON_OPS, rotated_once
+    """remat.attention on the Triton backend with rope rotated once outside its kernels in every
+    mode. In training that is what remat.attention does anyway (so this provider's backward and
+    full rows repeat "remat-triton-rope"'s); forward-only ("forward" rows, under no_grad), where
+    remat.attention keeps the rotation inside the forward kernel, the call goes through the same
+    front end with remat.functional.attention's choice (rope_rotated_once) swapped for "always
+    once" for its duration. So the two providers' "forward" rows differ only in where the rotation
+    happens: they time the open choice for forward-only calls."""
+    functional = importlib.import_module("remat.functional.attention")
+    chosen = functional.rope_rotated_once
 
-    ops = rotated_once(TRITON_OPS)
+    def always_once(backend, rope, needs_grad):
+        return backend == "triton" and rope
 
     def run(q, k, v, causal):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             return remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton")
-        # The kernels' table layout, fp32 [1, S, D/2] (rope_tables' are [S, D/2] fp32 already).
-        tables = (cos[None].contiguous(), sin[None].contiguous())
-        return ops.attention_fwd(q, k, v, *tables, None, q.shape[-1] ** -0.5, 0.0, -1, 0 if causal else -1, 0.0)[0]
+        functional.rope_rotated_once = always_once
+        try:
+            return remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton")
+        finally:
+            functional.rope_rotated_once = chosen
 
     return run
 
@@ -109,10 +116,11 @@ def _triton_rope_rotated_once(cos, sin):
 def rope_providers(device, cos, sin):
     """Attention with rope: the stock path ("sdpa-flash+rope", Hugging Face's rotation then SDPA
     flash), the aten core where it runs and the Triton backend on a GPU (remat_backends), also
-    with rope rotated once in its forward-only calls ("remat-triton-rope-once"). Both remat paths
-    rotate q and k once per pass outside the attention kernels (remat.ops.attention.rotated_once,
-    with remat.ops.rope's kernel); the Triton backend chose that over its in-kernel rotation by this
-    benchmark on an H200."""
+    with rope rotated once in its forward-only calls ("remat-triton-rope-once"). In training both
+    remat paths rotate q and k once per pass outside the attention kernels
+    (remat.ops.attention.rotated_once, with remat.ops.rope's kernel; the Triton backend chose that
+    over its in-kernel rotation by this benchmark on an H200); forward-only, the aten core rotates
+    once and the Triton backend inside its forward kernel."""
     backends = remat_backends(device, attention=True)
     out = [("sdpa-flash+rope", _stock_rope_sdpa(cos, sin), "bhnd")]
     if "aten" in backends:

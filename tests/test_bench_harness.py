@@ -256,20 +256,38 @@ def test_rope_providers_compute_the_rope_attention():
 
 @pytest.mark.skipif(not __import__("remat").backend.triton_interpreted(),
                     reason="runs remat's Triton kernels (the interpreter on the CPU)")
-def test_triton_rope_rotated_once_provider_computes_the_rope_attention():
-    """The GPU-only "remat-triton-rope-once" provider: forward-only (no_grad) it rotates q and k
-    once and runs the rope-free kernel, and gives the torch backend's rope attention; with grad it
-    is remat.attention's Triton call (the same gradients)."""
+def test_triton_rope_rotated_once_provider_computes_the_rope_attention(monkeypatch):
+    """The GPU-only "remat-triton-rope-once" provider: forward-only (no_grad) it goes through
+    remat.attention with q and k rotated once (two rotations; the plain "remat-triton-rope" call
+    rotates none outside its kernel) and the module's choice restored after; it gives the torch
+    backend's rope attention; with grad it is remat.attention's Triton call (the same gradients)."""
+    import importlib
+
     import remat
     from benchmarks.bench_attention import _triton_rope_rotated_once, rope_tables
+    from remat.ops import attention as attention_ops
 
+    functional = importlib.import_module("remat.functional.attention")
+    chosen = functional.rope_rotated_once
+    rotations = []
+    real_rotate = attention_ops.rope_rotate
+
+    def counting_rotate(*args, **kwargs):
+        rotations.append(kwargs.get("inverse", False))
+        return real_rotate(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ops, "rope_rotate", counting_rotate)
     g = torch.Generator().manual_seed(2)
     q, k, v, dout = (torch.randn(1, 20, 2, 16, generator=g) for _ in range(4))
     cos, sin = rope_tables(20, 16, CPU)
     run = _triton_rope_rotated_once(cos, sin)
     expected = remat.attention(q, k, v, causal=True, rope=(cos, sin), backend="torch")
     with torch.no_grad():
+        remat.attention(q, k, v, causal=True, rope=(cos, sin), backend="triton")
+        assert rotations == []
         torch.testing.assert_close(run(q, k, v, True), expected, rtol=1e-5, atol=1e-5)
+    assert rotations == [False, False]
+    assert functional.rope_rotated_once is chosen
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     reference = [t.clone().requires_grad_() for t in (q, k, v)]
     grads = torch.autograd.grad(run(*leaves, True), leaves, dout)

@@ -29,8 +29,11 @@ IMPLEMENTATIONS = _kernel_implementations()
 
 
 def _x(batch, length, heads, head_dim, dtype, layout, g, device="cpu"):
-    """x [B, L, H, D] in one of three layouts: contiguous, heads-first storage seen through a
-    transpose ([B, H, L, D] -> [B, L, H, D]), or a slice of a wider tensor (padded L, H and D)."""
+    """x [B, L, H, D] in one of four layouts: contiguous, heads-first storage seen through a
+    transpose ([B, H, L, D] -> [B, L, H, D]), a slice of a wider tensor (padded L, H and D), or
+    the q of a fused qkv projection (a token's heads adjacent, tokens 3 H D apart)."""
+    if layout == "fused_qkv":
+        return torch.randn(batch, length, 3 * heads, head_dim, generator=g).to(dtype).to(device)[:, :, :heads]
     if layout == "contiguous":
         return torch.randn(batch, length, heads, head_dim, generator=g).to(dtype).to(device)
     if layout == "heads_first":
@@ -56,7 +59,7 @@ SHAPES = [(1, 1, 1, 2, 1, 0), (2, 7, 3, 8, 2, 2), (1, 33, 5, 80, 1, 4), (3, 5, 2
 @pytest.mark.parametrize("label,function", IMPLEMENTATIONS, ids=[label for label, _ in IMPLEMENTATIONS])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-l{}-h{}-d{}-t{}-p{}".format(*s))
-@pytest.mark.parametrize("layout", ["contiguous", "heads_first", "sliced"])
+@pytest.mark.parametrize("layout", ["contiguous", "heads_first", "sliced", "fused_qkv"])
 @pytest.mark.parametrize("inverse", [False, True], ids=["rotate", "inverse"])
 def test_kernels_equal_the_pytorch_rotation_bitwise(label, function, dtype, shape, layout, inverse):
     batch, length, heads, head_dim, table_batches, first = shape

@@ -4,7 +4,7 @@
 // calls per token: the loops are target_clones functions, called through their resolver).
 //
 // Rounding: each product and each sum rounds to fp32 on its own, as PyTorch's x1 * c - x2 * s
-// does, so the result is bitwise PyTorch's. GCC contracts a * b - c * d into an FMA by default
+// does, so the result is bitwise PyTorch's (NaN sign and payload aside, which IEEE leaves open). GCC contracts a * b - c * d into an FMA by default
 // (the x86-64-v3 clone has FMA; aarch64 always does), so the products and the sums are separate
 // functions compiled with fp-contract off: a product reaches its sum only through memory, and the
 // target_clones functions are called through their resolver, never inlined into each other.
@@ -12,8 +12,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <optional>
-#include <vector>
 
 #include "common/cpu_convert.h"
 
@@ -99,9 +99,9 @@ at::Tensor rope_rotate_cpu(const at::Tensor& x, const at::Tensor& cos, const at:
   const bool heads_adjacent = stride_h == head_dim;
   at::parallel_for(0, batch * length, grain, [&](int64_t begin, int64_t end) {
     const int64_t token_elements = heads * head_dim;
-    std::vector<float> buffer(4 * token_elements);
-    // fp32 buffers of one token: its input, the four products, its output.
-    float *in_f = buffer.data(), *a = in_f + token_elements, *b = a + token_elements / 2;
+    // fp32 buffers of one token: its input, the four products, its output (not zero-filled).
+    std::unique_ptr<float[]> buffer(new float[4 * token_elements]);
+    float *in_f = buffer.get(), *a = in_f + token_elements, *b = a + token_elements / 2;
     float *d = b + token_elements / 2, *e = d + token_elements / 2, *out_f = e + token_elements / 2;
     for (int64_t token = begin; token < end; ++token) {
       const int64_t bi = token / length, li = token % length;

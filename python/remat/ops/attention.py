@@ -562,8 +562,8 @@ def _rotated_varlen_operands(q, k, cos, sin, geometry):
 # saved unrotated q and k; the kernels run without rope and the backward's dq, dk are rotated back
 # in fp32 and rounded again (two roundings). The rotations are remat.ops.rope's kernel (one pass
 # over the tensor, in [B, L, H, D] order, so the cores take and return contiguous tensors; it
-# replaced six PyTorch ops over fp32 temporaries: 69 us instead of 193 us (fp32; bf16 85 us instead
-# of 281 us) for a Llama layer's q and k of 256 tokens on the 2-core CPU). The rotated copies are
+# replaced six PyTorch ops over fp32 temporaries: 69-77 us instead of 186-193 us (fp32; bf16 71-85
+# instead of 245-281 us) for a Llama layer's q and k of 256 tokens on the 2-core CPU). The rotated copies are
 # never saved. The aten core always runs this way (ATEN_OPS: PyTorch's kernels have no rope); the
 # Triton backend when a backward follows (rope_rotated_once): on an H200 (B1 H16 N4096 D128 bf16
 # causal), with the rotation still in PyTorch ops (heads-first temporaries, before remat.ops.rope),
