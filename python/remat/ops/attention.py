@@ -46,7 +46,7 @@ from torch import Tensor
 from remat import _extension
 from remat.backend import device_capability
 from remat.ops.device import on_tensor_device
-from remat.ops.rope import rope_rotate
+from remat.ops.rope import rope_rotate, torch_rope_rotate
 from remat.options import AttentionOptions
 from remat.reference import attention_dropout_keep, philox_stream_words, philox_uniform
 
@@ -67,28 +67,19 @@ def _round(x, dtype):
 
 def _rotate(x, cos, sin, first_position):
     """x [B, L, H, D] -> [B, H, L, D] fp32, rotated at positions first_position .. and rounded to
-    x's dtype when cos/sin are given."""
-    heads_first = x.transpose(1, 2).float()
+    x's dtype when cos/sin are given (remat.ops.rope's PyTorch rotation)."""
     if cos is None:
-        return heads_first
-    half = x.shape[-1] // 2
-    length = x.shape[1]
-    c = cos[:, None, first_position : first_position + length, :]
-    s = sin[:, None, first_position : first_position + length, :]
-    x1, x2 = heads_first[..., :half], heads_first[..., half:]
-    return _round(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1), x.dtype)
+        return x.transpose(1, 2).float()
+    cos, sin, batch_stride = _dense_tables(cos, sin)
+    return torch_rope_rotate(x, cos, sin, None, first_position, batch_stride, False).transpose(1, 2).float()
 
 
 def _unrotate(grad, cos, sin, first_position):
     """The transpose of _rotate for a gradient [B, H, L, D] fp32."""
     if cos is None:
         return grad
-    half = grad.shape[-1] // 2
-    length = grad.shape[2]
-    c = cos[:, None, first_position : first_position + length, :]
-    s = sin[:, None, first_position : first_position + length, :]
-    g1, g2 = grad[..., :half], grad[..., half:]
-    return torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1)
+    cos, sin, batch_stride = _dense_tables(cos, sin)
+    return torch_rope_rotate(grad.transpose(1, 2), cos, sin, None, first_position, batch_stride, True).transpose(1, 2)
 
 
 def _visible(i0, i1, n, m, window_left, window_right, device):
@@ -230,24 +221,19 @@ def _varlen_geometry(cu_seqlens_q, cu_seqlens_k, total_q, total_k, per_token_rop
 
 def _rotate_rows(x, cos, sin, rows):
     """x [T, H, D] -> [H, T, D] fp32, token t rotated with table row rows[t] and rounded to x's
-    dtype when cos/sin ([S, D/2] or [1, S, D/2]) are given."""
-    heads_first = x.transpose(0, 1).float()
+    dtype when cos/sin ([S, D/2] or [1, S, D/2]) are given (remat.ops.rope's PyTorch rotation)."""
     if cos is None:
-        return heads_first
-    half = x.shape[-1] // 2
-    c, s = cos.reshape(-1, half)[rows], sin.reshape(-1, half)[rows]
-    x1, x2 = heads_first[..., :half], heads_first[..., half:]
-    return _round(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1), x.dtype)
+        return x.transpose(0, 1).float()
+    cos, sin = _packed_tables(cos, sin)
+    return torch_rope_rotate(x[None], cos, sin, rows, 0, 0, False)[0].transpose(0, 1).float()
 
 
 def _unrotate_rows(grad, cos, sin, rows):
     """The transpose of _rotate_rows for a gradient [H, T, D] fp32."""
     if cos is None:
         return grad
-    half = grad.shape[-1] // 2
-    c, s = cos.reshape(-1, half)[rows], sin.reshape(-1, half)[rows]
-    g1, g2 = grad[..., :half], grad[..., half:]
-    return torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1)
+    cos, sin = _packed_tables(cos, sin)
+    return torch_rope_rotate(grad.transpose(0, 1)[None], cos, sin, rows, 0, 0, True)[0].transpose(0, 1)
 
 
 def _varlen_masks(geometry, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_left, window_right, dropout_p):
