@@ -135,6 +135,32 @@ def rope_providers(device, cos, sin):
     return out
 
 
+# The dropout case (GPU only: PyTorch's CPU flash kernel and remat's aten core there take no
+# dropout): SDPA flash with dropout (FlashAttention-2 drawing its own mask) against remat's aten
+# core, which runs that kernel inside remat's Function, and remat's Triton kernels (remat's Philox
+# stream), the default for dropout before the aten core took it.
+DROPOUT_P = 0.1
+
+
+def _sdpa_flash_dropout(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=DROPOUT_P, is_causal=causal)
+
+
+def dropout_providers(device):
+    """Attention with dropout DROPOUT_P: "sdpa-flash" (the stock baseline, under its usual name so
+    the rows' time_vs_sdpa_flash columns compare against it) and remat's aten and Triton backends
+    where they run."""
+    out = [("sdpa-flash", _sdpa_flash_dropout, "bhnd")]
+    for name in remat_backends(device, attention=True):
+        if name in ("aten", "triton"):
+            out.append((f"remat-{name}", lambda q, k, v, causal, n=name: remat.attention(
+                q, k, v, causal=causal, dropout_p=DROPOUT_P, backend=n), "bnhd"))
+    return out
+
+
 def providers(device):
     """(name, fn(q, k, v, causal), layout): layout "bnhd" takes [B, N, H, D], "bhnd" [B, H, N, D]."""
     out = []
@@ -171,21 +197,30 @@ def run(device, quick=False):
         rounds = 2 if quick else 12
     tags = environment_tags()
     rows = []
-    cases = [(s, d, c, False) for s in shapes for d in dtypes for c in causals]
-    # Rope, causal (rope_providers): the stock rotation + SDPA against remat's aten core and, on a
-    # GPU, its Triton backend.
-    cases += [(s, d, True, True) for s in shapes for d in dtypes]
-    progress = Progress(sum(len(rope_providers(device, None, None) if rope else providers(device))
-                            for *_, rope in cases), "attention")
-    for (batch, heads, length, head_dim), dtype, causal, rope in cases:
-        case_providers = rope_providers(device, *rope_tables(length, head_dim, device)) if rope else providers(device)
+    # (shape, dtype, causal, variant): variant None (plain), "rope" (rope_providers: the stock
+    # rotation + SDPA against remat's aten core and, on a GPU, its Triton backend, causal) or
+    # "dropout" (dropout_providers, causal, GPU only).
+    cases = [(s, d, c, None) for s in shapes for d in dtypes for c in causals]
+    cases += [(s, d, True, "rope") for s in shapes for d in dtypes]
+    if device.type == "cuda":
+        cases += [(s, d, True, "dropout") for s in shapes for d in dtypes]
+
+    def case_providers(variant, length, head_dim):
+        if variant == "rope":
+            return rope_providers(device, *rope_tables(length, head_dim, device))
+        return dropout_providers(device) if variant == "dropout" else providers(device)
+
+    progress = Progress(sum(len(case_providers(variant, 2, 2)) for *_, variant in cases), "attention")
+    for (batch, heads, length, head_dim), dtype, causal, variant in cases:
+        rope = variant == "rope"
+        dropout_p = DROPOUT_P if variant == "dropout" else 0.0
         g = torch.Generator(device=device).manual_seed(0)
         bnhd = [torch.randn(batch, length, heads, head_dim, generator=g, device=device).to(dtype) for _ in range(3)]
         dout_bnhd = torch.randn(batch, length, heads, head_dim, generator=g, device=device).to(dtype)
         forward_flops = 4 * batch * heads * length * length * head_dim // (2 if causal else 1)
         flops = {"forward": forward_flops, "backward": 2.5 * forward_flops, "full": 3.5 * forward_flops}
         steps, memory = {}, {}
-        for name, fn, layout in case_providers:
+        for name, fn, layout in case_providers(variant, length, head_dim):
             if layout == "bhnd":
                 leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in bnhd]
                 dout = dout_bnhd.transpose(1, 2).contiguous()
@@ -203,12 +238,13 @@ def run(device, quick=False):
             memory[name] = (saved_bytes(fn, *leaves, causal),
                             peak_memory_bytes(functools.partial(run_step, step), device))
             progress.step(f"attention B{batch} H{heads} N{length} D{head_dim} {dtype} causal={causal} {name} ready")
-        case = f"attention B{batch} H{heads} N{length} D{head_dim} {dtype} causal={causal} rope={rope}"
+        case = (f"attention B{batch} H{heads} N{length} D{head_dim} {dtype} causal={causal} rope={rope} "
+                f"dropout={dropout_p}")
         for (name, mode), columns in timing_summary(interleaved_timings(steps, device, rounds=rounds), BASELINES,
                                                     case).items():
             saved, peak = memory[name]
             rows.append({"block": "attention", "batch": batch, "heads": heads, "length": length,
-                         "head_dim": head_dim, "causal": causal, "rope": rope,
+                         "head_dim": head_dim, "causal": causal, "rope": rope, "dropout_p": dropout_p,
                          "dtype": str(dtype).replace("torch.", ""),
                          "provider": name, "mode": mode, **columns, "flops": flops[mode],
                          "tflops": flops[mode] / (columns["median_ms"] * 1e-3) / 1e12, "saved_bytes": saved,
@@ -216,8 +252,9 @@ def run(device, quick=False):
     return with_end_load(rows)
 
 
-summary_columns = ["length", "head_dim", "causal", "rope", "dtype", "provider", "mode", "time_vs_sdpa_flash",
-                   "time_vs_sdpa_flash_q20", "time_vs_sdpa_flash_q80", "time_vs_sdpa_flash_verdict", "time_vs_eager",
-                   "time_vs_eager_verdict", "time_vs_rope_triton", "time_vs_rope_triton_verdict", "time_vs_sdpa_rope",
-                   "time_vs_sdpa_rope_q20", "time_vs_sdpa_rope_q80", "time_vs_sdpa_rope_verdict", "median_ms",
-                   "tflops", "saved_bytes_per_token", "peak_mem_bytes", "suspect"]
+summary_columns = ["length", "head_dim", "causal", "rope", "dropout_p", "dtype", "provider", "mode",
+                   "time_vs_sdpa_flash", "time_vs_sdpa_flash_q20", "time_vs_sdpa_flash_q80",
+                   "time_vs_sdpa_flash_verdict", "time_vs_eager", "time_vs_eager_verdict", "time_vs_rope_triton",
+                   "time_vs_rope_triton_verdict", "time_vs_sdpa_rope", "time_vs_sdpa_rope_q20",
+                   "time_vs_sdpa_rope_q80", "time_vs_sdpa_rope_verdict", "median_ms", "tflops",
+                   "saved_bytes_per_token", "peak_mem_bytes", "suspect"]

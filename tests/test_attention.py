@@ -192,7 +192,7 @@ def test_deterministic_backward_is_bitwise_reproducible(backend):
 @pytest.mark.parametrize("backend", cpu_backends() + ["aten"])
 def test_saves_qkv_o_lse_and_rng_only(backend, dtype, dropout):
     if backend == "aten" and dropout:
-        pytest.skip("the aten core takes no dropout (remat's Philox stream): refused, tested above")
+        pytest.skip("PyTorch's CPU flash kernel takes no dropout: refused, tested above")
     b, n, m, hq, hkv, d = 2, 24, 40, 4, 2, 32
     q = torch.randn(b, n, hq, d, dtype=dtype, requires_grad=True)
     k = torch.randn(b, m, hkv, d, dtype=dtype, requires_grad=True)
@@ -634,7 +634,7 @@ def test_gpu_attention_deterministic_backward_bitwise(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", gpu_backends())
+@pytest.mark.parametrize("backend", gpu_backends() + ["aten"])
 def test_gpu_attention_saves_no_attention_matrix(backend):
     b, n, hq, hkv, d = 2, 2048, 8, 2, 128
     q = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -16,13 +16,14 @@ import torch
 from test_varlen_attention import CASES as VARLEN_CASES
 from test_varlen_attention import check_against_float64
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 import remat.ops.attention as attention_ops
 from remat.options import AttentionOptions
 
 from _checks import assert_within_2x_of_stock
-from helpers import DTYPES, attention_eager, case, make_inputs, run_and_check
+from helpers import DTYPES, attention_eager, case, make_inputs, mask_from_output, run_and_check
 
 # The module (remat.functional re-exports its function `attention` under the same name).
 functional_attention = importlib.import_module("remat.functional.attention")
@@ -37,14 +38,15 @@ def reason(capability, monkeypatch, *, dtype=torch.bfloat16, head_dim=64, determ
 
 
 def test_flashattention_limits_on_each_gpu(monkeypatch):
-    """FlashAttention-2 takes GQA, windows and causal with N != M (bottom-right, as remat) on
-    sm_8x/90/10x/120/121, fp16/bf16, head dims multiples of 8 up to 256 (192 but on sm_80/sm_90);
-    not softcap or remat's dropout stream; nor other GPUs."""
+    """FlashAttention-2 takes GQA, windows and causal with N != M (bottom-right, as remat) and
+    dropout (its own mask) on sm_8x/90/10x/120/121, fp16/bf16, head dims multiples of 8 up to 256
+    (192 but on sm_80/sm_90); not softcap; nor other GPUs."""
     for capability in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1)):
         assert reason(capability, monkeypatch) is None
         assert reason(capability, monkeypatch, window_left=5, window_right=0) is None
         assert reason(capability, monkeypatch, window_left=3, window_right=2) is None
         assert reason(capability, monkeypatch, dtype=torch.float16, head_dim=192) is None
+        assert reason(capability, monkeypatch, dropout_p=0.1, window_left=5, window_right=0) is None
     for capability in ((7, 5), (9, 4), (11, 0), (13, 0)):
         assert "sm_8x, sm_90" in reason(capability, monkeypatch)
     assert "float16/bfloat16" in reason((9, 0), monkeypatch, dtype=torch.float32)
@@ -54,7 +56,10 @@ def test_flashattention_limits_on_each_gpu(monkeypatch):
     for capability in ((8, 6), (8, 9), (10, 0), (12, 0)):
         assert "above 192" in reason(capability, monkeypatch, head_dim=200)
     assert "softcap" in reason((9, 0), monkeypatch, softcap=30.0)
-    assert "Philox" in reason((9, 0), monkeypatch, dropout_p=0.1)
+    assert "softcap" in reason((9, 0), monkeypatch, softcap=30.0, dropout_p=0.1)
+    cpu_options = AttentionOptions(0.125, dropout_p=0.1, deterministic=False)
+    assert "no dropout" in attention_ops.aten_unsupported_reason(7, 7, 4, 2, 64, torch.float32, torch.device("cpu"),
+                                                                 cpu_options)
     assert "N >= M + 2" in reason((9, 0), monkeypatch, n=10, m=4, window_right=5)
     monkeypatch.setattr(attention_ops, "_flash_built", lambda: False)
     assert "ROCm" in reason((9, 0), monkeypatch)
@@ -103,6 +108,8 @@ def test_cuda_default_order_is_flashattention_then_triton_then_cuda(monkeypatch,
     expected = "aten" if capability == (9, 0) else "triton"
     assert functional_attention._default_attention_backend(t, sizes, plain) == expected
     assert functional_attention._default_attention_backend(t, sizes, plain, varlen=True) == expected
+    dropout = plain._replace(dropout_p=0.1)
+    assert functional_attention._default_attention_backend(t, sizes, dropout) == expected
     capped = plain._replace(softcap=30.0)
     assert functional_attention._default_attention_backend(t, sizes, capped) == "triton"
     monkeypatch.setattr(functional_attention, "unavailable_reason", lambda name, device: "Triton is not installed")
@@ -183,6 +190,77 @@ def test_dense_and_packed_calls_trace_on_fake_cuda_tensors(monkeypatch, rope):
         assert [g.shape for g in grads] == [qp.shape, kp.shape, kp.shape]
 
 
+class _FlashCalls(TorchDispatchMode):
+    """Records the FlashAttention-2 forward and backward calls and the copies made between them,
+    with their arguments and outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten._flash_attention_forward.default, torch.ops.aten._flash_attention_backward.default,
+                    torch.ops.aten.copy_.default):
+            self.calls.append((func, args, out))
+        return out
+
+
+def _storage(t):
+    return t.untyped_storage()._cdata
+
+
+def _check_flash_dropout_calls(calls, saved, p):
+    """The forward ran with dropout p, its rng_state was copied into the one 16-byte int64 buffer
+    that was saved, and the backward ran with p and that buffer (as uint64)."""
+    (forward, forward_args, forward_out), (copy, copy_args, _), (backward, backward_args, _) = calls
+    assert forward is torch.ops.aten._flash_attention_forward.default and forward_args[7] == p
+    assert copy is torch.ops.aten.copy_.default and _storage(copy_args[1]) == _storage(forward_out[2])
+    buffers = [t for t in saved if t.dtype == torch.int64]
+    assert len(buffers) == 1 and buffers[0].shape == (2,) and _storage(buffers[0]) == _storage(copy_args[0])
+    assert backward is torch.ops.aten._flash_attention_backward.default and backward_args[10] == p
+    assert backward_args[12].dtype == torch.uint64 and _storage(backward_args[12]) == _storage(buffers[0])
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_dropout_on_flashattention_saves_its_own_seed_and_offset(monkeypatch, rope):
+    """Dropout on the aten core (fake CUDA tensors through PyTorch's meta kernels): FlashAttention-2
+    draws its own seed and offset; remat saves them (16 bytes, as remat's own (seed, offset)) and
+    hands them to the backward, dense and packed, with rope around the core."""
+    from remat.autograd.attention import VarlenAttentionFunction
+
+    monkeypatch.setattr(attention_ops, "device_capability", lambda index: (9, 0))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(2, 5, 4, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(2, 9, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+        rope_tables = (torch.empty(9, 32, device=CUDA0), torch.empty(9, 32, device=CUDA0)) if rope else None
+        saved = []
+        with _FlashCalls() as spy:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                o = remat.attention(q, k, k, causal=True, dropout_p=0.25, rope=rope_tables, backend="aten")
+            # The autograd engine needs a real CUDA context; the Function's backward is called directly.
+            grads = o.grad_fn.apply(torch.empty_like(o))
+        _check_flash_dropout_calls(spy.calls, saved, 0.25)
+        # q, k, v (k again), o, fp32 lse [2, 4, 5], the 16-byte RNG state, the caller's tables.
+        assert sum(t.nbytes for t in saved) == 2 * q.nbytes + 2 * k.nbytes + 2 * 4 * 5 * 4 + 16 + \
+            (2 * 9 * 32 * 4 if rope else 0)
+        assert [g.shape for g in grads[:3]] == [q.shape, k.shape, k.shape]
+
+        qp = torch.empty(11, 4, 32, device=CUDA0, dtype=torch.float16, requires_grad=True)
+        kp = torch.empty(13, 1, 32, device=CUDA0, dtype=torch.float16, requires_grad=True)
+        cu_q = torch.tensor([0, 4, 11], dtype=torch.int32, device=CUDA0)
+        cu_k = torch.tensor([0, 6, 13], dtype=torch.int32, device=CUDA0)
+        cos = sin = torch.empty(8, 16, device=CUDA0) if rope else None
+        options = AttentionOptions(0.2, window_right=0, dropout_p=0.1, deterministic=False)
+        saved = []
+        with _FlashCalls() as spy:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                o = VarlenAttentionFunction.apply(qp, kp, kp, cu_q, cu_k, 7, 7, cos, sin, options, "aten", False)
+            grads = o.grad_fn.apply(torch.empty_like(o))
+        _check_flash_dropout_calls(spy.calls, saved, 0.1)
+        assert [g.shape for g in grads[:3]] == [qp.shape, kp.shape, kp.shape]
+
+
 def test_packed_aten_on_cpu_is_refused():
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     q = torch.randn(7, 2, 16)
@@ -213,6 +291,58 @@ def test_gpu_flashattention_core_matches_float64_reference(spec, dtype):
                                                                    c.values[0].get("dropout"))])
 def test_gpu_flashattention_packed_matches_float64_reference(spec):
     check_against_float64("aten", spec, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,m,d,causal", [(1024, 1024, 128, True), (300, 511, 64, False)], ids=["causal", "n300-m511"])
+def test_gpu_flashattention_dropout_is_sdpa_flashs(n, m, d, causal, dtype):
+    """With dropout the aten core runs what torch's SDPA runs on its flash backend: the same kernel
+    with the seed and offset it draws from the same generator state, so o and the gradients are
+    bitwise SDPA's (both under the suite's deterministic mode: FlashAttention-2's deterministic
+    backward); and dropout was applied."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, length, 4, d, generator=g).to("cuda", dtype) for length in (n, m, m, n))
+    results = {}
+    for run, p in (("remat", 0.2), ("sdpa", 0.2), ("remat", 0.0)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(7)
+        if run == "remat":
+            o = remat.attention(*leaves, causal=causal, dropout_p=p, backend="aten")
+        else:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), dropout_p=p,
+                                                   is_causal=causal).transpose(1, 2)
+        o.backward(dout)
+        results[run, p] = [o.detach()] + [t.grad for t in leaves]
+    for name, mine, stock in zip(("o", "dq", "dk", "dv"), results["remat", 0.2], results["sdpa", 0.2]):
+        assert torch.equal(mine, stock), name
+    assert not torch.equal(results["remat", 0.2][0], results["remat", 0.0][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_flashattention_dropout_matches_float64_reference_with_its_mask(dtype):
+    """FlashAttention-2's dropout mask, read back from its output (q = 0, v = I with M = D:
+    helpers.mask_from_output) for the same shapes, generator state and kernel: keeps about 1 - p,
+    and with it remat's aten core on random inputs meets the 2x rule against float64 (o, dq, dk,
+    dv), so forward and backward apply that one mask."""
+    spec = dict(b=2, n=70, m=64, hq=4, hkv=1, d=64, dropout=0.25)
+    keep = mask_from_output("aten", 2, 4, 70, 64, 0.25, seed=11, device="cuda", dtype=dtype)
+    assert abs(keep.float().mean().item() - 0.75) < 0.02
+    q, k, v, dout, _ = make_inputs(spec, dtype, device="cuda")
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(11)
+    o = remat.attention(*leaves, dropout_p=0.25, backend="aten")
+    o.backward(dout)
+    reference = attention_eager(q, k, v, dout, None, spec, keep, torch.float64)
+    stock = attention_eager(q, k, v, dout, None, spec, keep, dtype)
+    for name, value, stock_value, ref in zip(("o", "dq", "dk", "dv"), [o] + [t.grad for t in leaves], stock,
+                                             reference):
+        assert_within_2x_of_stock(name, value.detach().cpu(), stock_value, ref, dtype)
 
 
 @pytest.mark.gpu

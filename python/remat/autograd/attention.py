@@ -3,7 +3,8 @@
 Recompute contract (DESIGN.md section 2), checked byte for byte in tests/test_attention.py:
 
 - saved: q, k, v, o, the fp32 logsumexp lse [B, Hq, N], and with dropout the 16-byte int64
-  (seed, offset) pair; with rope, the cos and sin tables as passed in (a Hugging Face model passes
+  (seed, offset) pair (remat's kernels: drawn here; the aten core: FlashAttention-2's own, see
+  attention_rng_state); with rope, the cos and sin tables as passed in (a Hugging Face model passes
   one pair to every layer; remat.nn.Attention and LlamaLayer build their own per call). Nothing of
   size N x M.
 - recomputed in the backward kernels: the rotated q and k, the logits and probabilities from q, k
@@ -22,6 +23,17 @@ from remat.ops import ops_for
 from remat.ops.attention import rotated_once
 
 
+def attention_rng_state(backend, device):
+    """The 16-byte RNG state a dropout call saves, int64 [2] on ``device``: for remat's kernels a
+    (seed, offset) pair drawn here from PyTorch's generator, keying remat's Philox stream; for the
+    aten core a buffer its forward fills with the seed and offset FlashAttention-2 drew for itself
+    from the same generator (remat.ops.attention, the comment above _FLASH_MAJORS). Either way
+    torch.manual_seed and checkpointing's RNG restore reproduce the mask."""
+    if backend == "aten":
+        return torch.empty(2, dtype=torch.int64, device=device)
+    return draw_rng_state(device)
+
+
 def attention_ops(backend, rotate_once):
     """The attention operators of ``backend``, with rope rotated once per pass outside the kernels
     where ``rotate_once`` (remat.ops.attention.rope_rotated_once, decided by the caller for both
@@ -38,7 +50,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cos, sin, options, backend, rotate_once):
-        rng = draw_rng_state(q.device) if options.dropout_p > 0 else None
+        rng = attention_rng_state(backend, q.device) if options.dropout_p > 0 else None
         cos32, sin32 = kernel_rope_tables(cos, sin, q.shape[-1])
         ctx.rotate_once = rotate_once
         o, lse = attention_ops(backend, ctx.rotate_once).attention_fwd(q, k, v, cos32, sin32, rng, *options[:5])
@@ -76,7 +88,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, options, backend,
                 rotate_once):
-        rng = draw_rng_state(q.device) if options.dropout_p > 0 else None
+        rng = attention_rng_state(backend, q.device) if options.dropout_p > 0 else None
         cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
         offsets_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
         ctx.rotate_once = rotate_once

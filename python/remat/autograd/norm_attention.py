@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from remat.autograd import lora
-from remat.autograd.attention import attention_ops, varlen_rope_tables
-from remat.autograd.common import draw_rng_state, kernel_rope_tables, linear_grads
+from remat.autograd.attention import attention_ops, attention_rng_state, varlen_rope_tables
+from remat.autograd.common import kernel_rope_tables, linear_grads
 from remat.autograd.norm import norm_backward, norm_forward
 
 
@@ -116,7 +116,7 @@ class NormAttentionFunction(torch.autograd.Function):
         if options.qk_norm is not None:
             q_in, _ = _head_norm(q, q_norm_weight, options)
             k_in, _ = _head_norm(k, k_norm_weight, options)
-        rng = draw_rng_state(x.device) if attention.dropout_p > 0 else None
+        rng = attention_rng_state(backend, x.device) if attention.dropout_p > 0 else None
         ctx.rotate_once = rotate_once
         o, lse = _attention_fwd(q_in, k_in, v, cos, sin, cu_seqlens, rng, options, backend, ctx.rotate_once)
         del q_in, k_in

@@ -38,7 +38,11 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
         scale: logit scale; default ``1 / sqrt(D)``.
         dropout_p: dropout on the probabilities, in [0, 1). Applied whenever > 0 (pass 0.0 in
             eval). The mask is a Philox stream keyed by a (seed, offset) drawn from PyTorch's
-            generator, so ``torch.manual_seed`` reproduces it; backward regenerates it.
+            generator, so ``torch.manual_seed`` reproduces it; backward regenerates it. remat's
+            kernels (cpp, cuda, triton, torch) all draw remat's stream
+            (``remat.reference.attention_dropout_keep``); the aten core on CUDA draws
+            FlashAttention-2's own (the mask ``scaled_dot_product_attention`` draws for the same
+            generator state), a different mask of the same distribution.
         rope: ``(cos, sin)`` rotary tables, ``[S, D/2]`` or ``[B, S, D/2]``, or Hugging Face's
             ``[S, D]`` / ``[B, S, D]`` with equal halves, S >= M; rotate-half convention. k at
             position j uses row j, q row i uses row i + M - N (needs N <= M). Applied inside the
@@ -71,8 +75,9 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
             sequence (key j uses row j, query i row i + M_s - N_s; S >= max_seqlen_k), while
             per-token tables ``[1, total_k, D/2]`` / ``[1, total_k, D]`` give key token t row t and
             query i of sequence s row cu_seqlens_k[s] + i + M_s - N_s; either needs N_s <= M_s.
-            Dropout draws the Philox stream of the dense call on the zero-padded batch
-            ``[S, max_seqlen_q]`` x ``[S, max_seqlen_k]``, so the mask depends on those bounds.
+            Dropout (remat's kernels) draws the Philox stream of the dense call on the zero-padded
+            batch ``[S, max_seqlen_q]`` x ``[S, max_seqlen_k]``, so the mask depends on those
+            bounds (the aten core: FlashAttention-2's own mask).
         max_seqlen_q, max_seqlen_k: with offsets, upper bounds of the sequence lengths (the
             kernels' grids); None computes them from the offsets (required under torch.compile).
 

@@ -331,14 +331,23 @@ TORCH_OPS = AttentionOps(torch_attention_fwd, torch_attention_bwd, torch_attenti
 # v, o and an fp32 logsumexp; the probabilities recomputed in backward): the CPU flash kernel
 # (aten::_scaled_dot_product_flash_attention_for_cpu and its backward) and, on CUDA,
 # FlashAttention-2 (aten::_flash_attention_forward / _flash_attention_backward, which take remat's
-# [B, N, H, D] layout, GQA with Hkv dividing Hq, sliding windows, the bottom-right causal mask, and
-# packed sequences through cum_seq_q / cum_seq_k). Rope stays remat's: q and k are rotated (fp32,
-# rounded to the dtype, as every backend's kernels do; rotated_once below) into temporaries before the core, again in
-# backward from the saved unrotated q and k, and the core's dq/dk (which it returns in the input
-# dtype) are rotated back in fp32 and rounded again: with rope, dq and dk are two roundings from the
-# exact value where remat's own kernels take one. With GQA, FlashAttention-2 also rounds each query
-# head's dk/dv to the dtype before summing a group (one rounding more than remat's kernels). The
-# rotated copies are never saved.
+# [B, N, H, D] layout, GQA with Hkv dividing Hq, sliding windows, the bottom-right causal mask,
+# packed sequences through cum_seq_q / cum_seq_k, and dropout). Rope stays remat's: q and k are
+# rotated (fp32, rounded to the dtype, as every backend's kernels do; rotated_once below) into
+# temporaries before the core, again in backward from the saved unrotated q and k, and the core's
+# dq/dk (which it returns in the input dtype) are rotated back in fp32 and rounded again: with rope,
+# dq and dk are two roundings from the exact value where remat's own kernels take one. With GQA,
+# FlashAttention-2 also rounds each query head's dk/dv to the dtype before summing a group (one
+# rounding more than remat's kernels). The rotated copies are never saved.
+#
+# Dropout on FlashAttention-2 is its own: its forward takes a Philox seed and offset from PyTorch's
+# CUDA generator (advancing it by B * Hq * 32 counters; graph-capture safe) and returns them as
+# rng_state, uint64 [2] written on the device, which its backward takes to regenerate the mask. The
+# forward copies rng_state into the 16-byte int64 [2] buffer the Function passes as ``rng``
+# (remat.autograd.attention.attention_rng_state), which is what gets saved: the same 16 bytes as
+# remat's (seed, offset). The mask is FlashAttention-2's, the one torch's SDPA draws for the same
+# generator state, not remat's stream (remat.reference.attention_dropout_keep), which remat's own
+# kernels keep drawing.
 
 # FlashAttention-2 in PyTorch runs on sm_8x, sm_90, sm_10x and sm_120/121 (flash_api.cpp's arch check;
 # sdp_utils.cpp check_flash_attention_hardware_support), and its backward takes head dims above 192 on
@@ -382,21 +391,21 @@ def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options, var
     ``dtype`` on ``device``) with these :class:`remat.options.AttentionOptions`, or None. Packed
     calls (``varlen``) pass max_seqlen_q, max_seqlen_k as N, M.
 
-    Neither core has a logit softcap, and remat's dropout mask is remat's own Philox stream, which
-    they do not draw, so dropout stays with remat's kernels. On the CPU (the flash kernel, dense
-    only): no sliding window, and its causal mask aligns top-left, so causal needs N == M. On CUDA
+    Neither core has a logit softcap. On the CPU (the flash kernel, dense only): no dropout, no
+    sliding window, and its causal mask aligns top-left, so causal needs N == M. On CUDA
     (FlashAttention-2): a CUDA (not ROCm) build with it, an sm_8x/90/10x/120/121 GPU,
     float16/bfloat16, head dims that are multiples of 8 up to 256 (up to 192 but on sm_80/sm_90),
     windows whose band FlashAttention-2 keeps (_flash_window_differs), and a deterministic backward
-    only under PyTorch's deterministic mode (so ``options.deterministic`` needs it)."""
+    only under PyTorch's deterministic mode (so ``options.deterministic`` needs it); dropout
+    included, with FlashAttention-2's own mask (see the comment above _FLASH_MAJORS)."""
     if options.softcap > 0:
         return "PyTorch's fused attention has no logit softcap"
-    if options.dropout_p > 0:
-        return "remat's dropout mask is its own Philox stream, which PyTorch's fused attention does not draw"
     if device.type == "cuda":
         return _flash_unsupported_reason(n, m, head_dim, dtype, device, options, varlen)
     if device.type != "cpu":
         return f"no PyTorch fused attention kernel for {device.type} tensors"
+    if options.dropout_p > 0:
+        return "PyTorch's CPU flash attention has no dropout"
     if options.window_left >= 0 or options.window_right > 0:
         return "PyTorch's CPU flash attention has no sliding window"
     if options.window_right == 0 and n != m:
@@ -459,22 +468,36 @@ def _aten_core_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_r
     """Forward through PyTorch's fused attention core (see aten_unsupported_reason), q and k rotated."""
     _no_tables(cos, sin)
     _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False))
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     if q.device.type == "cpu":
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, window_right == 0,
                                                                             scale=scale)
         return o.transpose(1, 2).contiguous(), lse.contiguous()
     causal, left, right = _flash_window(window_left, window_right)
-    o, lse = torch.ops.aten._flash_attention_forward(
-        qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), None, None, q.shape[1], k.shape[1], 0.0, causal,
-        False, scale=scale, window_size_left=left, window_size_right=right)[:2]
-    # FlashAttention-2 allocates o like q: strided when q is the rotated [B, H, N, D] temporary.
+    o, lse, rng_state = torch.ops.aten._flash_attention_forward(
+        q, k, v, None, None, q.shape[1], k.shape[1], dropout_p, causal, False, scale=scale, window_size_left=left,
+        window_size_right=right)[:3]
+    _keep_flash_rng_state(rng, rng_state, dropout_p)
+    # FlashAttention-2 allocates o like q (empty_like): strided when q is (e.g. a "bhnd" caller's view).
     return o.contiguous(), lse
 
 
-def _no_flash_rng(device):
-    """The RNG state FlashAttention-2's backward takes, read only with dropout (never here)."""
-    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+def _keep_flash_rng_state(rng, rng_state, dropout_p):
+    """With dropout, copies FlashAttention-2's rng_state (its Philox seed and offset, uint64 [2] on
+    the device) into ``rng``, the int64 [2] buffer the Function saves (see the comment above
+    _FLASH_MAJORS)."""
+    if dropout_p > 0:
+        if rng is None or rng.shape != (2,) or rng.dtype != torch.int64:
+            raise ValueError("rng: the aten core with dropout takes an int64 [2] buffer for FlashAttention-2's "
+                             "seed and offset (remat.autograd.attention.attention_rng_state)")
+        rng.copy_(rng_state.view(torch.int64))
+
+
+def _flash_rng_state(rng, dropout_p, device):
+    """(rng_state, unused) for FlashAttention-2's backward: with dropout the forward's seed and
+    offset (the saved buffer viewed as uint64), else zeros it does not read."""
+    state = rng.view(torch.uint64) if dropout_p > 0 else torch.zeros(2, dtype=torch.uint64, device=device)
+    return state, torch.empty(0, device=device)
 
 
 def _aten_core_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p,
@@ -484,19 +507,16 @@ def _aten_core_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_
     FlashAttention-2's backward is deterministic under PyTorch's deterministic mode only, which the
     backend choice checked (aten_unsupported_reason)."""
     _no_tables(cos, sin)
-    n, m = q.shape[1], k.shape[1]
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     if q.device.type == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.transpose(1, 2), qh, kh, vh, o.transpose(1, 2), lse, 0.0, window_right == 0, scale=scale)
-    else:
-        causal, left, right = _flash_window(window_left, window_right)
-        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout, qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), o, lse, None, None, n, m, 0.0, causal,
-            *_no_flash_rng(q.device), scale=scale, window_size_left=left, window_size_right=right)
-        dq, dk, dv = (g.transpose(1, 2) for g in (dq, dk, dv))
-    return tuple(g.transpose(1, 2).to(q.dtype).contiguous() for g in (dq, dk, dv))
+            *(t.transpose(1, 2) for t in (dout, q, k, v, o)), lse, 0.0, window_right == 0, scale=scale)
+        return tuple(g.transpose(1, 2).to(q.dtype).contiguous() for g in (dq, dk, dv))
+    causal, left, right = _flash_window(window_left, window_right)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, o, lse, None, None, q.shape[1], k.shape[1], dropout_p, causal,
+        *_flash_rng_state(rng, dropout_p, q.device), scale=scale, window_size_left=left, window_size_right=right)
+    return tuple(g.to(q.dtype).contiguous() for g in (dq, dk, dv))
 
 
 def _aten_core_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale,
@@ -510,9 +530,10 @@ def _aten_core_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False),
                      (max_seqlen_q, max_seqlen_k))
     causal, left, right = _flash_window(window_left, window_right)
-    o, lse = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale,
-        window_size_left=left, window_size_right=right)[:2]
+    o, lse, rng_state = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, False, scale=scale,
+        window_size_left=left, window_size_right=right)[:3]
+    _keep_flash_rng_state(rng, rng_state, dropout_p)
     return o.contiguous(), lse
 
 
@@ -524,8 +545,8 @@ def _aten_core_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max
     causal, left, right = _flash_window(window_left, window_right)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal,
-        *_no_flash_rng(q.device), scale=scale, window_size_left=left, window_size_right=right)
+        dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
+        *_flash_rng_state(rng, dropout_p, q.device), scale=scale, window_size_left=left, window_size_right=right)
     return tuple(g.to(q.dtype).contiguous() for g in (dq, dk, dv))
 
 
