@@ -1,5 +1,6 @@
 """Attention forward / backward / full: remat (each backend) against PyTorch's
-scaled_dot_product_attention (its flash and math backends where they run), eager math attention
+scaled_dot_product_attention (its flash and math backends where they run, and on a GPU also
+unpinned, "sdpa", as a stock model calls it: cuDNN's kernel on sm_90/sm_10x), eager math attention
 (which keeps the N x M probabilities), eager under torch.utils.checkpoint, torch.compile of the
 eager code, and flash_attn where installed.
 
@@ -43,6 +44,12 @@ def _sdpa(kernel):
     return run
 
 
+def _sdpa_default(q, k, v, causal):
+    """scaled_dot_product_attention as a stock model calls it: PyTorch picks the kernel (on an
+    sm_90/sm_10x GPU with a recent cuDNN that is cuDNN's, elsewhere FlashAttention-2's)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
 def _eager(q, k, v, causal):
     return attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal).transpose(1, 2)
 
@@ -56,7 +63,7 @@ def _flash_attn():
 
 
 # time_vs_<label> columns: the provider's time over the named provider's in the same round.
-BASELINES = {"eager": "torch", "sdpa_flash": "sdpa-flash", "checkpoint": "torch+checkpoint",
+BASELINES = {"eager": "torch", "sdpa_flash": "sdpa-flash", "sdpa": "sdpa", "checkpoint": "torch+checkpoint",
              "compile": "torch.compile", "flash_attn": "flash_attn", "rope_triton": "remat-triton-rope",
              "sdpa_rope": "sdpa-flash+rope"}
 
@@ -123,10 +130,10 @@ def rope_providers(device, cos, sin):
     once and the Triton backend inside its forward kernel."""
     backends = remat_backends(device, attention=True)
     out = [("sdpa-flash+rope", _stock_rope_sdpa(cos, sin), "bhnd")]
-    if "aten" in backends:
-        out.append(("remat-aten-rope",
-                    lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="aten"),
-                    "bnhd"))
+    for name in ("aten", "cudnn"):
+        if name in backends:
+            out.append((f"remat-{name}-rope", lambda q, k, v, causal, n=name: remat.attention(
+                q, k, v, causal=causal, rope=(cos, sin), backend=n), "bnhd"))
     if "triton" in backends:
         out.append(("remat-triton-rope",
                     lambda q, k, v, causal: remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton"),
@@ -168,6 +175,9 @@ def providers(device):
         out.append((f"remat-{name}", lambda q, k, v, causal, n=name: remat.attention(q, k, v, causal=causal, backend=n),
                     "bnhd"))
     out.append(("sdpa-flash", _sdpa("flash"), "bhnd"))
+    if device.type == "cuda":
+        # On the CPU PyTorch picks its flash kernel: the same as "sdpa-flash".
+        out.append(("sdpa", _sdpa_default, "bhnd"))
     out.append(("sdpa-math", _sdpa("math"), "bhnd"))
     out.append(("torch", _eager, "bhnd"))
     out.append(("torch+checkpoint",
@@ -254,7 +264,8 @@ def run(device, quick=False):
 
 summary_columns = ["length", "head_dim", "causal", "rope", "dropout_p", "dtype", "provider", "mode",
                    "time_vs_sdpa_flash", "time_vs_sdpa_flash_q20", "time_vs_sdpa_flash_q80",
-                   "time_vs_sdpa_flash_verdict", "time_vs_eager", "time_vs_eager_verdict", "time_vs_rope_triton",
+                   "time_vs_sdpa_flash_verdict", "time_vs_sdpa", "time_vs_sdpa_q20", "time_vs_sdpa_q80",
+                   "time_vs_sdpa_verdict", "time_vs_eager", "time_vs_eager_verdict", "time_vs_rope_triton",
                    "time_vs_rope_triton_verdict", "time_vs_sdpa_rope", "time_vs_sdpa_rope_q20",
                    "time_vs_sdpa_rope_q80", "time_vs_sdpa_rope_verdict", "median_ms", "tflops",
                    "saved_bytes_per_token", "peak_mem_bytes", "suspect"]

@@ -72,11 +72,12 @@ def with_end_load(rows):
 def remat_backends(device, attention=False):
     """The remat backends that run ``device``'s tensors in a benchmark: each of BACKENDS that is
     available there, without Triton on the CPU (only its interpreter runs there, far too slow to
-    time) and without "aten" unless ``attention`` (it has attention operators only)."""
+    time) and without the PyTorch attention cores ("aten", "cudnn") unless ``attention`` (they have
+    attention operators only)."""
     return [name for name in backend_mod.BACKENDS
             if backend_mod.unavailable_reason(name, device) is None
             and not (name == "triton" and device.type == "cpu")
-            and (attention or name != "aten")]
+            and (attention or name not in ("aten", "cudnn"))]
 
 
 def _sync(device):

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 import remat.ops.attention as attention_ops
+import remat.ops.attention_cudnn as attention_cudnn
 from remat.options import AttentionOptions
 
 from _checks import assert_within_2x_of_stock
@@ -100,20 +101,22 @@ def test_deterministic_none_follows_pytorchs_mode():
 def test_cuda_default_order_is_flashattention_then_triton_then_cuda(monkeypatch, capability):
     """On a CUDA tensor attention defaults to the aten core when it takes the call, else to remat's
     Triton kernels, else (no Triton) the device default (remat's CUDA kernels where built)."""
-    monkeypatch.setattr(attention_ops, "device_capability", lambda index: capability)
+    for module in (attention_ops, attention_cudnn):
+        monkeypatch.setattr(module, "device_capability", lambda index: capability)
     monkeypatch.setattr(functional_attention, "default_backend", lambda device: "cuda")
     t = types.SimpleNamespace(device=CUDA0, dtype=torch.bfloat16)
     sizes = (100, 300, 8, 2, 128)
+    # A window: the cudnn core (tests/test_attention_cudnn_core.py) takes none.
     plain = AttentionOptions(0.1, window_left=64, window_right=0, deterministic=False)
     expected = "aten" if capability == (9, 0) else "triton"
-    assert functional_attention._default_attention_backend(t, sizes, plain) == expected
-    assert functional_attention._default_attention_backend(t, sizes, plain, varlen=True) == expected
+    assert functional_attention._default_attention_backend(t, 2, sizes, plain) == expected
+    assert functional_attention._default_attention_backend(t, 1, sizes, plain, varlen=True) == expected
     dropout = plain._replace(dropout_p=0.1)
-    assert functional_attention._default_attention_backend(t, sizes, dropout) == expected
+    assert functional_attention._default_attention_backend(t, 2, sizes, dropout) == expected
     capped = plain._replace(softcap=30.0)
-    assert functional_attention._default_attention_backend(t, sizes, capped) == "triton"
+    assert functional_attention._default_attention_backend(t, 2, sizes, capped) == "triton"
     monkeypatch.setattr(functional_attention, "unavailable_reason", lambda name, device: "Triton is not installed")
-    assert functional_attention._default_attention_backend(t, sizes, capped) == "cuda"
+    assert functional_attention._default_attention_backend(t, 2, sizes, capped) == "cuda"
 
 
 def flash_band(n, m, causal, left, right):
@@ -191,8 +194,8 @@ def test_dense_and_packed_calls_trace_on_fake_cuda_tensors(monkeypatch, rope):
 
 
 class _FlashCalls(TorchDispatchMode):
-    """Records the FlashAttention-2 forward and backward calls and the copies made between them,
-    with their arguments and outputs."""
+    """Records the FlashAttention-2 forward and backward calls, the copies made between them and
+    any random draw, with their arguments and outputs."""
 
     def __init__(self):
         super().__init__()
@@ -201,7 +204,7 @@ class _FlashCalls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in (torch.ops.aten._flash_attention_forward.default, torch.ops.aten._flash_attention_backward.default,
-                    torch.ops.aten.copy_.default):
+                    torch.ops.aten.copy_.default) or func.overloadpacket is torch.ops.aten.randint:
             self.calls.append((func, args, out))
         return out
 
@@ -212,7 +215,8 @@ def _storage(t):
 
 def _check_flash_dropout_calls(calls, saved, p):
     """The forward ran with dropout p, its rng_state was copied into the one 16-byte int64 buffer
-    that was saved, and the backward ran with p and that buffer (as uint64)."""
+    that was saved, and the backward ran with p and that buffer (as uint64); nothing else drew from
+    the generator (which would move FlashAttention-2's seed off SDPA's)."""
     (forward, forward_args, forward_out), (copy, copy_args, _), (backward, backward_args, _) = calls
     assert forward is torch.ops.aten._flash_attention_forward.default and forward_args[7] == p
     assert copy is torch.ops.aten.copy_.default and _storage(copy_args[1]) == _storage(forward_out[2])
@@ -259,6 +263,34 @@ def test_dropout_on_flashattention_saves_its_own_seed_and_offset(monkeypatch, ro
             grads = o.grad_fn.apply(torch.empty_like(o))
         _check_flash_dropout_calls(spy.calls, saved, 0.1)
         assert [g.shape for g in grads[:3]] == [qp.shape, kp.shape, kp.shape]
+
+
+@pytest.mark.parametrize("keep_qkv", [True, False], ids=["keep-qkv", "recompute-qkv"])
+def test_fused_attention_sub_block_takes_flashattentions_dropout(monkeypatch, keep_qkv):
+    """The fused layers' attention sub-block (NormAttentionFunction, both policies) with dropout on
+    the aten core, on fake CUDA tensors: the same plumbing as remat.attention (one forward, the
+    copy into the saved buffer, one backward reading it); recomputing q, k, v in backward does not
+    rerun the attention forward."""
+    from remat.autograd.norm_attention import NormAttentionFunction
+    from remat.options import NormAttentionOptions
+
+    monkeypatch.setattr(attention_ops, "device_capability", lambda index: (9, 0))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        b, n, hidden, hq, hkv, d = 2, 6, 32, 4, 2, 16
+        x, norm_weight, w_q, w_k, w_v = (torch.empty(*shape, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+                                         for shape in ((b, n, hidden), (hidden,), (hq * d, hidden), (hkv * d, hidden),
+                                                       (hkv * d, hidden)))
+        options = NormAttentionOptions((b, n, hq, hkv, d), "rms", 1e-6,
+                                       AttentionOptions(0.25, window_right=0, dropout_p=0.1, deterministic=False),
+                                       keep_qkv, "torch")
+        saved = []
+        with _FlashCalls() as spy:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                o = NormAttentionFunction.apply(x, norm_weight, None, w_q, w_k, w_v, *([None] * 8), options, "aten",
+                                                False, ())
+            grads = o.grad_fn.apply(torch.empty_like(o))
+        _check_flash_dropout_calls(spy.calls, saved, 0.1)
+        assert grads[0].shape == x.shape and grads[3].shape == w_q.shape
 
 
 def test_packed_aten_on_cpu_is_refused():

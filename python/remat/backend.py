@@ -9,6 +9,9 @@ Backends:
 - ``"aten"``: attention only: PyTorch's own fused attention kernels (the CPU flash kernel,
   FlashAttention-2 on CUDA), which keep remat's attention contract, for the calls whose features
   they have (remat.ops.attention.aten_unsupported_reason).
+- ``"cudnn"``: attention only, CUDA tensors: cuDNN's fused attention through PyTorch's operator,
+  what stock scaled_dot_product_attention runs on sm_90/sm_10x GPUs, for the calls it takes
+  (remat.ops.attention_cudnn.cudnn_unsupported_reason).
 
 Choice: the explicit ``backend=`` argument, else the innermost :func:`use_backend` context, else
 the ``REMAT_BACKEND`` environment variable, else the default: on a CUDA tensor ``cuda`` if the
@@ -28,7 +31,7 @@ import torch
 
 from remat import _extension
 
-BACKENDS = ("cuda", "cpp", "triton", "torch", "aten")
+BACKENDS = ("cuda", "cpp", "triton", "torch", "aten", "cudnn")
 
 _state = threading.local()
 
@@ -160,6 +163,10 @@ def unavailable_reason(name, device):
         if device.type in ("cpu", "cuda"):
             return None
         return f"PyTorch's fused attention kernels run CPU and CUDA tensors, and the input is on {device}"
+    if name == "cudnn":
+        if device.type == "cuda":
+            return None
+        return f"cuDNN attention runs CUDA tensors, and the input is on {device}; use backend='aten' on the CPU"
     if name in ("cuda", "cpp") and not _extension.LOADED:
         return (
             f"the compiled extension remat._C is not importable ({_extension.LOAD_ERROR}); "

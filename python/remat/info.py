@@ -4,6 +4,7 @@ import torch
 
 from remat import _extension, backend
 from remat.ops import rope
+from remat.ops.attention_cudnn import cudnn_preferred
 
 OPS = ("rms_norm", "layer_norm", "swiglu_mlp", "geglu_mlp", "gelu_mlp", "norm_mlp", "attention", "dropout",
        "linear_cross_entropy")
@@ -29,7 +30,9 @@ def info_dict():
     attention_gpu = None
     if gpu:
         remat_kernels = "triton" if backend.unavailable_reason("triton", torch.device("cuda")) is None else default_gpu
-        attention_gpu = f"aten (FlashAttention-2) if it takes the call, else {remat_kernels}"
+        # cuDNN first where stock PyTorch tries it first (remat.ops.attention_cudnn.cudnn_preferred).
+        cudnn = "cudnn (cuDNN) if it takes the call, else " if cudnn_preferred(torch.device("cuda", 0)) else ""
+        attention_gpu = f"{cudnn}aten (FlashAttention-2) if it takes the call, else {remat_kernels}"
     return {
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,

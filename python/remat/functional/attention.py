@@ -18,6 +18,7 @@ from remat.backend import (
 from remat.functional.lora import check_lora
 from remat.ops import ops_for
 from remat.ops.attention import aten_unsupported_reason, rope_rotated_once
+from remat.ops.attention_cudnn import cudnn_preferred, cudnn_unsupported_reason
 from remat.options import AttentionOptions, NormAttentionOptions
 
 
@@ -41,8 +42,9 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
             generator, so ``torch.manual_seed`` reproduces it; backward regenerates it. remat's
             kernels (cpp, cuda, triton, torch) all draw remat's stream
             (``remat.reference.attention_dropout_keep``); the aten core on CUDA draws
-            FlashAttention-2's own (the mask ``scaled_dot_product_attention`` draws for the same
-            generator state), a different mask of the same distribution.
+            FlashAttention-2's own (the mask of ``scaled_dot_product_attention``'s flash backend
+            for the same generator state), whose keep probability is quantised to 1/256 while
+            kept values are scaled by 1 / (1 - dropout_p) (at 0.1 it keeps 230/256 = 0.898).
         rope: ``(cos, sin)`` rotary tables, ``[S, D/2]`` or ``[B, S, D/2]``, or Hugging Face's
             ``[S, D]`` / ``[B, S, D]`` with equal halves, S >= M; rotate-half convention. k at
             position j uses row j, q row i uses row i + M - N (needs N <= M). Applied inside the
@@ -58,10 +60,11 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
             ops, deterministic exactly when ``torch.use_deterministic_algorithms(True)`` is on.
             The CPU backends are always deterministic.
         layout: ``"bnhd"`` or ``"bhnd"``, for q, k, v and the output.
-        backend: ``"aten"``, ``"cuda"``, ``"cpp"``, ``"triton"``, ``"torch"`` or None: the fastest
-            that takes the call (on the CPU the aten core (PyTorch's flash kernel), else remat's
-            C++ kernels; on CUDA the aten core (FlashAttention-2), else remat's Triton kernels,
-            else its CUDA kernels; README "Default backends"). See remat.backend.
+        backend: ``"aten"``, ``"cudnn"``, ``"cuda"``, ``"cpp"``, ``"triton"``, ``"torch"`` or None:
+            the fastest that takes the call (on the CPU the aten core (PyTorch's flash kernel),
+            else remat's C++ kernels; on CUDA the cudnn core (cuDNN) where stock PyTorch tries it
+            first (sm_90/sm_10x), else the aten core (FlashAttention-2), else remat's Triton
+            kernels, else its CUDA kernels; README "Default backends"). See remat.backend.
         cu_seqlens_q, cu_seqlens_k: packed (variable-length) attention, FlashAttention's
             ``flash_attn_varlen_func`` convention: None (default, dense), or both given as int32
             ``[S + 1]`` offsets on q's device, starting at 0, non-decreasing (zero-length sequences
@@ -104,7 +107,7 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     cos, sin = rope if rope is not None else (None, None)
     (q, k, v), autocast_off = checks.autocast_cast(q, k, v)
     batch, n, hq, head_dim = q.shape
-    name = _attention_backend(backend, q, (n, k.shape[1], hq, k.shape[2], head_dim), options)
+    name = _attention_backend(backend, q, batch, (n, k.shape[1], hq, k.shape[2], head_dim), options)
     options = _respect_deterministic_mode(options, name)
     checks.check_attention_dtype(name, q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -152,10 +155,11 @@ def _varlen_attention_backend(explicit, t, sizes, options):
     """The backend of a packed attention call on tensors like ``t`` with sizes (max_seqlen_q,
     max_seqlen_k, Hq, Hkv, D): the one asked for, which must have packed kernels and take the call,
     else the per-op default (_default_attention_backend). The aten core's packed entry is
-    FlashAttention-2's (CUDA only): PyTorch's CPU flash kernel takes no sequence offsets."""
+    FlashAttention-2's (CUDA only): PyTorch's CPU flash kernel takes no sequence offsets; the cudnn
+    core has none."""
     name = requested_backend(explicit)
     if name is None:
-        return _default_attention_backend(t, sizes, options, varlen=True)
+        return _default_attention_backend(t, 1, sizes, options, varlen=True)
     name = resolve_backend(name, t)
     if name == "aten":
         if t.device.type != "cuda":
@@ -164,34 +168,46 @@ def _varlen_attention_backend(explicit, t, sizes, options):
                                           "'triton' or 'torch'")
         _check_aten_takes(t, sizes, options, varlen=True)
     if ops_for("attention", name).attention_varlen_fwd is None:
-        raise BackendUnavailableError(f"remat backend {name!r} has no packed (cu_seqlens) attention kernels yet; use "
-                                      f"backend='torch'")
+        raise BackendUnavailableError(f"remat backend {name!r} has no packed (cu_seqlens) attention; use "
+                                      "backend='aten' (FlashAttention-2's variable-length entry), 'triton', 'cuda' "
+                                      "or 'torch'")
     return name
 
 
-def _attention_backend(explicit, t, sizes, options):
-    """The backend of an attention call on tensors like ``t`` with sizes (N, M, Hq, Hkv, D).
-    Asked for by name: that backend, which must be able to run the call. Otherwise the per-op
-    default (_default_attention_backend)."""
+def _attention_backend(explicit, t, batch, sizes, options):
+    """The backend of an attention call of ``batch`` sequences on tensors like ``t`` with sizes (N,
+    M, Hq, Hkv, D). Asked for by name: that backend, which must be able to run the call. Otherwise
+    the per-op default (_default_attention_backend)."""
     name = requested_backend(explicit)
     if name is None:
-        return _default_attention_backend(t, sizes, options)
+        return _default_attention_backend(t, batch, sizes, options)
     name = resolve_backend(name, t)
     if name == "aten":
         _check_aten_takes(t, sizes, options)
+    if name == "cudnn":
+        reason = cudnn_unsupported_reason(batch, *sizes, t.dtype, t.device, options)
+        if reason is not None:
+            raise BackendUnavailableError(f"remat backend 'cudnn' cannot run this attention call: {reason}; use "
+                                          "backend='aten', 'triton' or 'cuda'")
     return name
 
 
-def _default_attention_backend(t, sizes, options, varlen=False):
+def _default_attention_backend(t, batch, sizes, options, varlen=False):
     """Attention's default backend, the one expected fastest that takes the call (README "Default
     backends"). CPU tensors: PyTorch's flash kernel (the aten core, dense calls only; measured
     faster than remat's C++ kernel in benchmarks/results/attention-cpu.csv), else remat's C++
-    kernels. CUDA tensors, by expectation until GPU numbers replace it: FlashAttention-2 (the aten
+    kernels. CUDA tensors, by expectation until GPU numbers replace it: cuDNN (the cudnn core)
+    where stock PyTorch tries it first (remat.ops.attention_cudnn.cudnn_preferred: sm_90/sm_10x,
+    where published numbers put it ahead of FlashAttention-2), else FlashAttention-2 (the aten
     core: pipelined, warp-specialised tiles tuned per architecture), else remat's Triton kernels
     (software-pipelined, autotuned tiles), else remat's CUDA kernels (WMMA without pipelining: the
-    slowest). sizes: (N, M, Hq, Hkv, D), for packed calls (max_seqlen_q, max_seqlen_k, Hq, Hkv, D)."""
+    slowest). ``batch`` sequences of sizes (N, M, Hq, Hkv, D), for packed calls (max_seqlen_q,
+    max_seqlen_k, Hq, Hkv, D)."""
     aten_takes = aten_unsupported_reason(*sizes, t.dtype, t.device, options, varlen=varlen) is None
     if t.device.type == "cuda":
+        if cudnn_preferred(t.device) and cudnn_unsupported_reason(batch, *sizes, t.dtype, t.device, options,
+                                                                  varlen=varlen) is None:
+            return "cudnn"
         if aten_takes:
             return "aten"
         return "triton" if unavailable_reason("triton", t.device) is None else default_backend(t.device)
@@ -336,14 +352,14 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     (x, *params), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v,
                                                       q_norm_weight, k_norm_weight)
     if cu_seqlens is None:
-        name = _attention_backend(backend, x, (n, n, num_heads, num_kv_heads, head_dim), attention_options)
+        name = _attention_backend(backend, x, batch, (n, n, num_heads, num_kv_heads, head_dim), attention_options)
     else:
         name = _varlen_attention_backend(backend, x, (max_seqlen, max_seqlen, num_heads, num_kv_heads, head_dim),
                                          attention_options)
     attention_options = _respect_deterministic_mode(attention_options, name)
     checks.check_attention_dtype(name, x.dtype)
-    # The aten core is attention only: the norm kernels then take the device's default backend.
-    norm_name = default_backend(x.device) if name == "aten" else name
+    # The PyTorch cores are attention only: the norm kernels then take the device's default backend.
+    norm_name = default_backend(x.device) if name in ("aten", "cudnn") else name
     options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
                                    attention_options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen)
     with autocast_off:

@@ -4,10 +4,10 @@ table (backend name -> that backend's operators, one NamedTuple per block), and
 :func:`ops_for` is the one place the autograd Functions get their operators from."""
 
 from remat.backend import BACKENDS, BackendUnavailableError
-from remat.ops import attention, cross_entropy, dropout, mlp, norm
+from remat.ops import attention, attention_cudnn, cross_entropy, dropout, mlp, norm
 
-_TABLES = {"norm": norm.OPS, "mlp": mlp.OPS, "attention": attention.OPS, "dropout": dropout.OPS,
-           "cross_entropy": cross_entropy.OPS}
+_TABLES = {"norm": norm.OPS, "mlp": mlp.OPS, "attention": {**attention.OPS, "cudnn": attention_cudnn.CUDNN_OPS},
+           "dropout": dropout.OPS, "cross_entropy": cross_entropy.OPS}
 BLOCKS = tuple(_TABLES)
 
 
@@ -20,8 +20,8 @@ def ops_for(block, backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend not in _TABLES[block]:
-        raise BackendUnavailableError(f"remat backend {backend!r} has no {block} operators (it is PyTorch's own "
-                                      "fused attention core, for attention only)")
+        raise BackendUnavailableError(f"remat backend {backend!r} has no {block} operators (it is one of PyTorch's "
+                                      "fused attention cores, for attention only)")
     ops = _TABLES[block][backend]
     if ops is None:
         raise BackendUnavailableError(f"remat backend {backend!r} needs the compiled extension remat._C, which "

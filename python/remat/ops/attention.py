@@ -7,7 +7,8 @@ Every backend implements the same two functions (the recompute contract of DESIG
 - ``attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right,
   dropout_p, deterministic) -> (dq, dk, dv)``
 - ``attention_varlen_fwd`` / ``attention_varlen_bwd``: packed (variable-length) sequences, every
-  backend but aten (the contract is stated above torch_attention_varlen_fwd below).
+  backend but cudnn (remat.ops.attention_cudnn) and aten on the CPU (the contract is stated above
+  torch_attention_varlen_fwd below).
 
 One exception: the Triton backward ops take no rope tables (cos = sin = None, else ValueError,
 also when traced): a call with rope and a backward rotates q and k once per pass outside the
@@ -29,7 +30,10 @@ Math, shared by every backend (csrc/common/attention_math.h and philox.h hold th
 - Dropout: rng is an int64 ``[2]`` = (seed, offset) tensor when dropout_p > 0. Probability
   (b, h, i, j) is kept when the uniform of its word of remat's Philox4x32-10 stream (row (b*Hq + h)*N + i
   of rows of length M, four keys per Philox call: remat.reference.philox_stream_words) is >= dropout_p,
-  and then scaled by 1 / (1 - dropout_p); lse is of the undropped softmax.
+  and then scaled by 1 / (1 - dropout_p); lse is of the undropped softmax. The aten core on CUDA
+  is the exception: there rng is an int64 ``[2]`` buffer its forward fills with the seed and offset
+  FlashAttention-2 drew for its own mask (see the comment above _FLASH_MAJORS), which its backward
+  reads back.
 - The probabilities (after dropout) are rounded to the dtype before the PV product, dS before the
   dq/dk products; everything accumulates in fp32. The backward recomputes the probabilities from
   q, k and lse and the mask from rng: nothing of size N x M is ever stored.
@@ -345,9 +349,11 @@ TORCH_OPS = AttentionOps(torch_attention_fwd, torch_attention_bwd, torch_attenti
 # rng_state, uint64 [2] written on the device, which its backward takes to regenerate the mask. The
 # forward copies rng_state into the 16-byte int64 [2] buffer the Function passes as ``rng``
 # (remat.autograd.attention.attention_rng_state), which is what gets saved: the same 16 bytes as
-# remat's (seed, offset). The mask is FlashAttention-2's, the one torch's SDPA draws for the same
-# generator state, not remat's stream (remat.reference.attention_dropout_keep), which remat's own
-# kernels keep drawing.
+# remat's (seed, offset). The mask is FlashAttention-2's, the one SDPA's flash backend draws for the
+# same generator state, not remat's stream (remat.reference.attention_dropout_keep), which remat's
+# own kernels keep drawing. It keeps an element when a random byte is <= floor(255 (1 - p)), so the
+# keep probability is quantised to 1/256 (230/256 = 0.898 at p = 0.1) while kept values are scaled
+# by 1 / (1 - p), as in stock SDPA.
 
 # FlashAttention-2 in PyTorch runs on sm_8x, sm_90, sm_10x and sm_120/121 (flash_api.cpp's arch check;
 # sdp_utils.cpp check_flash_attention_hardware_support), and its backward takes head dims above 192 on
@@ -457,16 +463,17 @@ def _check_aten_call(q, k, options, max_seqlens=None):
         raise ValueError(f"the aten attention core cannot run this call: {reason}")
 
 
-def _no_tables(cos, sin):
-    """The aten core functions below take q and k already rotated (ATEN_OPS wraps them in
-    rotated_once); tables reaching them would be ignored, so they are refused."""
+def no_rope_tables(cos, sin):
+    """The PyTorch cores (the aten core below, remat.ops.attention_cudnn) take q and k already
+    rotated (their OPS wrap them in rotated_once); tables reaching them would be ignored, so they
+    are refused."""
     if cos is not None or sin is not None:
         raise ValueError("cos, sin: the aten attention core takes q and k rotated (use ATEN_OPS)")
 
 
 def _aten_core_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
     """Forward through PyTorch's fused attention core (see aten_unsupported_reason), q and k rotated."""
-    _no_tables(cos, sin)
+    no_rope_tables(cos, sin)
     _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False))
     if q.device.type == "cpu":
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
@@ -487,9 +494,9 @@ def _keep_flash_rng_state(rng, rng_state, dropout_p):
     the device) into ``rng``, the int64 [2] buffer the Function saves (see the comment above
     _FLASH_MAJORS)."""
     if dropout_p > 0:
-        if rng is None or rng.shape != (2,) or rng.dtype != torch.int64:
-            raise ValueError("rng: the aten core with dropout takes an int64 [2] buffer for FlashAttention-2's "
-                             "seed and offset (remat.autograd.attention.attention_rng_state)")
+        if rng is None or rng.shape != (2,) or rng.dtype != torch.int64 or rng.device != rng_state.device:
+            raise ValueError("rng: the aten core with dropout takes an int64 [2] buffer on the inputs' device for "
+                             "FlashAttention-2's seed and offset (remat.autograd.attention.attention_rng_state)")
         rng.copy_(rng_state.view(torch.int64))
 
 
@@ -506,7 +513,7 @@ def _aten_core_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_
     recomputed from q, k and lse by its backward kernel. The CPU kernel is deterministic;
     FlashAttention-2's backward is deterministic under PyTorch's deterministic mode only, which the
     backend choice checked (aten_unsupported_reason)."""
-    _no_tables(cos, sin)
+    no_rope_tables(cos, sin)
     if q.device.type == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             *(t.transpose(1, 2) for t in (dout, q, k, v, o)), lse, 0.0, window_right == 0, scale=scale)
@@ -524,7 +531,7 @@ def _aten_core_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     """Packed attention through FlashAttention-2's variable-length entry (CUDA only; the CPU flash
     kernel has none): q [total_q, Hq, D] (rotated), k, v [total_k, Hkv, D] with int32 offsets.
     Returns o [total_q, Hq, D], lse [Hq, total_q]."""
-    _no_tables(cos, sin)
+    no_rope_tables(cos, sin)
     if q.device.type != "cuda":
         raise ValueError("the aten attention core has packed (cu_seqlens) attention on CUDA only")
     _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False),
@@ -541,7 +548,7 @@ def _aten_core_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max
                           rng, scale, softcap, window_left, window_right, dropout_p, deterministic):
     """Backward of _aten_core_varlen_fwd: FlashAttention-2's variable-length backward on the
     rotated q, k."""
-    _no_tables(cos, sin)
+    no_rope_tables(cos, sin)
     causal, left, right = _flash_window(window_left, window_right)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
@@ -659,10 +666,11 @@ def _rotated_once_varlen_bwd(ops, dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
 def rotated_once(ops):
     """``ops`` (an AttentionOps) with rope rotated once per pass outside its kernels (see the comment
     above): the same signatures; the kernels get cos = sin = None. Calls without tables go
-    straight through."""
+    straight through. Packed operators stay None where ``ops`` has none."""
+    packed = ops.attention_varlen_fwd is not None
     return AttentionOps(functools.partial(_rotated_once_fwd, ops), functools.partial(_rotated_once_bwd, ops),
-                        functools.partial(_rotated_once_varlen_fwd, ops),
-                        functools.partial(_rotated_once_varlen_bwd, ops))
+                        functools.partial(_rotated_once_varlen_fwd, ops) if packed else None,
+                        functools.partial(_rotated_once_varlen_bwd, ops) if packed else None)
 
 
 # The aten core: PyTorch's kernels have no rope, so remat's is applied around them by rotated_once.

@@ -1,0 +1,269 @@
+"""The cudnn attention core (cuDNN's fused attention through aten::_scaled_dot_product_cudnn_attention
+and its backward) and its place in attention's default order on CUDA.
+
+Without a GPU: when stock PyTorch tries cuDNN first (capabilities, cuDNN versions and the
+environment substituted), which calls the core takes, the default order, and that the forward and
+backward calls trace on fake CUDA tensors through PyTorch's meta kernels with the layouts and
+arguments cuDNN needs (a dispatch spy records them). The numerics run only on a GPU (marked gpu).
+The suite runs under torch.use_deterministic_algorithms(True), under which cuDNN's
+nondeterministic backward is refused, so the tests of the core turn it off.
+"""
+
+import importlib
+import types
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+import remat.ops.attention as attention_ops
+import remat.ops.attention_cudnn as attention_cudnn
+from remat.memory import saved_bytes
+from remat.options import AttentionOptions
+
+from helpers import case, deterministic_mode, make_inputs, run_and_check
+
+functional_attention = importlib.import_module("remat.functional.attention")
+CUDA0 = torch.device("cuda", 0)
+PLAIN = AttentionOptions(0.125, window_right=0, deterministic=False)
+
+
+def on_gpu(monkeypatch, capability, cudnn_version=92400, cuda="13.0"):
+    """Pretend a GPU of ``capability`` with cuDNN ``cudnn_version`` under CUDA ``cuda``."""
+    for module in (attention_ops, attention_cudnn):
+        monkeypatch.setattr(module, "device_capability", lambda index: capability)
+    monkeypatch.setattr(attention_cudnn, "_cudnn_version", lambda: cudnn_version)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+
+
+def reason(batch=2, n=64, m=64, hq=8, hkv=2, head_dim=128, dtype=torch.bfloat16, device=CUDA0, options=PLAIN,
+           **kwargs):
+    with deterministic_mode(False):
+        return attention_cudnn.cudnn_unsupported_reason(batch, n, m, hq, hkv, head_dim, dtype, device, options,
+                                                        **kwargs)
+
+
+def test_cudnn_is_preferred_where_pytorch_tries_it_first(monkeypatch):
+    """torch 2.14's rule (sdp_utils.cpp check_prefer_cudnn_attention): cuDNN newer than 9.15 on
+    sm_9x/sm_10x (before CUDA 13: minors 0 and 3 only), unless TORCH_CUDNN_SDPA_DEPRIORITIZED=1."""
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    for capability, expected in (((9, 0), True), ((10, 0), True), ((10, 3), True), ((10, 1), True), ((8, 0), False),
+                                 ((8, 9), False), ((12, 0), False), ((11, 0), False)):
+        on_gpu(monkeypatch, capability)
+        assert attention_cudnn.cudnn_preferred(CUDA0) is expected, capability
+    on_gpu(monkeypatch, (10, 1), cuda="12.8")
+    assert not attention_cudnn.cudnn_preferred(CUDA0)
+    on_gpu(monkeypatch, (10, 3), cuda="12.8")
+    assert attention_cudnn.cudnn_preferred(CUDA0)
+    for version in (91500, 91400, None):
+        on_gpu(monkeypatch, (9, 0), cudnn_version=version)
+        assert not attention_cudnn.cudnn_preferred(CUDA0)
+    on_gpu(monkeypatch, (9, 0), cudnn_version=91501)
+    assert attention_cudnn.cudnn_preferred(CUDA0)
+    monkeypatch.setattr(attention_cudnn, "_deprioritized", lambda: True)
+    assert not attention_cudnn.cudnn_preferred(CUDA0)
+
+
+def test_what_the_cudnn_core_takes(monkeypatch):
+    """GQA/MQA, causal with N == M or no mask with any N, M, fp16/bf16, head dims multiples of 8
+    up to 128, at least two queries and keys, a nondeterministic backward; nothing else, each
+    refusal saying why."""
+    on_gpu(monkeypatch, (9, 0))
+    assert reason() is None
+    assert reason(n=300, m=511, options=PLAIN._replace(window_right=-1)) is None
+    assert reason(hkv=1, head_dim=8, dtype=torch.float16) is None
+    assert reason(batch=65535, hq=65535, hkv=65535) is None
+    refusals = [
+        (dict(options=PLAIN._replace(softcap=30.0)), "softcap"),
+        (dict(options=PLAIN._replace(dropout_p=0.1)), "dropout"),
+        (dict(options=PLAIN._replace(window_left=16)), "sliding window"),
+        (dict(options=PLAIN._replace(window_right=4)), "sliding window"),
+        (dict(n=63), "top-left"),
+        (dict(varlen=True), "packed"),
+        (dict(device=torch.device("cpu")), "CUDA tensors"),
+        (dict(dtype=torch.float32), "float16/bfloat16"),
+        (dict(head_dim=100), "multiples of 8"),
+        (dict(head_dim=136), "up to 128"),
+        (dict(head_dim=256), "up to 128"),
+        (dict(batch=65536), "65535"),
+        (dict(hq=65536, hkv=1), "65535"),
+        (dict(n=1, m=1), "decoding"),
+        (dict(n=2, m=1, options=PLAIN._replace(window_right=-1)), "one key"),
+        (dict(options=PLAIN._replace(deterministic=True)), "not deterministic"),
+    ]
+    for kwargs, match in refusals:
+        assert match in (reason(**kwargs) or ""), (kwargs, match)
+    torch.use_deterministic_algorithms(True)  # the suite's setting, restored by the next reason()
+    assert "not deterministic" in attention_cudnn.cudnn_unsupported_reason(2, 64, 64, 8, 2, 128, torch.bfloat16,
+                                                                           CUDA0, PLAIN)
+    for capability in ((7, 5), (13, 0)):
+        on_gpu(monkeypatch, capability)
+        assert "sm_80 to sm_121" in reason()
+    on_gpu(monkeypatch, (9, 0))
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        assert "disabled" in reason()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    on_gpu(monkeypatch, (9, 0), cudnn_version=91500)
+    assert "older than 9.15.1" in reason()
+    on_gpu(monkeypatch, (9, 0), cudnn_version=None)
+    assert "no cuDNN" in reason()
+    on_gpu(monkeypatch, (9, 0))
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert "no cuDNN" in reason()
+
+
+def test_cuda_default_order_puts_cudnn_first_where_pytorch_does(monkeypatch):
+    """On an H200-like GPU a plain call defaults to the cudnn core; what it does not take goes to
+    the aten core (FlashAttention-2: bottom-right causal with N != M, windows, dropout, packed
+    calls); on an A100-like GPU, or with TORCH_CUDNN_SDPA_DEPRIORITIZED=1, FlashAttention-2 first."""
+    t = types.SimpleNamespace(device=CUDA0, dtype=torch.bfloat16)
+    choose = functional_attention._default_attention_backend
+    on_gpu(monkeypatch, (9, 0))
+    with deterministic_mode(False):
+        assert choose(t, 2, (64, 64, 8, 2, 128), PLAIN) == "cudnn"
+        assert choose(t, 2, (63, 64, 8, 2, 128), PLAIN) == "aten"
+        assert choose(t, 2, (64, 64, 8, 2, 128), PLAIN._replace(window_left=8)) == "aten"
+        assert choose(t, 2, (64, 64, 8, 2, 128), PLAIN._replace(dropout_p=0.1)) == "aten"
+        assert choose(t, 1, (64, 64, 8, 2, 128), PLAIN, varlen=True) == "aten"
+        assert choose(t, 2, (64, 64, 8, 2, 256), PLAIN) == "aten"
+        monkeypatch.setattr(attention_cudnn, "_deprioritized", lambda: True)
+        assert choose(t, 2, (64, 64, 8, 2, 128), PLAIN) == "aten"
+        monkeypatch.undo()
+        on_gpu(monkeypatch, (8, 0))
+        assert choose(t, 2, (64, 64, 8, 2, 128), PLAIN) == "aten"
+    # The suite's deterministic mode: neither cuDNN nor FlashAttention-2's atomic backward.
+    on_gpu(monkeypatch, (9, 0))
+    assert choose(t, 2, (64, 64, 8, 2, 128), PLAIN._replace(deterministic=True)) == "aten"
+
+
+def test_cudnn_backend_is_refused_where_it_cannot_run():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(remat.BackendUnavailableError, match="CUDA tensors"):
+        remat.attention(q, q, q, backend="cudnn")
+    with pytest.raises(remat.BackendUnavailableError, match="CUDA tensors"):
+        remat.rms_norm(torch.randn(2, 8), None, backend="cudnn")
+    with pytest.raises(remat.BackendUnavailableError, match="fused attention cores, for attention only"):
+        remat.ops.ops_for("norm", "cudnn")
+    assert remat.ops.ops_for("attention", "cudnn").attention_varlen_fwd is None
+
+
+class _CudnnCalls(TorchDispatchMode):
+    """Records the cuDNN attention forward and backward calls with their arguments."""
+
+    OPS = (torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+           torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default)
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.OPS:
+            self.calls.append((func, args, kwargs or {}, out))
+        return out
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_calls_trace_on_fake_cuda_tensors(monkeypatch, rope):
+    """remat.attention(backend="cudnn") on fake CUDA tensors (GQA, causal, N == M; with rope
+    around the core): cuDNN gets [B, H, N, D] views of remat's [B, N, H, D] operands, the causal
+    flag and the scale; its [B, Hq, N, 1] statistics are saved as the [B, Hq, N] view and handed
+    back to the backward as [B, Hq, N, 1] with the lengths N, M; o and the gradients come back
+    contiguous [B, N, H, D]; saved: q, k, v, o, lse (no RNG state) and the caller's tables."""
+    on_gpu(monkeypatch, (9, 0))
+    with deterministic_mode(False), FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(2, 7, 4, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(2, 7, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.empty(2, 7, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+        tables = (torch.empty(7, 32, device=CUDA0), torch.empty(7, 32, device=CUDA0)) if rope else None
+        saved = []
+        with _CudnnCalls() as spy:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                o = remat.attention(q, k, v, causal=True, scale=0.2, rope=tables, backend="cudnn")
+            # The autograd engine needs a real CUDA context; the Function's backward is called directly.
+            grads = o.grad_fn.apply(torch.empty_like(o))
+        (forward, forward_args, forward_kwargs, forward_out), (backward, backward_args, backward_kwargs, _) = spy.calls
+        assert forward is _CudnnCalls.OPS[0] and backward is _CudnnCalls.OPS[1]
+        assert [tuple(t.shape) for t in forward_args[:3]] == [(2, 4, 7, 64), (2, 2, 7, 64), (2, 2, 7, 64)]
+        assert forward_args[3:7] == (None, True, 0.0, True) and forward_kwargs["scale"] == 0.2
+        lse = forward_out[1]
+        assert lse.shape == (2, 4, 7, 1) and lse.dtype == torch.float32
+        assert tuple(backward_args[5].shape) == (2, 4, 7, 1)
+        assert backward_args[11:15] == (7, 7, 0.0, True) and backward_kwargs["scale"] == 0.2
+        assert [tuple(t.shape) for t in backward_args[:5]] == [(2, 4, 7, 64), (2, 4, 7, 64), (2, 2, 7, 64),
+                                                              (2, 2, 7, 64), (2, 4, 7, 64)]
+        assert o.shape == q.shape and o.is_contiguous()
+        assert [(g.shape, g.dtype, g.is_contiguous()) for g in grads[:3]] == \
+            [(t.shape, t.dtype, True) for t in (q, k, v)]
+        # q, k, v, o, fp32 lse [2, 4, 7], the caller's tables; no RNG state.
+        assert sum(t.nbytes for t in saved) == 2 * q.nbytes + 2 * k.nbytes + 2 * 4 * 7 * 4 + \
+            (2 * 7 * 32 * 4 if rope else 0)
+        assert not any(t.dtype == torch.int64 for t in saved)
+
+
+# On a GPU (not run here).
+CUDNN_CASES = [
+    case("b2-n1024-d128-gqa4-causal", 2, 1024, 1024, 8, 2, 128, causal=True),
+    case("n300-m511-d64-mqa", 1, 300, 511, 4, 1, 64),
+    case("n257-d80-causal-rope", 2, 257, 257, 4, 2, 80, causal=True, rope="per_batch"),
+    case("n333-d128-bhnd", 1, 333, 333, 2, 2, 128, layout="bhnd"),
+    case("n77-d16", 2, 77, 77, 2, 1, 16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("spec", CUDNN_CASES)
+def test_gpu_cudnn_core_matches_float64_reference(spec, dtype):
+    """The 2x rule against float64 (o, dq, dk, dv), outside deterministic mode (cuDNN's backward
+    is not deterministic)."""
+    run_and_check(spec, dtype, "cudnn", deterministic=False, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_cudnn_core_forward_is_sdpas(causal):
+    """The core's o is bitwise what scaled_dot_product_attention computes on its cuDNN backend for
+    the same [B, H, N, D] views (GQA through enable_gqa); it saves q, k, v, o and lse only."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    spec = dict(b=2, n=512, m=512, hq=8, hkv=2, d=128)
+    # Inputs that require grad, so both calls ask cuDNN for the softmax statistics (one graph).
+    q, k, v = (t.requires_grad_() for t in make_inputs(spec, torch.bfloat16, device="cuda")[:3])
+    with deterministic_mode(False):
+        o = remat.attention(q, k, v, causal=causal, backend="cudnn")
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            stock = torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal, enable_gqa=True).transpose(1, 2)
+        assert torch.equal(o, stock)
+        contract = (2 * q.numel() + k.numel() + v.numel()) * 2 + 2 * 8 * 512 * 4
+        assert saved_bytes(remat.attention, q, k, v, causal=causal, backend="cudnn") == contract
+
+
+@pytest.mark.gpu
+def test_gpu_default_takes_cudnn_exactly_where_pytorch_does():
+    """remat's rule (cudnn_preferred, cudnn_unsupported_reason) against PyTorch's own selection on
+    this GPU (torch._fused_sdp_choice: 3 is cuDNN): on calls the cudnn core takes by its own
+    limits, the default is "cudnn" exactly when stock SDPA picks cuDNN."""
+    import remat.autograd.attention as attention_function
+
+    used = []
+    real = attention_function.ops_for
+    attention_function.ops_for = lambda block, name: used.append(name) or real(block, name)
+    try:
+        with deterministic_mode(False):
+            for n, hq, hkv, d, causal in ((256, 8, 8, 64, True), (256, 8, 2, 128, False), (100, 4, 1, 32, True)):
+                q = torch.randn(1, n, hq, d, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(1, n, hkv, d, device="cuda", dtype=torch.bfloat16)
+                stock = torch._fused_sdp_choice(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
+                                                is_causal=causal, enable_gqa=hq != hkv)
+                used.clear()
+                remat.attention(q, k, k, causal=causal)
+                assert (used[0] == "cudnn") == (stock == 3), (n, hq, hkv, d, causal, stock, used)
+    finally:
+        attention_function.ops_for = real
