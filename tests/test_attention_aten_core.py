@@ -379,8 +379,10 @@ def test_gpu_flashattention_dropout_matches_float64_reference_with_its_mask(dtyp
 
 @pytest.mark.gpu
 def test_gpu_default_is_flashattention_and_saves_what_triton_saves():
-    """The default on a CUDA bf16 call is the aten core; it saves the same bytes as remat's
-    Triton kernels (q, k, v, o, lse) and agrees with them within the 2x rule."""
+    """The default on a CUDA bf16 call under the suite's deterministic mode is the aten core
+    (FlashAttention-2's deterministic backward; the cudnn core, the default outside that mode on
+    sm_90/sm_10x, has none); it saves the same bytes as remat's Triton kernels (q, k, v, o, lse)
+    and agrees with them within the 2x rule."""
     import remat.autograd.attention as attention_function
 
     spec = case("b1-n300-d64-gqa-causal", 1, 300, 300, 4, 2, 64, causal=True)

@@ -62,7 +62,9 @@ def test_cudnn_is_preferred_where_pytorch_tries_it_first(monkeypatch):
         assert not attention_cudnn.cudnn_preferred(CUDA0)
     on_gpu(monkeypatch, (9, 0), cudnn_version=91501)
     assert attention_cudnn.cudnn_preferred(CUDA0)
-    monkeypatch.setattr(attention_cudnn, "_deprioritized", lambda: True)
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0")
+    assert attention_cudnn.cudnn_preferred(CUDA0)
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
     assert not attention_cudnn.cudnn_preferred(CUDA0)
 
 
@@ -130,7 +132,7 @@ def test_cuda_default_order_puts_cudnn_first_where_pytorch_does(monkeypatch):
         assert choose(t, 2, (64, 64, 8, 2, 128), PLAIN._replace(dropout_p=0.1)) == "aten"
         assert choose(t, 1, (64, 64, 8, 2, 128), PLAIN, varlen=True) == "aten"
         assert choose(t, 2, (64, 64, 8, 2, 256), PLAIN) == "aten"
-        monkeypatch.setattr(attention_cudnn, "_deprioritized", lambda: True)
+        monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
         assert choose(t, 2, (64, 64, 8, 2, 128), PLAIN) == "aten"
         monkeypatch.undo()
         on_gpu(monkeypatch, (8, 0))
@@ -168,42 +170,80 @@ class _CudnnCalls(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("rope", [False, True])
-def test_calls_trace_on_fake_cuda_tensors(monkeypatch, rope):
-    """remat.attention(backend="cudnn") on fake CUDA tensors (GQA, causal, N == M; with rope
-    around the core): cuDNN gets [B, H, N, D] views of remat's [B, N, H, D] operands, the causal
-    flag and the scale; its [B, Hq, N, 1] statistics are saved as the [B, Hq, N] view and handed
-    back to the backward as [B, Hq, N, 1] with the lengths N, M; o and the gradients come back
-    contiguous [B, N, H, D]; saved: q, k, v, o, lse (no RNG state) and the caller's tables."""
+def _storage(t):
+    return t.untyped_storage()._cdata
+
+
+@pytest.mark.parametrize("rope,causal,m", [(False, True, 7), (True, True, 7), (False, False, 9)],
+                         ids=["causal", "causal-rope", "n7-m9"])
+def test_calls_trace_on_fake_cuda_tensors(monkeypatch, rope, causal, m):
+    """remat.attention(backend="cudnn") on fake CUDA tensors (GQA; causal with N == M, also with
+    rope around the core, or no mask with N != M): cuDNN gets [B, H, N, D] views of remat's
+    [B, N, H, D] q, k, v (the very tensors, in that order), the causal flag and the scale; its
+    [B, Hq, N, 1] statistics are saved as the [B, Hq, N] view and handed back to the backward as
+    [B, Hq, N, 1] with the lengths N, M; dq, dk, dv are the backward's outputs in that order,
+    contiguous [B, N, H, D] like o; saved: q, k, v, o, lse (no RNG state) and the caller's tables."""
     on_gpu(monkeypatch, (9, 0))
+    n = 7
     with deterministic_mode(False), FakeTensorMode(allow_non_fake_inputs=True):
-        q = torch.empty(2, 7, 4, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
-        k = torch.empty(2, 7, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
-        v = torch.empty(2, 7, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
-        tables = (torch.empty(7, 32, device=CUDA0), torch.empty(7, 32, device=CUDA0)) if rope else None
+        q = torch.empty(2, n, 4, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(2, m, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.empty(2, m, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+        tables = (torch.empty(m, 32, device=CUDA0), torch.empty(m, 32, device=CUDA0)) if rope else None
         saved = []
         with _CudnnCalls() as spy:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                o = remat.attention(q, k, v, causal=True, scale=0.2, rope=tables, backend="cudnn")
+                o = remat.attention(q, k, v, causal=causal, scale=0.2, rope=tables, backend="cudnn")
             # The autograd engine needs a real CUDA context; the Function's backward is called directly.
             grads = o.grad_fn.apply(torch.empty_like(o))
-        (forward, forward_args, forward_kwargs, forward_out), (backward, backward_args, backward_kwargs, _) = spy.calls
+        (forward, forward_args, forward_kwargs, forward_out), (backward, backward_args, backward_kwargs,
+                                                               backward_out) = spy.calls
         assert forward is _CudnnCalls.OPS[0] and backward is _CudnnCalls.OPS[1]
-        assert [tuple(t.shape) for t in forward_args[:3]] == [(2, 4, 7, 64), (2, 2, 7, 64), (2, 2, 7, 64)]
-        assert forward_args[3:7] == (None, True, 0.0, True) and forward_kwargs["scale"] == 0.2
+        assert [tuple(t.shape) for t in forward_args[:3]] == [(2, 4, n, 64), (2, 2, m, 64), (2, 2, m, 64)]
+        if not rope:  # with rope q and k are the rotated copies
+            assert [_storage(t) for t in forward_args[:3]] == [_storage(t) for t in (q, k, v)]
+        # The dispatcher drops trailing arguments at their defaults (dropout_p=0.0, is_causal=False).
+        assert (forward_args[3:7] + (0.0, False)[len(forward_args[5:7]):]) == (None, True, 0.0, causal)
+        assert forward_kwargs["scale"] == 0.2
         lse = forward_out[1]
-        assert lse.shape == (2, 4, 7, 1) and lse.dtype == torch.float32
-        assert tuple(backward_args[5].shape) == (2, 4, 7, 1)
-        assert backward_args[11:15] == (7, 7, 0.0, True) and backward_kwargs["scale"] == 0.2
-        assert [tuple(t.shape) for t in backward_args[:5]] == [(2, 4, 7, 64), (2, 4, 7, 64), (2, 2, 7, 64),
-                                                              (2, 2, 7, 64), (2, 4, 7, 64)]
+        assert lse.shape == (2, 4, n, 1) and lse.dtype == torch.float32
+        assert tuple(backward_args[5].shape) == (2, 4, n, 1)
+        assert backward_args[11:15] == (n, m, 0.0, causal) and backward_kwargs["scale"] == 0.2
+        assert [tuple(t.shape) for t in backward_args[:5]] == [(2, 4, n, 64), (2, 4, n, 64), (2, 2, m, 64),
+                                                              (2, 2, m, 64), (2, 4, n, 64)]
+        assert _storage(backward_args[3]) == _storage(v) and _storage(backward_args[4]) == _storage(o)
         assert o.shape == q.shape and o.is_contiguous()
         assert [(g.shape, g.dtype, g.is_contiguous()) for g in grads[:3]] == \
             [(t.shape, t.dtype, True) for t in (q, k, v)]
+        if not rope:  # with rope dq and dk are rotated back into new tensors
+            assert [_storage(g) for g in grads[:3]] == [_storage(g) for g in backward_out]
+        assert _storage(grads[2]) == _storage(backward_out[2])
         # q, k, v, o, fp32 lse [2, 4, 7], the caller's tables; no RNG state.
-        assert sum(t.nbytes for t in saved) == 2 * q.nbytes + 2 * k.nbytes + 2 * 4 * 7 * 4 + \
-            (2 * 7 * 32 * 4 if rope else 0)
+        assert sum(t.nbytes for t in saved) == 2 * q.nbytes + 2 * k.nbytes + 2 * 4 * n * 4 + \
+            (2 * m * 32 * 4 if rope else 0)
         assert not any(t.dtype == torch.int64 for t in saved)
+
+
+@pytest.mark.parametrize("backend", ["cudnn", None], ids=["asked", "default"])
+def test_fused_attention_sub_block_runs_on_cudnn(monkeypatch, backend):
+    """remat.norm_attention (the fused layers' attention sub-block) on fake CUDA tensors of an
+    H200-like GPU: asked for, and by default outside deterministic mode, its attention runs
+    through both cuDNN calls while its norms take the device's default backend (cudnn has no norm
+    operators)."""
+    import remat.backend as backend_module
+
+    on_gpu(monkeypatch, (9, 0))
+    monkeypatch.setattr(backend_module, "device_capability", lambda index: (9, 0))
+    with deterministic_mode(False), FakeTensorMode(allow_non_fake_inputs=True):
+        b, n, hidden, hq, hkv, d = 2, 6, 32, 4, 2, 16
+        x, norm_weight, w_q, w_k, w_v = (torch.empty(*shape, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+                                         for shape in ((b, n, hidden), (hidden,), (hq * d, hidden), (hkv * d, hidden),
+                                                       (hkv * d, hidden)))
+        with _CudnnCalls() as spy:
+            o = remat.norm_attention(x, norm_weight, w_q, w_k, w_v, num_heads=hq, num_kv_heads=hkv, backend=backend)
+            grads = o.grad_fn.apply(torch.empty_like(o))
+        assert [call[0] for call in spy.calls] == list(_CudnnCalls.OPS)
+        assert grads[0].shape == x.shape
 
 
 # On a GPU (not run here).

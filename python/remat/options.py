@@ -34,10 +34,11 @@ class NormAttentionOptions(NamedTuple):
     shape: (B, N, Hq, Hkv, D). norm: "rms", "layer" or "gemma" (RMSNorm with weight 1 + w in
     fp32). eps: the norm's epsilon. attention: the :class:`AttentionOptions`. keep_qkv: save q, k,
     v for backward (True) or recompute them with the projection GEMMs (False). norm_backend: the
-    backend of the norm kernels, which differs from the attention's when that is the "aten" core
-    (attention only). qk_norm: None, or the per-head norm of q and k over D after the projections
-    and before rope ("rms": Qwen3; "gemma": Gemma 3); qk_eps: its epsilon. max_seqlen: with
-    packed sequences (cu_seqlens), the upper bound of their lengths; None for a dense call.
+    backend of the norm kernels, which differs from the attention's when that is one of the
+    PyTorch cores, "aten" or "cudnn" (attention only). qk_norm: None, or the per-head norm of q
+    and k over D after the projections and before rope ("rms": Qwen3; "gemma": Gemma 3); qk_eps:
+    its epsilon. max_seqlen: with packed sequences (cu_seqlens), the upper bound of their
+    lengths; None for a dense call.
     """
 
     shape: tuple

@@ -50,7 +50,8 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
             position j uses row j, q row i uses row i + M - N (needs N <= M). Applied inside the
             kernels (the C++ and CUDA ones in forward and again in the backward recompute; the
             Triton forward when no backward can follow) or to q and k once per pass before them
-            (the aten core; Triton when a backward can follow); rotated copies are never saved.
+            (the aten and cudnn cores; Triton when a backward can follow); rotated copies are never
+            saved.
         window: ``(left, right)`` sliding window: query at position p sees keys p - left .. p +
             right; None on a side is unbounded. Combines with ``causal``.
         softcap: Gemma-2 logit capping, ``softcap * tanh(logits / softcap)``; None (default) off.
