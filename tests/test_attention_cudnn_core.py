@@ -23,7 +23,8 @@ import remat.ops.attention_cudnn as attention_cudnn
 from remat.memory import saved_bytes
 from remat.options import AttentionOptions
 
-from helpers import case, deterministic_mode, make_inputs, run_and_check
+from _checks import assert_within_2x_of_stock
+from helpers import batch, case, causal_lm, deterministic_mode, logits_and_grads, make_inputs, run_and_check
 
 functional_attention = importlib.import_module("remat.functional.attention")
 CUDA0 = torch.device("cuda", 0)
@@ -307,3 +308,37 @@ def test_gpu_default_takes_cudnn_exactly_where_pytorch_does():
                 assert (used[0] == "cudnn") == (stock == 3), (n, hq, hkv, d, causal, stock, used)
     finally:
         attention_function.ops_for = real
+
+
+@pytest.mark.gpu
+def test_gpu_patched_llama_runs_the_default_core_and_matches_stock():
+    """A patched Hugging Face Llama on the GPU, outside deterministic mode, on an unpadded batch
+    (its layers run dense attention): the attention runs on the cudnn core exactly where PyTorch
+    prefers cuDNN (else on aten), and the logits, the loss and every gradient meet the 2x rule
+    against the float64 model, with the stock bf16 model (SDPA) as the stock."""
+    import remat.autograd.attention as attention_function
+
+    ids, mask, _ = batch()
+    ids, mask = ids.cuda(), torch.ones_like(mask).cuda()
+    labels = ids.clone()
+    reference = causal_lm("llama", torch.float64).cuda()
+    stock = causal_lm("llama", torch.bfloat16, attn_implementation="sdpa").cuda()
+    patched = causal_lm("llama", torch.bfloat16).cuda()
+    remat.patch(patched)
+    used = []
+    real = attention_function.ops_for
+    attention_function.ops_for = lambda block, name: used.append(name) or real(block, name)
+    try:
+        with deterministic_mode(False):
+            want = logits_and_grads(reference, ids, mask, labels)
+            base = logits_and_grads(stock, ids, mask, labels)
+            got = logits_and_grads(patched, ids, mask, labels)
+    finally:
+        attention_function.ops_for = real
+    expected = "cudnn" if attention_cudnn.cudnn_preferred(torch.device("cuda", torch.cuda.current_device())) else "aten"
+    assert used and set(used) == {expected}, used
+    assert_within_2x_of_stock("logits", got[0].cpu(), base[0].cpu(), want[0].cpu(), torch.bfloat16)
+    assert_within_2x_of_stock("loss", got[1].reshape(1).cpu(), base[1].reshape(1).cpu(), want[1].reshape(1).cpu(),
+                              torch.bfloat16)
+    for name in want[2]:
+        assert_within_2x_of_stock(name, got[2][name].cpu(), base[2][name].cpu(), want[2][name].cpu(), torch.bfloat16)
