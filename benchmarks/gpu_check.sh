@@ -69,10 +69,11 @@ echo "built in $(( $(date +%s) - start ))s" | tee -a "$LOG"
 set -f
 # The defaults put first what no GPU has run yet (the first H200 session, 2026-11-30, ran the
 # attention tests and the attention, MLP and cross-entropy benchmarks; ~800 gpu tests take longer
-# than one call, and xdist hands them out in the order given).
-read -ra tests <<< "${GPU_CHECK_TESTS--m gpu tests/test_rope_rotate.py tests/test_norm.py tests/test_mlp.py tests/test_ops.py \
-tests/test_cross_entropy.py tests/test_device_launch.py tests/test_attention_aten_core.py tests/test_attention_cudnn_core.py \
-tests/test_attention_tuning.py tests/test_varlen_attention.py tests/test_attention.py}"
+# than one call, and xdist hands them out in the order given), and of that first the PyTorch
+# attention cores, the default attention on an H200 (cudnn since 2026-12-01, aten for the rest).
+read -ra tests <<< "${GPU_CHECK_TESTS--m gpu tests/test_attention_cudnn_core.py tests/test_attention_aten_core.py \
+tests/test_rope_rotate.py tests/test_norm.py tests/test_mlp.py tests/test_ops.py tests/test_cross_entropy.py \
+tests/test_device_launch.py tests/test_attention_tuning.py tests/test_varlen_attention.py tests/test_attention.py}"
 read -ra benches <<< "${GPU_CHECK_BENCHES-layers:150 norm:45 attention:60 mlp:40 cross_entropy:40}"
 set +f
 # REMAT_ATTENTION_AUTOTUNE=0: one tile per Triton attention kernel, so the many feature
