@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make gpu-check`: on a GPU machine with its own python3 and torch, no venv and no network.
 # Builds the extension for sm_90 in place, runs the gpu-marked tests, then the benchmarks in order of
-# what the project lacks most (layers, norm, attention, MLP, cross-entropy), then the Triton test
+# what the project lacks most (attention: its default on an H200 changed to cuDNN untimed, then
+# layers, norm, MLP, cross-entropy), then the Triton test
 # modules compiled; each phase gets what is left of a deadline (GPU_CHECK_SECONDS, default 540 s
 # from the start) so the whole check ends inside one device call. Writes under $OUT (or gpu-out/): log.txt (everything, tests and tables included) and
 # one CSV per benchmark (the device tool brings back at most 8 files). Exits non-zero if the build,
@@ -74,7 +75,7 @@ set -f
 read -ra tests <<< "${GPU_CHECK_TESTS--m gpu tests/test_attention_cudnn_core.py tests/test_attention_aten_core.py \
 tests/test_rope_rotate.py tests/test_norm.py tests/test_mlp.py tests/test_ops.py tests/test_cross_entropy.py \
 tests/test_device_launch.py tests/test_attention_tuning.py tests/test_varlen_attention.py tests/test_attention.py}"
-read -ra benches <<< "${GPU_CHECK_BENCHES-layers:150 norm:45 attention:60 mlp:40 cross_entropy:40}"
+read -ra benches <<< "${GPU_CHECK_BENCHES-attention:90 layers:150 norm:45 mlp:40 cross_entropy:40}"
 set +f
 # REMAT_ATTENTION_AUTOTUNE=0: one tile per Triton attention kernel, so the many feature
 # specializations of the tests compile once each instead of once per candidate tile; -n 12
