@@ -412,10 +412,17 @@ def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options, var
         return f"no PyTorch fused attention kernel for {device.type} tensors"
     if options.dropout_p > 0:
         return "PyTorch's CPU flash attention has no dropout"
+    return windowless_top_left_reason("PyTorch's CPU flash attention", n, m, options)
+
+
+def windowless_top_left_reason(kernel, n, m, options):
+    """Why ``kernel``, a PyTorch attention kernel without sliding windows whose causal mask aligns
+    the first query with the first key (the CPU flash kernel, cuDNN), cannot run remat's call of N
+    queries and M keys with these options, or None: no window, and causal needs N == M."""
     if options.window_left >= 0 or options.window_right > 0:
-        return "PyTorch's CPU flash attention has no sliding window"
+        return f"{kernel} has no sliding window"
     if options.window_right == 0 and n != m:
-        return "PyTorch's CPU flash attention aligns the causal mask top-left; remat aligns it bottom-right (N != M)"
+        return f"{kernel} aligns the causal mask top-left; remat aligns it bottom-right (N != M)"
     return None
 
 

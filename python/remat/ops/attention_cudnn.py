@@ -25,7 +25,7 @@ import os
 import torch
 
 from remat.backend import device_capability
-from remat.ops.attention import AttentionOps, no_rope_tables, rotated_once
+from remat.ops.attention import AttentionOps, no_rope_tables, rotated_once, windowless_top_left_reason
 from remat.options import AttentionOptions
 
 # torch.backends.cudnn.version() numbers (major * 10000 + minor * 100 + patch). PyTorch prefers
@@ -98,10 +98,9 @@ def cudnn_unsupported_reason(batch, n, m, hq, hkv, head_dim, dtype, device, opti
         return "PyTorch's cuDNN attention has no logit softcap"
     if options.dropout_p > 0:
         return "remat runs dropout on the aten core (FlashAttention-2's own dropout), not on cuDNN"
-    if options.window_left >= 0 or options.window_right > 0:
-        return "PyTorch's cuDNN attention has no sliding window"
-    if options.window_right == 0 and n != m:
-        return "PyTorch's cuDNN attention aligns the causal mask top-left; remat aligns it bottom-right (N != M)"
+    mask_reason = windowless_top_left_reason("PyTorch's cuDNN attention", n, m, options)
+    if mask_reason is not None:
+        return mask_reason
     if varlen:
         return "packed (cu_seqlens) calls go to the aten core (FlashAttention-2's variable-length entry)"
     if device.type != "cuda":
