@@ -268,4 +268,4 @@ summary_columns = ["length", "head_dim", "causal", "rope", "dropout_p", "dtype",
                    "time_vs_sdpa_verdict", "time_vs_eager", "time_vs_eager_verdict", "time_vs_rope_triton",
                    "time_vs_rope_triton_verdict", "time_vs_sdpa_rope", "time_vs_sdpa_rope_q20",
                    "time_vs_sdpa_rope_q80", "time_vs_sdpa_rope_verdict", "median_ms", "tflops",
-                   "saved_bytes_per_token", "peak_mem_bytes", "suspect"]
+                   "saved_bytes_per_token", "peak_mem_bytes", "full_vs_parts", "full_vs_parts_overlap_floor", "suspect"]

@@ -137,12 +137,15 @@ def loss_step(model, inputs):
 
 
 def _timed(device, fn, *args):
-    """(milliseconds, result) of one ``fn(*args)``, the device synchronized before and after."""
+    """(milliseconds, host milliseconds, result) of one ``fn(*args)``, the device synchronized
+    before and after: the host time runs until ``fn`` returned, before the final synchronize (on a
+    GPU the time to enqueue the work; on the CPU, which runs it synchronously, the whole time)."""
     _sync(device)
     start = time.perf_counter()
     result = fn(*args)
+    returned = time.perf_counter()
     _sync(device)
-    return (time.perf_counter() - start) * 1e3, result
+    return (time.perf_counter() - start) * 1e3, (returned - start) * 1e3, result
 
 
 def run_step(step):
@@ -151,18 +154,21 @@ def run_step(step):
 
 
 def _time_step(step, device, out, split_first):
-    """Appends one round's times of ``step`` (a Step) to ``out`` (mode -> list of ms)."""
+    """Appends one round's times of ``step`` (a Step) to ``out`` (mode -> list of ms); on a GPU
+    also "backward_host", the host time of the backward timed apart (``_timed``)."""
     if step.inference is not None:
         out.setdefault("forward", []).append(_timed(device, step.inference)[0])
     for part in ("split", "full") if split_first else ("full", "split"):
         if part == "full":
             out.setdefault("full", []).append(_timed(device, run_step, step)[0])
         else:
-            forward_ms, state = _timed(device, step.forward)
-            backward_ms, _ = _timed(device, step.backward, state)
+            forward_ms, _, state = _timed(device, step.forward)
+            backward_ms, backward_host_ms, _ = _timed(device, step.backward, state)
             del state
             out.setdefault("forward_graph", []).append(forward_ms)
             out.setdefault("backward", []).append(backward_ms)
+            if device.type == "cuda":
+                out.setdefault("backward_host", []).append(backward_host_ms)
 
 
 def interleaved_timings(steps, device, *, rounds, warmup=1, after_round=None):
@@ -177,6 +183,7 @@ def interleaved_timings(steps, device, *, rounds, warmup=1, after_round=None):
       "forward"        its inference() (Steps with one only),
       "forward_graph"  its forward() and "backward" its backward(state), as two timed calls,
       "full"           backward(forward()) as one timed call (a plain callable: this mode only),
+      "backward_host"  on a GPU, the host time of the backward timed apart (``_timed``),
     the split step and the whole step alternating which goes first (an even number of rounds gives
     each order equally often: the first after another provider's step may find colder caches). Load
     that drifts over seconds
@@ -240,6 +247,19 @@ def _full_vs_parts(modes):
     return _round_ratios(modes["full"], [g + b for g, b in zip(modes["forward_graph"], modes["backward"], strict=True)])
 
 
+def _overlap_floor(modes):
+    """Per round: the lowest full / (forward + backward timed apart) that launch overlap alone
+    explains on a GPU, 1 - min(backward host time, forward time) / (forward + backward).
+
+    Why: timed apart, the backward starts on an idle, synchronized GPU, which waits while the host
+    enqueues the backward (autograd, remat's Functions, the launches); in the whole step the host
+    enqueues the backward while the GPU still runs the forward, so up to the backward's host time,
+    and at most the forward's length, is hidden. A full step above this floor is explained by that
+    overlap; one below it is not."""
+    return [1.0 - min(h, g) / (g + b)
+            for h, g, b in zip(modes["backward_host"], modes["forward_graph"], modes["backward"], strict=True)]
+
+
 def verdict(q20, q80):
     """What a time ratio's 20-80% band claims: "faster" (entirely below 1), "slower" (entirely
     above 1) or "inconclusive" (it contains 1: the effect is not resolved by the measurement)."""
@@ -265,8 +285,14 @@ def suspect_reasons(modes, tolerance=FULL_STEP_TOLERANCE):
     if "full" in modes and "backward" in modes:
         median, q20, q80 = median_band(_full_vs_parts(modes))
         if q80 < 1.0 - tolerance:
-            reasons.append(f"full step faster than its forward plus backward timed apart "
-                           f"(full/(forward+backward) {median:.3f} [{q20:.3f}, {q80:.3f}])")
+            reason = (f"full step faster than its forward plus backward timed apart "
+                      f"(full/(forward+backward) {median:.3f} [{q20:.3f}, {q80:.3f}])")
+            if "backward_host" in modes:
+                floor, floor_q20, floor_q80 = median_band(_overlap_floor(modes))
+                within = "within" if median >= floor - tolerance else "beyond"
+                reason += (f", {within} what the backward's host time overlapping the forward explains "
+                           f"(overlap floor {floor:.3f} [{floor_q20:.3f}, {floor_q80:.3f}])")
+            reasons.append(reason)
     return "; ".join(reasons)
 
 
@@ -288,7 +314,9 @@ def timing_summary(times, baselines, case=""):
     ratios) and ``time_vs_<label>_verdict`` ("faster", "slower", "inconclusive" where the band
     contains 1, "baseline" on the baseline's own rows; every column "" where the baseline was not
     measured); ``full_vs_parts`` (median, ``_q20``, ``_q80``: full step / (forward + backward
-    timed apart), "full" rows only); ``suspect`` (``suspect_reasons``, on every row of a provider
+    timed apart), "full" rows only); ``full_vs_parts_overlap_floor`` (on a GPU, "full" rows: the
+    median of ``_overlap_floor``, the lowest full_vs_parts that the backward's launches overlapping
+    the forward explain; "" on the CPU, which runs synchronously); ``suspect`` (``suspect_reasons``, on every row of a provider
     whose times cannot be right: a warning naming ``case`` goes to stderr); the absolute times
     ``median_ms``, ``q20_ms``, ``q80_ms``, secondary (they move with the machine's load, the
     ratios much less)."""
@@ -313,6 +341,8 @@ def timing_summary(times, baselines, case=""):
                                 f"{key}_verdict": "baseline" if name == baseline else verdict(q20, q80)})
             ratio = median_band(_full_vs_parts(modes)) if mode == "full" and "backward" in modes else ("", "", "")
             columns.update(zip(("full_vs_parts", "full_vs_parts_q20", "full_vs_parts_q80"), ratio))
+            columns["full_vs_parts_overlap_floor"] = (
+                statistics.median(_overlap_floor(modes)) if mode == "full" and "backward_host" in modes else "")
             columns["suspect"] = suspect
             columns.update(zip(("median_ms", "q20_ms", "q80_ms"), median_band(modes[mode])))
             out[name, mode] = columns

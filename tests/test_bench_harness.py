@@ -86,7 +86,8 @@ def test_harness_on_real_autograd_steps_gives_every_column():
     assert set(summary) == {(n, m) for n in steps for m in ("forward", "backward", "full")}
     expected = {"rounds", "time_vs_eager", "time_vs_eager_q20", "time_vs_eager_q80", "time_vs_eager_verdict",
                 "time_vs_liger", "time_vs_liger_q20", "time_vs_liger_q80", "time_vs_liger_verdict",
-                "full_vs_parts", "full_vs_parts_q20", "full_vs_parts_q80", "suspect", "median_ms", "q20_ms", "q80_ms"}
+                "full_vs_parts", "full_vs_parts_q20", "full_vs_parts_q80", "full_vs_parts_overlap_floor", "suspect",
+                "median_ms", "q20_ms", "q80_ms"}
     for (name, mode), columns in summary.items():
         assert set(columns) == expected
         assert columns["rounds"] == 3
@@ -96,6 +97,7 @@ def test_harness_on_real_autograd_steps_gives_every_column():
         assert columns["time_vs_eager_verdict"] in (("baseline",) if name == "matmul" else
                                                     ("faster", "slower", "inconclusive"))
         assert (columns["full_vs_parts"] == "") == (mode != "full")
+        assert columns["full_vs_parts_overlap_floor"] == ""  # the CPU runs synchronously: no launch overlap
     # The steps computed real gradients (autograd.grad, nothing accumulated into .grad).
     assert x.grad is None and w.grad is None
 
@@ -164,6 +166,64 @@ def test_summary_marks_suspect_rows_and_warns(capsys):
     full = summary["remat", "full"]
     assert full["full_vs_parts"] == pytest.approx(2.0 / 3.2, rel=0.05)
     assert full["time_vs_eager_verdict"] == "faster"
+
+
+class _FakeClock:
+    """perf_counter for the harness on a simulated GPU: the host advances it by what a call costs
+    the host, a synchronize by the device work still queued (chosen numbers, nothing measured)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.queued = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def host(self, ms, device_ms):
+        self.now += ms * 1e-3
+        self.queued += device_ms * 1e-3
+
+    def sync(self, device):
+        self.now += self.queued
+        self.queued = 0.0
+
+
+def test_gpu_split_records_the_backward_host_time_and_the_cpu_does_not(monkeypatch):
+    import benchmarks.common as common
+
+    clock = _FakeClock()
+    monkeypatch.setattr(common.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(common, "_sync", clock.sync)
+    # forward: 0.2 ms of host time enqueues 3 ms of device work; backward: 0.5 ms enqueues 6 ms.
+    step = Step(lambda: clock.host(0.2, 3.0), lambda state: clock.host(0.5, 6.0))
+    gpu = interleaved_timings({"a": step}, torch.device("cuda"), rounds=2, warmup=0)["a"]
+    assert gpu["backward_host"] == pytest.approx([0.5, 0.5])
+    assert gpu["backward"] == pytest.approx([6.5, 6.5])
+    assert gpu["forward_graph"] == pytest.approx([3.2, 3.2])
+    assert "backward_host" not in interleaved_timings({"a": step}, CPU, rounds=2, warmup=0)["a"]
+
+
+def test_overlap_floor_explains_a_gpu_full_step_under_its_parts_and_no_more():
+    # Timed apart: forward 3 ms, backward 6 ms of which the host spends 1.5 ms enqueueing before
+    # the device runs it; the whole step can hide up to those 1.5 ms: floor 1 - 1.5 / 9.
+    base = dict(_modes(forward=[2.5] * 5, forward_graph=[3.0] * 5, backward=[6.0] * 5, full=[7.6] * 5),
+                backward_host=[1.5] * 5)
+    floor = 1 - 1.5 / 9.0
+    within = suspect_reasons(base)
+    assert "timed apart" in within and "within what the backward's host time" in within
+    assert f"overlap floor {floor:.3f}" in within
+    beyond = suspect_reasons(dict(base, full=[6.0] * 5))
+    assert "beyond what the backward's host time" in beyond
+    # The overlap is capped by the forward's length: a backward that blocks on the host for all of
+    # its 6 ms hides at most the 3 ms forward.
+    capped = suspect_reasons(dict(base, backward_host=[6.0] * 5, full=[5.5] * 5))
+    assert f"overlap floor {1 - 3.0 / 9.0:.3f}" in capped and "beyond" in capped
+    summary = timing_summary({"a": base}, {"eager": "a"})
+    assert summary["a", "full"]["full_vs_parts_overlap_floor"] == pytest.approx(floor)
+    assert summary["a", "backward"]["full_vs_parts_overlap_floor"] == ""
+    cpu = timing_summary({"a": _modes(forward=[2.5] * 5, forward_graph=[3.0] * 5, backward=[6.0] * 5,
+                                      full=[9.0] * 5)}, {"eager": "a"})
+    assert cpu["a", "full"]["full_vs_parts_overlap_floor"] == "" and cpu["a", "full"]["suspect"] == ""
 
 
 def test_summary_ratios_are_per_round_and_inconclusive_across_one():
