@@ -11,6 +11,7 @@ nondeterministic backward is refused, so the tests of the core turn it off.
 
 import importlib
 import types
+import warnings
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from remat.memory import saved_bytes
 from remat.options import AttentionOptions
 
 from _checks import assert_within_2x_of_stock
-from helpers import batch, case, causal_lm, deterministic_mode, logits_and_grads, make_inputs, run_and_check
+from helpers import CompileCounter, batch, case, causal_lm, deterministic_mode, logits_and_grads, make_inputs, run_and_check
 
 functional_attention = importlib.import_module("remat.functional.attention")
 CUDA0 = torch.device("cuda", 0)
@@ -245,6 +246,51 @@ def test_fused_attention_sub_block_runs_on_cudnn(monkeypatch, backend):
             grads = o.grad_fn.apply(torch.empty_like(o))
         assert [call[0] for call in spy.calls] == list(_CudnnCalls.OPS)
         assert grads[0].shape == x.shape
+
+
+def _aten_ops_of_bodies(gm):
+    """The aten and remat operators of the autograd Function bodies dynamo traced into ``gm``
+    (name -> list of operator names), forward and backward."""
+    return {name: [str(node.target) for node in getattr(gm, name).graph.nodes
+                   if node.op == "call_function" and str(node.target).startswith(("aten.", "remat"))]
+            for name in sorted(dir(gm)) if name.startswith(("fwd_body", "bwd_body"))}
+
+
+@pytest.mark.parametrize("backend,rope,dropout_p,core", [
+    ("cudnn", True, 0.0, "cudnn"), (None, False, 0.0, "cudnn"), ("aten", True, 0.0, "flash"),
+    ("aten", False, 0.1, "flash")], ids=["cudnn-rope", "default", "aten-rope", "aten-dropout"])
+def test_cuda_cores_compile_as_one_graph(monkeypatch, backend, rope, dropout_p, core):
+    """torch.compile(fullgraph=True) of remat.attention on fake CUDA tensors of an H200-like GPU:
+    dynamo traces the call as one graph, without a warning, with the core's forward op in the
+    Function's forward body and its backward op (rope rotated around it by remat's rope operator)
+    in the backward body. The CPU paths' compile tests cannot reach these branches."""
+    on_gpu(monkeypatch, (9, 0))
+    counter = CompileCounter()
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return counter(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with deterministic_mode(False), FakeTensorMode(allow_non_fake_inputs=True), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = torch.empty(2, 8, 4, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.empty(2, 8, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        tables = (torch.empty(8, 32, device=CUDA0), torch.empty(8, 32, device=CUDA0)) if rope else None
+        compiled = torch.compile(lambda q, k, v: remat.attention(q, k, v, causal=True, rope=tables, dropout_p=dropout_p,
+                                                                 backend=backend), backend=record, fullgraph=True)
+        o = compiled(q, k, v)
+    torch._dynamo.reset()
+    assert o.shape == q.shape and counter.frames == 1
+    assert [str(w.message) for w in caught] == []
+    forward_op, backward_op = {"cudnn": ("aten._scaled_dot_product_cudnn_attention",
+                                         "aten._scaled_dot_product_cudnn_attention_backward"),
+                               "flash": ("aten._flash_attention_forward", "aten._flash_attention_backward")}[core]
+    rotate = ["remat_triton.rope_rotate.default"] * 2 if rope else []
+    assert _aten_ops_of_bodies(graphs[0]) == {"bwd_body_0": rotate + [backward_op] + rotate,
+                                               "fwd_body_0": rotate + [forward_op]}
 
 
 # On a GPU (not run here).

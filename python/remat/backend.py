@@ -22,7 +22,6 @@ cannot run raises :class:`BackendUnavailableError` saying why; nothing falls bac
 """
 
 import contextlib
-import functools
 import importlib.util
 import os
 import threading
@@ -61,9 +60,14 @@ def use_backend(name):
         stack.pop()
 
 
-@functools.cache
+# Looked up once, at import: a plain constant to torch.compile, which would otherwise trace the
+# import machinery (and warn about a cached function) inside every compiled CUDA attention call.
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def triton_available():
-    return importlib.util.find_spec("triton") is not None
+    """Whether the triton package is installed (looked up once, when remat is imported)."""
+    return _TRITON_FOUND
 
 
 def triton_interpreted():
