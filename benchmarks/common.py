@@ -316,8 +316,9 @@ def timing_summary(times, baselines, case=""):
     measured); ``full_vs_parts`` (median, ``_q20``, ``_q80``: full step / (forward + backward
     timed apart), "full" rows only); ``full_vs_parts_overlap_floor`` (on a GPU, "full" rows: the
     median of ``_overlap_floor``, the lowest full_vs_parts that the backward's launches overlapping
-    the forward explain; "" on the CPU, which runs synchronously); ``suspect`` (``suspect_reasons``, on every row of a provider
-    whose times cannot be right: a warning naming ``case`` goes to stderr); the absolute times
+    the forward explain; "" on the CPU, which runs synchronously); ``suspect`` (``suspect_reasons``,
+    on every row of a provider whose times cannot be right: a warning naming ``case`` goes to
+    stderr); the absolute times
     ``median_ms``, ``q20_ms``, ``q80_ms``, secondary (they move with the machine's load, the
     ratios much less)."""
     out = {}

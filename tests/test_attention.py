@@ -529,7 +529,7 @@ def test_aten_core_matches_reference(spec, dtype):
 
 @pytest.mark.parametrize("options,match", [
     (dict(softcap=5.0), "softcap"), (dict(window=(4, None)), "sliding window"), (dict(dropout_p=0.1), "dropout"),
-    (dict(causal=True, n=5, m=9), "top-left"),
+    (dict(window=(0, None)), "sliding window"), (dict(causal=True, n=5, m=9), "top-left"),
 ])
 def test_aten_core_refuses_what_it_lacks(options, match):
     options = dict(options)

@@ -24,7 +24,7 @@ import remat.ops.attention_cudnn as attention_cudnn
 from remat.options import AttentionOptions
 
 from _checks import assert_within_2x_of_stock
-from helpers import DTYPES, attention_eager, case, make_inputs, mask_from_output, run_and_check
+from helpers import DTYPES, attention_eager, case, deterministic_mode, make_inputs, mask_from_output, run_and_check
 
 # The module (remat.functional re-exports its function `attention` under the same name).
 functional_attention = importlib.import_module("remat.functional.attention")
@@ -150,7 +150,8 @@ def test_flashattention_band_is_remats_where_the_core_takes_the_call():
     """For every N, M in 1..8 and window: where _flash_window_differs lets the call through,
     FlashAttention-2's band (its entry code's rewrites, flash_band) under _flash_window's
     arguments is exactly remat's (remat.ops.attention._visible); the refused cases include ones
-    where the bands really differ."""
+    where the bands really differ, and dense calls are refused only where some query sits two or
+    more positions before the first key (N >= M + 2), as documented."""
     refused_and_different = 0
     for n in range(1, 9):
         for m in range(1, 9):
@@ -158,6 +159,7 @@ def test_flashattention_band_is_remats_where_the_core_takes_the_call():
                 remat_band = attention_ops._visible(0, n, n, m, *window, torch.device("cpu"))
                 flash = flash_band(n, m, *attention_ops._flash_window(*window))
                 if attention_ops._flash_window_differs(n, m, *window, varlen=False):
+                    assert n >= m + 2, (n, m, window)
                     refused_and_different += not torch.equal(flash, remat_band)
                 else:
                     assert torch.equal(flash, remat_band), (n, m, window)
@@ -166,19 +168,24 @@ def test_flashattention_band_is_remats_where_the_core_takes_the_call():
 
 
 @pytest.mark.parametrize("rope", [False, True])
-def test_dense_and_packed_calls_trace_on_fake_cuda_tensors(monkeypatch, rope):
+@pytest.mark.parametrize("torch_deterministic", [True, False], ids=["deterministic-mode", "nondeterministic"])
+def test_dense_and_packed_calls_trace_on_fake_cuda_tensors(monkeypatch, rope, torch_deterministic):
     """The aten core's CUDA forward and backward, dense (GQA, causal window, N != M) and packed,
     run through PyTorch's meta kernels of _flash_attention_forward/_backward: o like q (contiguous),
-    lse fp32 [B, Hq, N] ([Hq, total_q] packed), gradients in the inputs' shapes and dtype."""
+    lse fp32 [B, Hq, N] ([Hq, total_q] packed), gradients in the inputs' shapes and dtype. In and
+    outside PyTorch's deterministic mode (outside, the backward is asked for the atomic one: the
+    forward, which has no deterministic variant, must not refuse either way)."""
     monkeypatch.setattr(attention_ops, "device_capability", lambda index: (9, 0))
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    deterministic = torch_deterministic
+    with deterministic_mode(torch_deterministic), FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.empty(2, 5, 4, 64, device="cuda", dtype=torch.bfloat16)
         k = torch.empty(2, 9, 2, 64, device="cuda", dtype=torch.bfloat16)
         cos = sin = torch.empty(1, 9, 32, device="cuda") if rope else None
         o, lse = attention_ops.aten_attention_fwd(q, k, k, cos, sin, None, 0.125, 0.0, 3, 0, 0.0)
         assert o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous()
         assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
-        grads = attention_ops.aten_attention_bwd(o, q, k, k, o, lse, cos, sin, None, 0.125, 0.0, 3, 0, 0.0, True)
+        grads = attention_ops.aten_attention_bwd(o, q, k, k, o, lse, cos, sin, None, 0.125, 0.0, 3, 0, 0.0,
+                                                 deterministic)
         assert [(g.shape, g.dtype) for g in grads] == [(q.shape, q.dtype), (k.shape, k.dtype), (k.shape, k.dtype)]
         qp = torch.empty(11, 4, 32, device="cuda", dtype=torch.float16)
         kp = torch.empty(13, 1, 32, device="cuda", dtype=torch.float16)
@@ -189,7 +196,7 @@ def test_dense_and_packed_calls_trace_on_fake_cuda_tensors(monkeypatch, rope):
                                                          0, 0.0)
         assert o.shape == qp.shape and o.is_contiguous() and lse.shape == (4, 11) and lse.dtype == torch.float32
         grads = attention_ops.aten_attention_varlen_bwd(o, qp, kp, kp, o, lse, cu_q, cu_k, 7, 7, cos, sin, None, 0.2,
-                                                        0.0, -1, 0, 0.0, True)
+                                                        0.0, -1, 0, 0.0, deterministic)
         assert [g.shape for g in grads] == [qp.shape, kp.shape, kp.shape]
 
 

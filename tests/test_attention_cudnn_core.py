@@ -25,7 +25,16 @@ from remat.memory import saved_bytes
 from remat.options import AttentionOptions
 
 from _checks import assert_within_2x_of_stock
-from helpers import CompileCounter, batch, case, causal_lm, deterministic_mode, logits_and_grads, make_inputs, run_and_check
+from helpers import (
+    CompileCounter,
+    batch,
+    case,
+    causal_lm,
+    deterministic_mode,
+    logits_and_grads,
+    make_inputs,
+    run_and_check,
+)
 
 functional_attention = importlib.import_module("remat.functional.attention")
 CUDA0 = torch.device("cuda", 0)
@@ -83,6 +92,7 @@ def test_what_the_cudnn_core_takes(monkeypatch):
         (dict(options=PLAIN._replace(softcap=30.0)), "softcap"),
         (dict(options=PLAIN._replace(dropout_p=0.1)), "dropout"),
         (dict(options=PLAIN._replace(window_left=16)), "sliding window"),
+        (dict(options=PLAIN._replace(window_left=0)), "sliding window"),  # the diagonal alone
         (dict(options=PLAIN._replace(window_right=4)), "sliding window"),
         (dict(n=63), "top-left"),
         (dict(varlen=True), "packed"),
