@@ -31,6 +31,7 @@ from helpers import (
     case,
     causal_lm,
     deterministic_mode,
+    llama_config,
     logits_and_grads,
     make_inputs,
     run_and_check,
@@ -301,6 +302,53 @@ def test_cuda_cores_compile_as_one_graph(monkeypatch, backend, rope, dropout_p, 
     rotate = ["remat_triton.rope_rotate.default"] * 2 if rope else []
     assert _aten_ops_of_bodies(graphs[0]) == {"bwd_body_0": rotate + [backward_op] + rotate,
                                                "fwd_body_0": rotate + [forward_op]}
+
+
+def test_patched_llama_compiles_as_one_graph_on_the_cudnn_core(monkeypatch):
+    """A Hugging Face Llama (sdpa attention) built on fake CUDA tensors of an H200-like GPU,
+    patched by remat, in training mode with labels (the fused loss): torch.compile(fullgraph=True)
+    traces its forward as one graph without a warning, and every layer's attention runs on the
+    cudnn core, forward and backward (the default there outside deterministic mode)."""
+    import transformers
+
+    import remat.autograd.cross_entropy as cross_entropy
+    import remat.backend as backend_module
+
+    on_gpu(monkeypatch, (9, 0))
+    monkeypatch.setattr(backend_module, "device_capability", lambda index: (9, 0))
+    # The loss's chunk rule asks the device for its free memory, which fake tensors have none of.
+    monkeypatch.setattr(cross_entropy, "free_memory_bytes",
+                        torch.compiler.assume_constant_result(lambda device_type, index: 80 * 2**30))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    default_dtype = torch.get_default_dtype()
+    with deterministic_mode(False), FakeTensorMode(allow_non_fake_inputs=True), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(CUDA0):
+                model = transformers.LlamaForCausalLM(llama_config("llama", attn_implementation="sdpa"))
+        finally:
+            torch.set_default_dtype(default_dtype)
+        model.train()
+        remat.patch(model)
+        ids = torch.randint(0, 96, (2, 16), device=CUDA0)
+        loss = torch.compile(model, backend=record, fullgraph=True)(input_ids=ids, labels=ids).loss
+    torch._dynamo.reset()
+    assert loss.shape == () and len(graphs) == 1
+    assert [str(w.message) for w in caught] == []
+    ops = [str(node.target) for sub in graphs[0].modules() if isinstance(sub, torch.fx.GraphModule)
+           for node in sub.graph.nodes if node.op == "call_function"]
+    layers = model.config.num_hidden_layers
+    assert ops.count("aten._scaled_dot_product_cudnn_attention") == layers
+    assert ops.count("aten._scaled_dot_product_cudnn_attention_backward") == layers
+    assert not any("flash_attention" in op for op in ops)
 
 
 # On a GPU (not run here).
