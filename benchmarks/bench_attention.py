@@ -1,6 +1,8 @@
 """Attention forward / backward / full: remat (each backend) against PyTorch's
-scaled_dot_product_attention (its flash and math backends where they run, and on a GPU also
-unpinned, "sdpa", as a stock model calls it: cuDNN's kernel on sm_90/sm_10x), eager math attention
+scaled_dot_product_attention (its flash and math backends where they run; the flash backend also
+on [B, H, N, D] views of [B, N, H, D] tensors, "sdpa-flash-bnhd", the storage remat gets and a
+Hugging Face model hands SDPA; and on a GPU also unpinned, "sdpa", as a stock model calls it:
+cuDNN's kernel on sm_90/sm_10x), eager math attention
 (which keeps the N x M probabilities), eager under torch.utils.checkpoint, torch.compile of the
 eager code, and flash_attn where installed.
 
@@ -44,6 +46,13 @@ def _sdpa(kernel):
     return run
 
 
+def _sdpa_flash_on_bnhd(q, k, v, causal):
+    """SDPA's flash kernel on [B, H, N, D] views of [B, N, H, D] tensors, as a Hugging Face model
+    calls it (q_proj(x).view(B, N, H, D).transpose(1, 2)): the same storage remat.attention gets,
+    where "sdpa-flash" gets contiguous [B, H, N, D] copies. Returns [B, N, H, D]."""
+    return _sdpa("flash")(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal).transpose(1, 2)
+
+
 def _sdpa_default(q, k, v, causal):
     """scaled_dot_product_attention as a stock model calls it: PyTorch picks the kernel (on an
     sm_90/sm_10x GPU with a recent cuDNN that is cuDNN's, elsewhere FlashAttention-2's)."""
@@ -63,7 +72,8 @@ def _flash_attn():
 
 
 # time_vs_<label> columns: the provider's time over the named provider's in the same round.
-BASELINES = {"eager": "torch", "sdpa_flash": "sdpa-flash", "sdpa": "sdpa", "checkpoint": "torch+checkpoint",
+BASELINES = {"eager": "torch", "sdpa_flash": "sdpa-flash", "sdpa_flash_bnhd": "sdpa-flash-bnhd", "sdpa": "sdpa",
+             "checkpoint": "torch+checkpoint",
              "compile": "torch.compile", "flash_attn": "flash_attn", "rope_triton": "remat-triton-rope",
              "sdpa_rope": "sdpa-flash+rope"}
 
@@ -175,6 +185,7 @@ def providers(device):
         out.append((f"remat-{name}", lambda q, k, v, causal, n=name: remat.attention(q, k, v, causal=causal, backend=n),
                     "bnhd"))
     out.append(("sdpa-flash", _sdpa("flash"), "bhnd"))
+    out.append(("sdpa-flash-bnhd", _sdpa_flash_on_bnhd, "bnhd"))
     if device.type == "cuda":
         # On the CPU PyTorch picks its flash kernel: the same as "sdpa-flash".
         out.append(("sdpa", _sdpa_default, "bhnd"))
@@ -264,7 +275,9 @@ def run(device, quick=False):
 
 summary_columns = ["length", "head_dim", "causal", "rope", "dropout_p", "dtype", "provider", "mode",
                    "time_vs_sdpa_flash", "time_vs_sdpa_flash_q20", "time_vs_sdpa_flash_q80",
-                   "time_vs_sdpa_flash_verdict", "time_vs_sdpa", "time_vs_sdpa_q20", "time_vs_sdpa_q80",
+                   "time_vs_sdpa_flash_verdict", "time_vs_sdpa_flash_bnhd", "time_vs_sdpa_flash_bnhd_q20",
+                   "time_vs_sdpa_flash_bnhd_q80", "time_vs_sdpa_flash_bnhd_verdict", "time_vs_sdpa", "time_vs_sdpa_q20",
+                   "time_vs_sdpa_q80",
                    "time_vs_sdpa_verdict", "time_vs_eager", "time_vs_eager_verdict", "time_vs_rope_triton",
                    "time_vs_rope_triton_verdict", "time_vs_sdpa_rope", "time_vs_sdpa_rope_q20",
                    "time_vs_sdpa_rope_q80", "time_vs_sdpa_rope_verdict", "median_ms", "tflops",

@@ -314,6 +314,32 @@ def test_rope_providers_compute_the_rope_attention():
     assert results["remat-aten-rope"][4] == results["torch"][4] > 0
 
 
+def test_sdpa_providers_on_either_layout_compute_the_same_attention():
+    """bench_attention's two SDPA flash baselines time one computation on different storage:
+    "sdpa-flash" on contiguous [B, H, N, D] copies, "sdpa-flash-bnhd" on [B, H, N, D] views of the
+    [B, N, H, D] tensors remat gets (as a Hugging Face model calls SDPA). Same output and
+    gradients; the view provider takes and returns [B, N, H, D]."""
+    from benchmarks.bench_attention import providers
+
+    by_name = {name: (fn, layout) for name, fn, layout in providers(CPU)}
+    assert by_name["sdpa-flash"][1] == "bhnd" and by_name["sdpa-flash-bnhd"][1] == "bnhd"
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 24, 2, 16, generator=g) for _ in range(4))
+    results = {}
+    for name in ("sdpa-flash", "sdpa-flash-bnhd"):
+        fn, layout = by_name[name]
+        leaves = [(t.transpose(1, 2).contiguous() if layout == "bhnd" else t.clone()).requires_grad_()
+                  for t in (q, k, v)]
+        out = fn(*leaves, True)
+        grads = torch.autograd.grad(out, leaves, dout.transpose(1, 2) if layout == "bhnd" else dout)
+        if layout == "bhnd":
+            out, grads = out.transpose(1, 2), [grad.transpose(1, 2) for grad in grads]
+        assert out.shape == q.shape
+        results[name] = (out, *grads)
+    for a, b in zip(results["sdpa-flash"], results["sdpa-flash-bnhd"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.skipif(not __import__("remat").backend.triton_interpreted(),
                     reason="runs remat's Triton kernels (the interpreter on the CPU)")
 def test_triton_rope_rotated_once_provider_computes_the_rope_attention(monkeypatch):
