@@ -159,12 +159,28 @@ def test_flashattention_band_is_remats_where_the_core_takes_the_call():
                 remat_band = attention_ops._visible(0, n, n, m, *window, torch.device("cpu"))
                 flash = flash_band(n, m, *attention_ops._flash_window(*window))
                 if attention_ops._flash_window_differs(n, m, *window, varlen=False):
-                    assert n >= m + 2, (n, m, window)
+                    # Causal windows (right side 0) keep their band in FlashAttention-2 for any N, M.
+                    assert n >= m + 2 and window[1] != 0, (n, m, window)
                     refused_and_different += not torch.equal(flash, remat_band)
                 else:
                     assert torch.equal(flash, remat_band), (n, m, window)
     assert refused_and_different > 0
     assert attention_ops._flash_window_differs(3, 3, -1, 3, varlen=True)  # packed: by max_seqlen_k alone
+
+
+def test_only_the_triton_training_path_rotates_rope_once_outside_its_kernels():
+    """rope_rotated_once: the Triton backend with tables and a backward to come rotates q and k
+    once per pass outside its kernels; every other backend, call without tables or forward-only
+    Triton call keeps the rotation where the backend has it (the PyTorch cores always rotate
+    outside: their ops are rotated_once already)."""
+    import remat.backend as backend_module
+
+    for backend in backend_module.BACKENDS:
+        for rope in (False, True):
+            for needs_grad in (False, True):
+                expected = backend == "triton" and rope and needs_grad
+                assert attention_ops.rope_rotated_once(backend, rope, needs_grad) is expected, (backend, rope,
+                                                                                               needs_grad)
 
 
 @pytest.mark.parametrize("rope", [False, True])
@@ -207,17 +223,72 @@ class _FlashCalls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls = []
+        self.flash_kwargs = []  # the keyword arguments of each FlashAttention-2 call, in order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten._flash_attention_forward.default, torch.ops.aten._flash_attention_backward.default,
-                    torch.ops.aten.copy_.default) or func.overloadpacket is torch.ops.aten.randint:
+        flash = func in (torch.ops.aten._flash_attention_forward.default,
+                         torch.ops.aten._flash_attention_backward.default)
+        if flash or func is torch.ops.aten.copy_.default or func.overloadpacket is torch.ops.aten.randint:
             self.calls.append((func, args, out))
+        if flash:
+            self.flash_kwargs.append(kwargs or {})
         return out
 
 
 def _storage(t):
     return t.untyped_storage()._cdata
+
+
+def test_dense_flashattention_calls_get_the_calls_sizes_and_window(monkeypatch):
+    """A dense call on fake CUDA tensors with a window whose right side reaches past the last key
+    (3 left, 12 right; N = 5 < M + 2, which FlashAttention-2's rewrite leaves the same band):
+    taken, and FlashAttention-2 gets the very q, k, v, no offsets, max_q = N and max_k = M, no
+    dropout, no debug mask, not causal, the window and the scale; its backward gets a stride-1
+    output gradient when the caller's is strided, the same sizes, window and scale."""
+    monkeypatch.setattr(attention_ops, "device_capability", lambda index: (9, 0))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(2, 5, 4, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.empty(2, 9, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        with _FlashCalls() as spy:
+            o = remat.attention(q, k, v, window=(3, 12), scale=0.3, backend="aten")
+            dout = torch.empty(2, 5, 4, 128, device=CUDA0, dtype=torch.bfloat16)[..., ::2]
+            o.grad_fn.apply(dout)
+    flash_ops = (torch.ops.aten._flash_attention_forward.default, torch.ops.aten._flash_attention_backward.default)
+    (forward, forward_args), (backward, backward_args) = ((f, a) for f, a, _ in spy.calls if f in flash_ops)
+    assert forward is torch.ops.aten._flash_attention_forward.default
+    assert [_storage(t) for t in forward_args[:3]] == [_storage(t) for t in (q, k, v)]
+    assert forward_args[3:10] == (None, None, 5, 9, 0.0, False, False)
+    assert backward is torch.ops.aten._flash_attention_backward.default
+    assert backward_args[0].stride(-1) == 1 and dout.stride(-1) == 2
+    assert backward_args[8:12] == (5, 9, 0.0, False)
+    assert len(spy.flash_kwargs) == 2
+    assert all(c["scale"] == 0.3 and c["window_size_left"] == 3 and c["window_size_right"] == 12
+               for c in spy.flash_kwargs)
+
+
+def test_flashattention_core_refuses_a_dropout_call_without_its_buffer(monkeypatch):
+    """The aten core's CUDA forward with dropout needs the int64 [2] buffer for FlashAttention-2's
+    seed and offset; without it (or with a wrong one) it says so instead of dropping them."""
+    monkeypatch.setattr(attention_ops, "device_capability", lambda index: (9, 0))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(1, 4, 2, 32, device=CUDA0, dtype=torch.float16)
+        for rng in (None, torch.empty(2, dtype=torch.int32, device=CUDA0), torch.empty(3, dtype=torch.int64,
+                                                                                    device=CUDA0)):
+            with pytest.raises(ValueError, match="int64 \\[2\\] buffer"):
+                attention_ops.aten_attention_fwd(q, q, q, None, None, rng, 0.2, 0.0, -1, 0, 0.1)
+
+
+def test_flashattention_cores_take_no_rope_tables():
+    """The kernels' entries (rope is rotated around them by rotated_once) refuse tables, dense and
+    packed, instead of ignoring them."""
+    q = torch.randn(7, 2, 16)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    tables = torch.randn(7, 8)
+    with pytest.raises(ValueError, match="takes q and k rotated"):
+        attention_ops._aten_core_varlen_fwd(q, q, q, cu, cu, 4, 4, tables, tables, None, 0.25, 0.0, -1, 0, 0.0)
+    with pytest.raises(ValueError, match="takes q and k rotated"):
+        attention_ops._aten_core_fwd(q[None], q[None], q[None], tables, tables, None, 0.25, 0.0, -1, 0, 0.0)
 
 
 def _check_flash_dropout_calls(calls, saved, p):

@@ -113,9 +113,14 @@ def test_what_the_cudnn_core_takes(monkeypatch):
     torch.use_deterministic_algorithms(True)  # the suite's setting, restored by the next reason()
     assert "not deterministic" in attention_cudnn.cudnn_unsupported_reason(2, 64, 64, 8, 2, 128, torch.bfloat16,
                                                                            CUDA0, PLAIN)
-    for capability in ((7, 5), (13, 0)):
+    for capability in ((7, 5), (12, 2), (13, 0)):
         on_gpu(monkeypatch, capability)
         assert "sm_80 to sm_121" in reason()
+    for capability in ((8, 0), (12, 1)):  # both ends of PyTorch's range
+        on_gpu(monkeypatch, capability)
+        assert reason() is None, capability
+    on_gpu(monkeypatch, (9, 0))
+    assert reason(n=2, m=2) is None  # the fewest queries and keys cuDNN takes
     on_gpu(monkeypatch, (9, 0))
     try:
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -164,6 +169,18 @@ def test_cudnn_backend_is_refused_where_it_cannot_run():
     with pytest.raises(remat.BackendUnavailableError, match="fused attention cores, for attention only"):
         remat.ops.ops_for("norm", "cudnn")
     assert remat.ops.ops_for("attention", "cudnn").attention_varlen_fwd is None
+
+
+def test_cudnn_core_checks_its_call_itself(monkeypatch):
+    """Called directly (not through remat.attention, which checks first), the core refuses what
+    cuDNN cannot run, by the call's own sizes, before cuDNN sees it: here a batch over 65535 with
+    few queries (fake CUDA tensors of an H200-like GPU)."""
+    on_gpu(monkeypatch, (9, 0))
+    with deterministic_mode(False), FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(65536, 8, 2, 64, device=CUDA0, dtype=torch.bfloat16)
+        with _CudnnCalls() as spy, pytest.raises(ValueError, match="65535"):
+            attention_cudnn.cudnn_attention_fwd(q, q, q, None, None, None, 0.125, 0.0, -1, 0, 0.0)
+        assert spy.calls == []
 
 
 class _CudnnCalls(TorchDispatchMode):

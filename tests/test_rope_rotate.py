@@ -192,7 +192,7 @@ def _valid_args():
     (lambda a: {**a, "rows": torch.zeros(9, dtype=torch.int64)}, r"rows must be a contiguous int64 \[B \* L = 10\]"),
     (lambda a: {**a, "rows": torch.zeros(10, dtype=torch.int32)}, "rows must be a contiguous int64"),
     (lambda a: {**a, "rows": torch.arange(20)[::2]}, "rows must be a contiguous int64"),
-    (lambda a: {**a, "first_position": 6}, "tokens read up to row 10"),
+    (lambda a: {**a, "first_position": 6}, "the tables have 10 rows; tokens read up to row 10"),
     (lambda a: {**a, "table_batch_stride": 5, "first_position": 1}, "tokens read up to row 10"),
     (lambda a: {**a, "first_position": -1}, ">= 0"),
 ])
