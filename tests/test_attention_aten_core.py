@@ -46,6 +46,8 @@ def test_flashattention_limits_on_each_gpu(monkeypatch):
         assert reason(capability, monkeypatch) is None
         assert reason(capability, monkeypatch, window_left=5, window_right=0) is None
         assert reason(capability, monkeypatch, window_left=3, window_right=2) is None
+        # Dense (the default): a right side past the last key, N = 7 < M + 2, keeps its band.
+        assert reason(capability, monkeypatch, window_left=1, window_right=12) is None
         assert reason(capability, monkeypatch, dtype=torch.float16, head_dim=192) is None
         assert reason(capability, monkeypatch, dropout_p=0.1, window_left=5, window_right=0) is None
     for capability in ((7, 5), (9, 4), (11, 0), (13, 0)):
@@ -57,6 +59,7 @@ def test_flashattention_limits_on_each_gpu(monkeypatch):
     for capability in ((8, 6), (8, 9), (10, 0), (12, 0)):
         assert "above 192" in reason(capability, monkeypatch, head_dim=200)
     assert "softcap" in reason((9, 0), monkeypatch, softcap=30.0)
+    assert "softcap" in reason((9, 0), monkeypatch, softcap=0.5)
     assert "softcap" in reason((9, 0), monkeypatch, softcap=30.0, dropout_p=0.1)
     cpu_options = AttentionOptions(0.125, dropout_p=0.1, deterministic=False)
     assert "no dropout" in attention_ops.aten_unsupported_reason(7, 7, 4, 2, 64, torch.float32, torch.device("cpu"),
@@ -143,7 +146,7 @@ def flash_band(n, m, causal, left, right):
     return band
 
 
-WINDOWS = [(-1, -1), (-1, 0), (2, 0), (3, 2), (-1, 1), (0, 0), (4, -1), (-1, 6), (1, 9), (8, -1), (12, 3)]
+WINDOWS = [(-1, -1), (-1, 0), (2, 0), (3, 2), (-1, 1), (0, 0), (0, -1), (4, -1), (-1, 6), (1, 9), (8, -1), (12, 3)]
 
 
 def test_flashattention_band_is_remats_where_the_core_takes_the_call():
@@ -250,21 +253,110 @@ def test_dense_flashattention_calls_get_the_calls_sizes_and_window(monkeypatch):
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.empty(2, 5, 4, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.empty(2, 9, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        douts = _strided_output_gradients((2, 5, 4, 64))
         with _FlashCalls() as spy:
             o = remat.attention(q, k, v, window=(3, 12), scale=0.3, backend="aten")
-            dout = torch.empty(2, 5, 4, 128, device=CUDA0, dtype=torch.bfloat16)[..., ::2]
-            o.grad_fn.apply(dout)
+            for dout in douts:
+                o.grad_fn.apply(dout)
     flash_ops = (torch.ops.aten._flash_attention_forward.default, torch.ops.aten._flash_attention_backward.default)
-    (forward, forward_args), (backward, backward_args) = ((f, a) for f, a, _ in spy.calls if f in flash_ops)
+    (forward, forward_args), *backwards = ((f, a) for f, a, _ in spy.calls if f in flash_ops)
     assert forward is torch.ops.aten._flash_attention_forward.default
     assert [_storage(t) for t in forward_args[:3]] == [_storage(t) for t in (q, k, v)]
     assert forward_args[3:10] == (None, None, 5, 9, 0.0, False, False)
-    assert backward is torch.ops.aten._flash_attention_backward.default
-    assert backward_args[0].stride(-1) == 1 and dout.stride(-1) == 2
-    assert backward_args[8:12] == (5, 9, 0.0, False)
-    assert len(spy.flash_kwargs) == 2
+    assert len(backwards) == len(douts)
+    for (backward, backward_args), dout in zip(backwards, douts):
+        assert backward is torch.ops.aten._flash_attention_backward.default
+        assert backward_args[0].stride(-1) == 1 and dout.stride(-1) != 1
+        assert backward_args[8:12] == (5, 9, 0.0, False)
+    assert len(spy.flash_kwargs) == 1 + len(douts)
     assert all(c["scale"] == 0.3 and c["window_size_left"] == 3 and c["window_size_right"] == 12
                for c in spy.flash_kwargs)
+
+
+def _strided_output_gradients(shape):
+    """Fake CUDA output gradients of ``shape`` whose last dim is not unit-stride, three ways: every
+    other element, the last two dims transposed, and the second dim innermost."""
+    *lead, last = shape
+    every_other = torch.empty(*lead, 2 * last, device=CUDA0, dtype=torch.bfloat16)[..., ::2]
+    transposed = torch.empty(*lead[:-1], last, lead[-1], device=CUDA0, dtype=torch.bfloat16).transpose(-1, -2)
+    order = list(range(len(shape)))
+    inner = order[:1] + order[2:] + order[1:2]  # dim 1 stored innermost
+    second_inner = torch.empty(*(shape[i] for i in inner), device=CUDA0, dtype=torch.bfloat16).permute(
+        *(inner.index(i) for i in order))
+    douts = [every_other, transposed, second_inner]
+    assert all(tuple(t.shape) == tuple(shape) and t.stride(-1) != 1 for t in douts)
+    return douts
+
+
+def test_packed_flashattention_calls_get_the_offsets_and_sizes(monkeypatch):
+    """A packed call on fake CUDA tensors: FlashAttention-2's variable-length forward gets the
+    offsets, max_seqlen_q / max_seqlen_k, no dropout, the causal flag and no debug mask; its
+    backward a stride-1 output gradient for strided ones, and the same offsets and sizes."""
+    monkeypatch.setattr(attention_ops, "device_capability", lambda index: (9, 0))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        qp = torch.empty(11, 4, 32, device=CUDA0, dtype=torch.bfloat16)
+        kp = torch.empty(13, 1, 32, device=CUDA0, dtype=torch.bfloat16)
+        cu_q = torch.tensor([0, 4, 11], dtype=torch.int32, device=CUDA0)
+        cu_k = torch.tensor([0, 6, 13], dtype=torch.int32, device=CUDA0)
+        douts = _strided_output_gradients((11, 4, 32))
+        with _FlashCalls() as spy:
+            o, lse = attention_ops.aten_attention_varlen_fwd(qp, kp, kp, cu_q, cu_k, 7, 7, None, None, None, 0.2, 0.0,
+                                                             -1, 0, 0.0)
+            for dout in douts:
+                attention_ops.aten_attention_varlen_bwd(dout, qp, kp, kp, o, lse, cu_q, cu_k, 7, 7, None, None, None,
+                                                        0.2, 0.0, -1, 0, 0.0, True)
+    (forward, forward_args, _), *backwards = spy.calls
+    assert forward is torch.ops.aten._flash_attention_forward.default
+    assert forward_args[3] is cu_q and forward_args[4] is cu_k and forward_args[5:10] == (7, 7, 0.0, True, False)
+    assert len(backwards) == len(douts)
+    for (backward, backward_args, _), dout in zip(backwards, douts):
+        assert backward is torch.ops.aten._flash_attention_backward.default
+        assert backward_args[0].stride(-1) == 1 and dout.stride(-1) != 1
+        assert backward_args[6] is cu_q and backward_args[7] is cu_k and backward_args[8:12] == (7, 7, 0.0, True)
+
+
+def test_packed_flashattention_core_checks_its_call_itself(monkeypatch):
+    """Called directly, the packed entry refuses what FlashAttention-2 cannot run (a head dim
+    over 256), before the kernel sees it."""
+    monkeypatch.setattr(attention_ops, "device_capability", lambda index: (9, 0))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        qp = torch.empty(11, 2, 264, device=CUDA0, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 4, 11], dtype=torch.int32, device=CUDA0)
+        with _FlashCalls() as spy, pytest.raises(ValueError, match="up to 256"):
+            attention_ops._aten_core_varlen_fwd(qp, qp, qp, cu, cu, 7, 7, None, None, None, 0.2, 0.0, -1, 0, 0.0)
+        assert spy.calls == []
+
+
+def test_cpu_flash_calls_get_no_dropout_the_causal_flag_and_the_scale():
+    """The CPU flash kernel's forward and backward get dropout 0, the causal flag and the scale,
+    on [B, H, N, D] views of remat's tensors."""
+    q, k, v = (torch.randn(1, 6, 2, 16, requires_grad=True) for _ in range(3))
+    with _CpuFlashCalls() as spy:
+        o = remat.attention(q, k, v, causal=True, scale=0.3, backend="aten")
+        o.backward(torch.randn_like(o))
+    (forward, forward_args, forward_kwargs), (backward, backward_args, backward_kwargs) = spy.calls
+    assert forward is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert [tuple(t.shape) for t in forward_args[:3]] == [(1, 2, 6, 16)] * 3
+    assert forward_args[3:5] + (0.0, False)[len(forward_args[3:5]):] == (0.0, True)
+    assert backward is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    assert backward_args[6:8] == (0.0, True)
+    assert forward_kwargs["scale"] == backward_kwargs["scale"] == 0.3
+
+
+class _CpuFlashCalls(TorchDispatchMode):
+    """Records the CPU flash kernel's forward and backward calls with their arguments."""
+
+    OPS = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS:
+            self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 def test_flashattention_core_refuses_a_dropout_call_without_its_buffer(monkeypatch):
@@ -280,8 +372,8 @@ def test_flashattention_core_refuses_a_dropout_call_without_its_buffer(monkeypat
 
 
 def test_flashattention_cores_take_no_rope_tables():
-    """The kernels' entries (rope is rotated around them by rotated_once) refuse tables, dense and
-    packed, instead of ignoring them."""
+    """The PyTorch cores' entries (rope is rotated around them by rotated_once) refuse tables,
+    forward and backward, dense and packed, aten and cudnn, instead of ignoring them."""
     q = torch.randn(7, 2, 16)
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     tables = torch.randn(7, 8)
@@ -289,6 +381,18 @@ def test_flashattention_cores_take_no_rope_tables():
         attention_ops._aten_core_varlen_fwd(q, q, q, cu, cu, 4, 4, tables, tables, None, 0.25, 0.0, -1, 0, 0.0)
     with pytest.raises(ValueError, match="takes q and k rotated"):
         attention_ops._aten_core_fwd(q[None], q[None], q[None], tables, tables, None, 0.25, 0.0, -1, 0, 0.0)
+    o, lse = attention_ops._aten_core_fwd(q[None], q[None], q[None], None, None, None, 0.25, 0.0, -1, 0, 0.0)
+    with pytest.raises(ValueError, match="takes q and k rotated"):
+        attention_ops._aten_core_bwd(o, q[None], q[None], q[None], o, lse, tables, tables, None, 0.25, 0.0, -1, 0,
+                                     0.0, True)
+    with pytest.raises(ValueError, match="takes q and k rotated"):
+        attention_ops._aten_core_varlen_bwd(q, q, q, q, q, lse[0], cu, cu, 4, 4, tables, tables, None, 0.25, 0.0, -1,
+                                            0, 0.0, True)
+    with pytest.raises(ValueError, match="takes q and k rotated"):
+        attention_cudnn._cudnn_core_fwd(q[None], q[None], q[None], tables, tables, None, 0.25, 0.0, -1, 0, 0.0)
+    with pytest.raises(ValueError, match="takes q and k rotated"):
+        attention_cudnn._cudnn_core_bwd(o, q[None], q[None], q[None], o, lse, tables, tables, None, 0.25, 0.0, -1, 0,
+                                        0.0, False)
 
 
 def _check_flash_dropout_calls(calls, saved, p):

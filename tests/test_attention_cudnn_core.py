@@ -91,6 +91,7 @@ def test_what_the_cudnn_core_takes(monkeypatch):
     assert reason(batch=65535, hq=65535, hkv=65535) is None
     refusals = [
         (dict(options=PLAIN._replace(softcap=30.0)), "softcap"),
+        (dict(options=PLAIN._replace(softcap=0.5)), "softcap"),
         (dict(options=PLAIN._replace(dropout_p=0.1)), "dropout"),
         (dict(options=PLAIN._replace(window_left=16)), "sliding window"),
         (dict(options=PLAIN._replace(window_left=0)), "sliding window"),  # the diagonal alone

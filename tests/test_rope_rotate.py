@@ -3,6 +3,8 @@ PyTorch rotation (the C++ kernel here, the Triton kernel under the interpreter, 
 GPU in the gpu-marked test), the PyTorch rotation against a float64 complex rotation, the inverse
 as its transpose, the attention paths that rotate once using it, argument checks and opcheck."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -123,6 +125,21 @@ def test_inverse_is_the_transpose_and_undoes_a_rotation():
     undone = rope_ops.torch_rope_rotate(rope_ops.torch_rope_rotate(x, cos, sin, None, 0, 0, False), cos, sin, None, 0,
                                         0, True)
     assert torch.allclose(undone, x, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_implementation_per_device(monkeypatch):
+    """Which rotation each device gets: compiled Triton for CUDA tensors (not under the
+    interpreter), the C++ kernel for CPU tensors (where the extension loaded), PyTorch's ops
+    everywhere else (CUDA without Triton or under the interpreter, CPU without the extension,
+    other devices)."""
+    for triton, interpreted, loaded in itertools.product((False, True), repeat=3):
+        monkeypatch.setattr(rope_ops, "triton_available", lambda t=triton: t)
+        monkeypatch.setattr(rope_ops, "triton_interpreted", lambda i=interpreted: i)
+        monkeypatch.setattr(rope_ops._extension, "LOADED", loaded)
+        expected = {"cuda": "triton" if triton and not interpreted else "torch", "cpu": "cpp" if loaded else "torch",
+                    "meta": "torch"}
+        for device, want in expected.items():
+            assert rope_ops.rope_implementation(device) == want, (device, triton, interpreted, loaded)
 
 
 @needs_extension
