@@ -90,6 +90,17 @@ BLOCKS = {
                   ("tests/test_properties.py", "attention"), ("tests/test_mutation_killers.py", "attention")],
         "skip_functions": {},
     },
+    # The PyTorch attention cores (remat's default attention on CPU and CUDA: the aten core in
+    # ops/attention.py, the cudnn core) and the one-pass rope rotation they share. Their CUDA paths
+    # are tested on the CPU through PyTorch's meta kernels on fake CUDA tensors (dispatch spies).
+    "attention_cores": {
+        "sources": ["python/remat/ops/attention.py", "python/remat/ops/attention_cudnn.py", "python/remat/ops/rope.py",
+                    "kernels/rope_rotate.py"],
+        "tests": [("tests/test_attention_aten_core.py", None), ("tests/test_attention_cudnn_core.py", None),
+                  ("tests/test_rope_rotate.py", None), ("tests/test_attention.py", "aten or opcheck"),
+                  ("tests/test_varlen_attention.py", "rope or opcheck")],
+        "skip_functions": {"aot_specs": "ahead-of-time compile specs, exercised by tests/test_triton_aot.py"},
+    },
 }
 
 BINOP_SWAPS = {

@@ -256,19 +256,22 @@ def test_dense_flashattention_calls_get_the_calls_sizes_and_window(monkeypatch):
         douts = _strided_output_gradients((2, 5, 4, 64))
         with _FlashCalls() as spy:
             o = remat.attention(q, k, v, window=(3, 12), scale=0.3, backend="aten")
+            o.grad_fn.apply(douts[0])
+            # The core's entry called directly (the Function may have made the gradient contiguous).
+            lse = torch.empty(2, 4, 5, device=CUDA0)
             for dout in douts:
-                o.grad_fn.apply(dout)
+                attention_ops.aten_attention_bwd(dout, q, k, v, o, lse, None, None, None, 0.3, 0.0, 3, 12, 0.0, True)
     flash_ops = (torch.ops.aten._flash_attention_forward.default, torch.ops.aten._flash_attention_backward.default)
     (forward, forward_args), *backwards = ((f, a) for f, a, _ in spy.calls if f in flash_ops)
     assert forward is torch.ops.aten._flash_attention_forward.default
     assert [_storage(t) for t in forward_args[:3]] == [_storage(t) for t in (q, k, v)]
     assert forward_args[3:10] == (None, None, 5, 9, 0.0, False, False)
-    assert len(backwards) == len(douts)
-    for (backward, backward_args), dout in zip(backwards, douts):
+    assert len(backwards) == 1 + len(douts)
+    for (backward, backward_args), dout in zip(backwards, douts[:1] + douts):
         assert backward is torch.ops.aten._flash_attention_backward.default
         assert backward_args[0].stride(-1) == 1 and dout.stride(-1) != 1
         assert backward_args[8:12] == (5, 9, 0.0, False)
-    assert len(spy.flash_kwargs) == 1 + len(douts)
+    assert len(spy.flash_kwargs) == 2 + len(douts)
     assert all(c["scale"] == 0.3 and c["window_size_left"] == 3 and c["window_size_right"] == 12
                for c in spy.flash_kwargs)
 
