@@ -254,10 +254,13 @@ def test_backends_agree(chunk):
 
 # Share of bf16/fp16 gradient elements that must equal eager's bit for bit. Both sides round each
 # gradient once from an fp32 computation over the same rounded inputs (logits in x's dtype, dz
-# rounded to it); only the fp32 summation order differs, which flips a rounding now and then.
-# Measured: 99.6-99.95% on every CPU backend (dW lowest). Rounding dx once per chunk instead of
-# once at the end (the mutant below) drops dx to 75%.
-MIN_EQUAL_SHARE = 0.99
+# rounded to it); only the fp32 summation order differs, which flips a rounding now and then. How
+# often depends on eager's 16-bit GEMM, which depends on the CPU: measured 99.6-99.95% on every CPU
+# backend on a build machine with oneDNN's native 16-bit GEMMs (dW lowest), and 98.9-99.8% on an
+# AVX2-only one (2026-12-01; fp16 lowest), where eager's 16-bit GEMMs take ATen's scalar fallback
+# (another fp32 summation order). Rounding dx once per chunk instead of once at the end (the mutant
+# below) drops dx to 75%.
+MIN_EQUAL_SHARE = 0.98
 
 
 def _rounding_case(backend, dtype):
