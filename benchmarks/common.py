@@ -39,7 +39,11 @@ def environment_tags():
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(0)
     else:
-        device = f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+        # The vector ISA and whether oneDNN has native bf16 GEMMs: CPUs of one name differ in both,
+        # and 16-bit CPU times (and remat's CPU attention default) depend on them.
+        bf16 = "native bf16 GEMM" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no native bf16 GEMM"
+        device = (f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads, "
+                  f"{torch.backends.cpu.get_cpu_capability()}, {bf16})")
     return {
         "device": device,
         "torch": torch.__version__,

@@ -17,7 +17,7 @@ from remat.backend import (
 )
 from remat.functional.lora import check_lora
 from remat.ops import ops_for
-from remat.ops.attention import aten_unsupported_reason, rope_rotated_once
+from remat.ops.attention import aten_unsupported_reason, cpu_flash_is_fast, rope_rotated_once
 from remat.ops.attention_cudnn import cudnn_preferred, cudnn_unsupported_reason
 from remat.options import AttentionOptions, NormAttentionOptions
 
@@ -196,10 +196,12 @@ def _attention_backend(explicit, t, batch, sizes, options):
 def _default_attention_backend(t, batch, sizes, options, varlen=False):
     """Attention's default backend, the one expected fastest that takes the call (README "Default
     backends"). CPU tensors: PyTorch's flash kernel (the aten core, dense calls only; measured
-    faster than remat's C++ kernel in benchmarks/results/attention-cpu.csv), else remat's C++
-    kernels. CUDA tensors, by expectation until GPU numbers replace it: cuDNN (the cudnn core)
-    where stock PyTorch tries it first (remat.ops.attention_cudnn.cudnn_preferred: sm_90/sm_10x,
-    where published numbers put it ahead of FlashAttention-2), else FlashAttention-2 (the aten
+    faster than remat's C++ kernel in benchmarks/results/attention-cpu.csv) where it runs the
+    dtype at full speed (remat.ops.attention.cpu_flash_is_fast: float32, or a CPU with native
+    16-bit GEMMs), else remat's C++ kernels. CUDA tensors, by expectation until GPU numbers
+    replace it: cuDNN (the cudnn core) where stock PyTorch tries it first
+    (remat.ops.attention_cudnn.cudnn_preferred: sm_90/sm_10x, where published numbers put it ahead
+    of FlashAttention-2), else FlashAttention-2 (the aten
     core: pipelined, warp-specialised tiles tuned per architecture), else remat's Triton kernels
     (software-pipelined, autotuned tiles), else remat's CUDA kernels (WMMA without pipelining: the
     slowest). ``batch`` sequences of sizes (N, M, Hq, Hkv, D), for packed calls (max_seqlen_q,
@@ -212,7 +214,7 @@ def _default_attention_backend(t, batch, sizes, options, varlen=False):
         if aten_takes:
             return "aten"
         return "triton" if unavailable_reason("triton", t.device) is None else default_backend(t.device)
-    if t.device.type == "cpu" and aten_takes and not varlen:
+    if t.device.type == "cpu" and aten_takes and not varlen and cpu_flash_is_fast(t.dtype):
         return "aten"
     return default_backend(t.device)
 

@@ -392,6 +392,31 @@ def _flash_backward_is_deterministic():
     return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
+@torch.compiler.assume_constant_result
+def _onednn_has_native_gemm(kind):
+    """Whether oneDNN runs ``kind`` ("bf16" or "fp16") GEMMs natively on this CPU (AVX512-core or
+    AMX for bf16; AVX512-FP16 or AMX-FP16 for fp16): the check ATen's cpublas::gemm makes before it
+    falls back to its scalar loops (mkldnn_bf16_device_check), a constant to torch.compile."""
+    if kind == "bf16":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def cpu_flash_is_fast(dtype):
+    """Whether PyTorch's CPU flash kernel runs ``dtype`` at full speed on this CPU, so that the aten
+    core is the CPU's fastest attention: float32 and float64 always; float16/bfloat16 only where
+    oneDNN has native GEMMs for them (_onednn_has_native_gemm). Elsewhere, on an AVX2-only CPU, the
+    kernel's 16-bit GEMMs take ATen's scalar fallback: on a 2-core AVX2 EPYC (2026-12-01, B1 H8
+    N512 D64, full step) SDPA flash's bf16 step took 3.7x its fp32 one, and remat's C++ kernel
+    (fp32 arithmetic inside) 0.33-0.54x the aten core's time in bf16 and 0.36-0.69x in fp16, where
+    in fp32 it took 1.2-2.0x the flash kernel's."""
+    if dtype == torch.bfloat16:
+        return _onednn_has_native_gemm("bf16")
+    if dtype == torch.float16:
+        return _onednn_has_native_gemm("fp16")
+    return True
+
+
 def aten_unsupported_reason(n, m, hq, hkv, head_dim, dtype, device, options, varlen=False):
     """Why the aten core cannot run attention of N queries and M keys (Hq / Hkv heads of dim D,
     ``dtype`` on ``device``) with these :class:`remat.options.AttentionOptions`, or None. Packed
