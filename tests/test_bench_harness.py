@@ -281,6 +281,19 @@ def test_compare_runs_refuses_different_benchmarks():
         disagreements(rows * 2, rows * 2)
 
 
+def _causal_step_in_bnhd(fn, layout, q, k, v, dout):
+    """(o, dq, dk, dv, saved bytes) of one causal step of a bench_attention provider ``fn`` taking
+    ``layout`` ("bhnd": contiguous [B, H, N, D] copies of the [B, N, H, D] q, k, v), in [B, N, H, D]."""
+    from remat.memory import saved_bytes
+
+    leaves = [(t.transpose(1, 2).contiguous() if layout == "bhnd" else t.clone()).requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, True)
+    grads = torch.autograd.grad(out, leaves, dout.transpose(1, 2) if layout == "bhnd" else dout)
+    if layout == "bhnd":
+        out, grads = out.transpose(1, 2), [grad.transpose(1, 2) for grad in grads]
+    return (out.detach(), *grads, saved_bytes(fn, *leaves, True))
+
+
 def test_rope_providers_compute_the_rope_attention():
     """bench_attention's rope rows time one computation: each provider (the stock rotation + SDPA
     flash in [B, H, N, D]; the aten core, which rotates q and k once per pass outside the kernel)
@@ -288,7 +301,6 @@ def test_rope_providers_compute_the_rope_attention():
     the torch backend's saved bytes."""
     import remat
     from benchmarks.bench_attention import rope_providers, rope_tables
-    from remat.memory import saved_bytes
 
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, 24, 2, 16, generator=g) for _ in range(4))
@@ -301,13 +313,7 @@ def test_rope_providers_compute_the_rope_attention():
     providers = rope_providers(CPU, cos, sin)
     assert [name for name, *_ in providers] == ["sdpa-flash+rope", "remat-aten-rope"]
     for name, fn, layout in providers + [("torch", stock, "bnhd")]:
-        leaves = [(t.transpose(1, 2).contiguous() if layout == "bhnd" else t.clone()).requires_grad_()
-                  for t in (q, k, v)]
-        out = fn(*leaves, True)
-        grads = torch.autograd.grad(out, leaves, dout.transpose(1, 2) if layout == "bhnd" else dout)
-        if layout == "bhnd":
-            out, grads = out.transpose(1, 2), [grad.transpose(1, 2) for grad in grads]
-        results[name] = (out.detach(), *grads, saved_bytes(fn, *leaves, True))
+        results[name] = _causal_step_in_bnhd(fn, layout, q, k, v, dout)
     for name, _, _ in providers:
         for a, b in zip(results[name][:4], results["torch"][:4]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -327,13 +333,7 @@ def test_sdpa_providers_on_either_layout_compute_the_same_attention():
     q, k, v, dout = (torch.randn(1, 24, 2, 16, generator=g) for _ in range(4))
     results = {}
     for name in ("sdpa-flash", "sdpa-flash-bnhd"):
-        fn, layout = by_name[name]
-        leaves = [(t.transpose(1, 2).contiguous() if layout == "bhnd" else t.clone()).requires_grad_()
-                  for t in (q, k, v)]
-        out = fn(*leaves, True)
-        grads = torch.autograd.grad(out, leaves, dout.transpose(1, 2) if layout == "bhnd" else dout)
-        if layout == "bhnd":
-            out, grads = out.transpose(1, 2), [grad.transpose(1, 2) for grad in grads]
+        out, *grads, _ = _causal_step_in_bnhd(*by_name[name], q, k, v, dout)
         assert out.shape == q.shape
         results[name] = (out, *grads)
     for a, b in zip(results["sdpa-flash"], results["sdpa-flash-bnhd"]):
