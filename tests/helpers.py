@@ -7,6 +7,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import backend as backend_mod
@@ -235,6 +236,22 @@ def deterministic_mode(enabled):
         yield
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+class OpCalls(TorchDispatchMode):
+    """A dispatch spy: records every call of the operators ``ops`` (OpOverloads) made inside it as
+    (operator, args, kwargs, output), in order, in ``calls``; ``ops`` is kept as ``OPS``."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.OPS = tuple(ops)
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.OPS:
+            self.calls.append((func, args, kwargs or {}, out))
+        return out
 
 
 class CompileCounter:

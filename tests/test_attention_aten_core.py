@@ -24,7 +24,16 @@ import remat.ops.attention_cudnn as attention_cudnn
 from remat.options import AttentionOptions
 
 from _checks import assert_within_2x_of_stock
-from helpers import DTYPES, attention_eager, case, deterministic_mode, make_inputs, mask_from_output, run_and_check
+from helpers import (
+    DTYPES,
+    OpCalls,
+    attention_eager,
+    case,
+    deterministic_mode,
+    make_inputs,
+    mask_from_output,
+    run_and_check,
+)
 
 # The module (remat.functional re-exports its function `attention` under the same name).
 functional_attention = importlib.import_module("remat.functional.attention")
@@ -334,10 +343,10 @@ def test_cpu_flash_calls_get_no_dropout_the_causal_flag_and_the_scale():
     """The CPU flash kernel's forward and backward get dropout 0, the causal flag and the scale,
     on [B, H, N, D] views of remat's tensors."""
     q, k, v = (torch.randn(1, 6, 2, 16, requires_grad=True) for _ in range(3))
-    with _CpuFlashCalls() as spy:
+    with _cpu_flash_calls() as spy:
         o = remat.attention(q, k, v, causal=True, scale=0.3, backend="aten")
         o.backward(torch.randn_like(o))
-    (forward, forward_args, forward_kwargs), (backward, backward_args, backward_kwargs) = spy.calls
+    (forward, forward_args, forward_kwargs, _), (backward, backward_args, backward_kwargs, _) = spy.calls
     assert forward is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     assert [tuple(t.shape) for t in forward_args[:3]] == [(1, 2, 6, 16)] * 3
     assert forward_args[3:5] + (0.0, False)[len(forward_args[3:5]):] == (0.0, True)
@@ -346,20 +355,10 @@ def test_cpu_flash_calls_get_no_dropout_the_causal_flag_and_the_scale():
     assert forward_kwargs["scale"] == backward_kwargs["scale"] == 0.3
 
 
-class _CpuFlashCalls(TorchDispatchMode):
-    """Records the CPU flash kernel's forward and backward calls with their arguments."""
-
-    OPS = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.OPS:
-            self.calls.append((func, args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
+def _cpu_flash_calls():
+    """Records the CPU flash kernel's forward and backward calls with their arguments and outputs."""
+    return OpCalls((torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default))
 
 
 def test_flashattention_core_refuses_a_dropout_call_without_its_buffer(monkeypatch):

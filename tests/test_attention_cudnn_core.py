@@ -16,7 +16,6 @@ import warnings
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 import remat.ops.attention as attention_ops
@@ -27,6 +26,7 @@ from remat.options import AttentionOptions
 from _checks import assert_within_2x_of_stock
 from helpers import (
     CompileCounter,
+    OpCalls,
     batch,
     case,
     causal_lm,
@@ -179,26 +179,18 @@ def test_cudnn_core_checks_its_call_itself(monkeypatch):
     on_gpu(monkeypatch, (9, 0))
     with deterministic_mode(False), FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.empty(65536, 8, 2, 64, device=CUDA0, dtype=torch.bfloat16)
-        with _CudnnCalls() as spy, pytest.raises(ValueError, match="65535"):
+        with _cudnn_calls() as spy, pytest.raises(ValueError, match="65535"):
             attention_cudnn.cudnn_attention_fwd(q, q, q, None, None, None, 0.125, 0.0, -1, 0, 0.0)
         assert spy.calls == []
 
 
-class _CudnnCalls(TorchDispatchMode):
-    """Records the cuDNN attention forward and backward calls with their arguments."""
+CUDNN_OPS = (torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default)
 
-    OPS = (torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-           torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default)
 
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in self.OPS:
-            self.calls.append((func, args, kwargs or {}, out))
-        return out
+def _cudnn_calls():
+    """Records the cuDNN attention forward and backward calls with their arguments and outputs."""
+    return OpCalls(CUDNN_OPS)
 
 
 def _storage(t):
@@ -222,14 +214,14 @@ def test_calls_trace_on_fake_cuda_tensors(monkeypatch, rope, causal, m):
         v = torch.empty(2, m, 2, 64, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
         tables = (torch.empty(m, 32, device=CUDA0), torch.empty(m, 32, device=CUDA0)) if rope else None
         saved = []
-        with _CudnnCalls() as spy:
+        with _cudnn_calls() as spy:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
                 o = remat.attention(q, k, v, causal=causal, scale=0.2, rope=tables, backend="cudnn")
             # The autograd engine needs a real CUDA context; the Function's backward is called directly.
             grads = o.grad_fn.apply(torch.empty_like(o))
         (forward, forward_args, forward_kwargs, forward_out), (backward, backward_args, backward_kwargs,
                                                                backward_out) = spy.calls
-        assert forward is _CudnnCalls.OPS[0] and backward is _CudnnCalls.OPS[1]
+        assert forward is CUDNN_OPS[0] and backward is CUDNN_OPS[1]
         assert [tuple(t.shape) for t in forward_args[:3]] == [(2, 4, n, 64), (2, 2, m, 64), (2, 2, m, 64)]
         if not rope:  # with rope q and k are the rotated copies
             assert [_storage(t) for t in forward_args[:3]] == [_storage(t) for t in (q, k, v)]
@@ -270,10 +262,10 @@ def test_fused_attention_sub_block_runs_on_cudnn(monkeypatch, backend):
         x, norm_weight, w_q, w_k, w_v = (torch.empty(*shape, device=CUDA0, dtype=torch.bfloat16, requires_grad=True)
                                          for shape in ((b, n, hidden), (hidden,), (hq * d, hidden), (hkv * d, hidden),
                                                        (hkv * d, hidden)))
-        with _CudnnCalls() as spy:
+        with _cudnn_calls() as spy:
             o = remat.norm_attention(x, norm_weight, w_q, w_k, w_v, num_heads=hq, num_kv_heads=hkv, backend=backend)
             grads = o.grad_fn.apply(torch.empty_like(o))
-        assert [call[0] for call in spy.calls] == list(_CudnnCalls.OPS)
+        assert [call[0] for call in spy.calls] == list(CUDNN_OPS)
         assert grads[0].shape == x.shape
 
 
