@@ -91,6 +91,15 @@ def test_info_reports(capsys, monkeypatch):
     d = remat.info.__globals__["info_dict"]()
     assert d["extension_built"] == _extension.LOADED
     assert d["default_backend"]["rms_norm"]["cpu"] == backend.default_backend(torch.device("cpu"))
+    # CPU attention: the aten core for the dtypes PyTorch's flash kernel runs at full speed here.
+    import remat.ops.attention as attention_ops
+
+    real_check = attention_ops._onednn_has_native_gemm
+    for native, dtypes in ((True, "float32, bfloat16, float16"), (False, "float32")):
+        monkeypatch.setattr(attention_ops, "_onednn_has_native_gemm", lambda kind, native=native: native)
+        entry = remat.info.__globals__["info_dict"]()["default_backend"]["attention"]["cpu"]
+        assert entry == f"aten ({dtypes}) if it takes the call, else {backend.default_backend(torch.device('cpu'))}"
+    monkeypatch.setattr(attention_ops, "_onednn_has_native_gemm", real_check)
     assert d["rope_rotation"]["cpu"] == ("cpp" if _extension.LOADED else "torch")
     assert f"rope rotation         cpu -> {d['rope_rotation']['cpu']}" in out
     # The other branch, whichever this installation has.

@@ -4,6 +4,7 @@ import torch
 
 from remat import _extension, backend
 from remat.ops import rope
+from remat.ops.attention import cpu_flash_is_fast
 from remat.ops.attention_cudnn import cudnn_preferred
 
 OPS = ("rms_norm", "layer_norm", "swiglu_mlp", "geglu_mlp", "gelu_mlp", "norm_mlp", "attention", "dropout",
@@ -27,6 +28,11 @@ def info_dict():
         triton_version = triton.__version__
     default_cpu = backend.default_backend(torch.device("cpu"))
     default_gpu = backend.default_backend(torch.device("cuda")) if gpu else None
+    # PyTorch's CPU flash kernel is the fastest CPU attention only for dtypes it runs at full speed
+    # here (remat.ops.attention.cpu_flash_is_fast: 16-bit ones need oneDNN's native GEMMs).
+    fast = [name for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                     ("float16", torch.float16)) if cpu_flash_is_fast(dtype)]
+    attention_cpu = f"aten ({', '.join(fast)}) if it takes the call, else {default_cpu}"
     attention_gpu = None
     if gpu:
         remat_kernels = "triton" if backend.unavailable_reason("triton", torch.device("cuda")) is None else default_gpu
@@ -49,8 +55,8 @@ def info_dict():
         # The rotation of q and k around the attention cores that take no rope (remat.ops.rope).
         "rope_rotation": {"cpu": rope.rope_implementation("cpu"),
                           "cuda": rope.rope_implementation("cuda") if gpu else None},
-        "default_backend": {op: {"cpu": f"aten if it takes the call, else {default_cpu}" if op == "attention"
-                                 else default_cpu, "cuda": attention_gpu if op == "attention" else default_gpu}
+        "default_backend": {op: {"cpu": attention_cpu if op == "attention" else default_cpu,
+                                 "cuda": attention_gpu if op == "attention" else default_gpu}
                             for op in OPS},
     }
 
