@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import remat
 import remat.ops.attention as attention_ops
 import remat.ops.attention_cudnn as attention_cudnn
+import remat.ops.rope as rope_ops
 from remat.memory import saved_bytes
 from remat.options import AttentionOptions
 
@@ -286,6 +287,9 @@ def test_cuda_cores_compile_as_one_graph(monkeypatch, backend, rope, dropout_p, 
     Function's forward body and its backward op (rope rotated around it by remat's rope operator)
     in the backward body. The CPU paths' compile tests cannot reach these branches."""
     on_gpu(monkeypatch, (9, 0))
+    # An H200 compiles Triton kernels; `make test` sets TRITON_INTERPRET=1, under which CUDA rope
+    # would be rotated by PyTorch ops instead of remat's Triton operator.
+    monkeypatch.setattr(rope_ops, "triton_interpreted", lambda: False)
     counter = CompileCounter()
     graphs = []
 
