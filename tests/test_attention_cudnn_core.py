@@ -248,6 +248,59 @@ def test_calls_trace_on_fake_cuda_tensors(monkeypatch, rope, causal, m):
         assert not any(t.dtype == torch.int64 for t in saved)
 
 
+def _cudnn_can_read(t):
+    """16-byte aligned storage offset and strides (of dimensions longer than 1), last stride 1."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.storage_offset() * size % 16 == 0 and \
+        all(s * size % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+
+
+def test_cudnn_aligned_copies_only_what_cudnn_cannot_read():
+    """cuDNN's graphs assume 16-byte aligned pointers and strides, and PyTorch's operator passes
+    tensors through as they are: the core hands cuDNN a contiguous copy of an operand at an odd
+    element offset, of heads cut from a wider row, or with a strided last dimension, and the
+    operand itself otherwise (contiguous heads, a fused-qkv slice at a multiple of D, fp32 rows
+    whose stride is a multiple of 16 bytes)."""
+    aligned = attention_cudnn.cudnn_aligned
+    base = torch.randn(2, 7, 3 * 4 * 64).to(torch.bfloat16)
+    for t in (torch.randn(2, 7, 4, 64).to(torch.bfloat16), base[..., 256:512].view(2, 7, 4, 64),
+              torch.randn(2, 7, 4, 68)[..., :64], torch.randn(2, 1, 4, 64).to(torch.bfloat16).expand(2, 1, 4, 64)):
+        assert aligned(t) is t and _cudnn_can_read(t)
+    odd_offset = torch.randn(1 + 2 * 7 * 4 * 64).to(torch.bfloat16)[1:].view(2, 7, 4, 64)
+    wide_rows = torch.randn(2, 7, 4, 68).to(torch.float16)[..., :64]
+    strided_last = torch.randn(2, 7, 64, 4).to(torch.bfloat16).transpose(-1, -2)
+    for t in (odd_offset, wide_rows, strided_last):
+        assert not _cudnn_can_read(t)
+        copy = aligned(t)
+        assert copy.is_contiguous() and _cudnn_can_read(copy) and copy.dtype == t.dtype
+        assert torch.equal(copy, t) and copy.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_cudnn_gets_aligned_operands_from_misaligned_inputs(monkeypatch):
+    """remat.attention(backend="cudnn") on fake CUDA tensors with q at an odd element offset and k's
+    heads cut from wider rows: cuDNN's forward and backward get aligned copies of those (same
+    shapes), v and the output gradient as they are, and the gradients come back in the inputs'
+    shapes; the inputs themselves are left alone."""
+    on_gpu(monkeypatch, (9, 0))
+    with deterministic_mode(False), FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(1 + 2 * 7 * 4 * 64, device=CUDA0, dtype=torch.bfloat16)[1:].view(2, 7, 4, 64)
+        k = torch.empty(2, 7, 2, 68, device=CUDA0, dtype=torch.bfloat16)[..., :64]
+        v = torch.empty(2, 7, 2, 64, device=CUDA0, dtype=torch.bfloat16)
+        for t in (q, k, v):
+            t.requires_grad_()
+        with _cudnn_calls() as spy:
+            o = remat.attention(q, k, v, causal=True, backend="cudnn")
+            dout = torch.empty_like(o)
+            grads = o.grad_fn.apply(dout)
+        (_, forward_args, _, _), (_, backward_args, _, _) = spy.calls
+        assert all(_cudnn_can_read(t) for t in forward_args[:3] + backward_args[:5])
+        assert [tuple(t.shape) for t in forward_args[:3]] == [(2, 4, 7, 64), (2, 2, 7, 64), (2, 2, 7, 64)]
+        assert _storage(forward_args[0]) != _storage(q) and _storage(forward_args[1]) != _storage(k)
+        assert _storage(forward_args[2]) == _storage(v) and _storage(backward_args[0]) == _storage(dout)
+        assert q.storage_offset() == 1 and k.stride(2) == 68
+        assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+
+
 @pytest.mark.parametrize("backend", ["cudnn", None], ids=["asked", "default"])
 def test_fused_attention_sub_block_runs_on_cudnn(monkeypatch, backend):
     """remat.norm_attention (the fused layers' attention sub-block) on fake CUDA tensors of an
@@ -402,6 +455,36 @@ def test_gpu_cudnn_core_forward_is_sdpas(causal):
         assert torch.equal(o, stock)
         contract = (2 * q.numel() + k.numel() + v.numel()) * 2 + 2 * 8 * 512 * 4
         assert saved_bytes(remat.attention, q, k, v, causal=causal, backend="cudnn") == contract
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_core_on_misaligned_inputs_equals_aligned():
+    """q at an odd element offset and k's heads cut from wider rows (operands cuDNN cannot read as
+    they are; the core copies them): o is bitwise the one of contiguous copies of the same
+    values, and the gradients (cuDNN's backward is not deterministic) agree within 2x the
+    aligned call's own run-to-run spread or one bf16 ulp of their scale."""
+    torch.manual_seed(0)
+    b, n, hq, hkv, d = 2, 130, 8, 2, 64
+    q_buffer = torch.randn(1 + b * n * hq * d, device="cuda", dtype=torch.bfloat16)
+    q_odd = q_buffer[1:].view(b, n, hq, d)
+    k_wide = torch.randn(b, n, hkv, d + 4, device="cuda", dtype=torch.bfloat16)[..., :d]
+    v = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16)
+
+    def run(q, k):
+        q, k, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+        with deterministic_mode(False):
+            o = remat.attention(q, k, v_, causal=True, backend="cudnn")
+        o.backward(dout)
+        return o.detach(), q.grad, k.grad, v_.grad
+
+    misaligned = run(q_odd, k_wide)
+    aligned, again = (run(q_odd.contiguous().clone(), k_wide.contiguous()) for _ in range(2))
+    assert torch.equal(misaligned[0], aligned[0])
+    for got, want, repeat in zip(misaligned[1:], aligned[1:], again[1:]):
+        spread = (repeat.float() - want.float()).abs().max().item()
+        ulp = want.float().abs().max().item() * 2 ** -8
+        assert (got.float() - want.float()).abs().max().item() <= max(2 * spread, ulp)
 
 
 @pytest.mark.gpu

@@ -38,6 +38,11 @@ _MIN_VERSION_ABOVE = 91500
 _MAX_HEAD_DIM = 128
 # cuDNN's grid limits on the batch and the query heads (check_cudnn_tensor_shapes).
 _MAX_BATCH_OR_HEADS = 65535
+# cuDNN's attention graphs assume 16-byte aligned pointers and strides (PyTorch's MHA.cpp: "cuDNN
+# requires 16-byte pointer/stride alignment"; frontends without set_alignment hardcode 16-byte
+# descriptors). PyTorch hands the dense operator's tensors to cuDNN as they are, checking only that
+# the last dimension has stride 1 (and that during SDPA's backend choice, not in the operator).
+_ALIGNMENT_BYTES = 16
 
 
 @torch.compiler.assume_constant_result
@@ -130,6 +135,27 @@ def cudnn_unsupported_reason(batch, n, m, hq, hkv, head_dim, dtype, device, opti
     return None
 
 
+def cudnn_aligned(t):
+    """``t`` itself when cuDNN can read it as is: last dimension of stride 1, storage offset and
+    every other stride (of dimensions longer than 1) multiples of 16 bytes; else a contiguous copy
+    (a new allocation, which PyTorch's allocators align to at least 16 bytes). A slice at an odd
+    element offset, or heads cut from a wider row, take the copy; every layout remat and Hugging
+    Face models produce (projections viewed as heads, rotated copies, fused-qkv slices at multiples
+    of D) does not.
+
+    Not checked: the base pointer of the storage (PyTorch's CUDA caching allocator aligns every
+    block to 512 bytes), and under torch.compile the storage offset (dynamo cannot trace
+    Tensor.storage_offset inside an autograd.Function); there an operand at an odd offset reaches
+    cuDNN as it does from stock SDPA."""
+    size = t.element_size()
+    aligned = (t.stride(-1) == 1 or t.shape[-1] == 1) and \
+        all(stride * size % _ALIGNMENT_BYTES == 0 for stride, extent in zip(t.stride()[:-1], t.shape[:-1])
+            if extent > 1)
+    if aligned and not torch.compiler.is_compiling():
+        aligned = t.storage_offset() * size % _ALIGNMENT_BYTES == 0
+    return t if aligned else t.clone(memory_format=torch.contiguous_format)
+
+
 def _check_cudnn_call(q, k, options):
     reason = cudnn_unsupported_reason(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
                                       q.dtype, q.device, options)
@@ -138,12 +164,13 @@ def _check_cudnn_call(q, k, options):
 
 
 def _cudnn_core_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p):
-    """Forward through cuDNN (q and k rotated): o [B, N, Hq, D] and lse [B, Hq, N], the view of
-    cuDNN's [B, Hq, N, 1] statistics."""
+    """Forward through cuDNN (q and k rotated; each operand copied first only where cuDNN could not
+    read it, cudnn_aligned): o [B, N, Hq, D] and lse [B, Hq, N], the view of cuDNN's [B, Hq, N, 1]
+    statistics."""
     no_rope_tables(cos, sin)
     _check_cudnn_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False))
     o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, window_right == 0, False,
+        *(cudnn_aligned(t).transpose(1, 2) for t in (q, k, v)), None, True, 0.0, window_right == 0, False,
         scale=scale)[:2]
     return o.transpose(1, 2).contiguous(), lse.squeeze(-1)
 
@@ -151,12 +178,13 @@ def _cudnn_core_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_
 def _cudnn_core_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, window_left, window_right, dropout_p,
                     deterministic):
     """Backward through cuDNN (q and k rotated), the probabilities recomputed from q, k and the
-    forward's statistics. The seed and offset tensors are read only with dropout (never here)."""
+    forward's statistics (operands copied first where misaligned, cudnn_aligned). The seed and
+    offset tensors are read only with dropout (never here)."""
     no_rope_tables(cos, sin)
     unused = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        *(t.transpose(1, 2) for t in (dout, q, k, v, o)), lse.unsqueeze(-1), unused, unused, None, None, None,
-        q.shape[1], k.shape[1], 0.0, window_right == 0, scale=scale)
+        *(cudnn_aligned(t).transpose(1, 2) for t in (dout, q, k, v, o)), lse.unsqueeze(-1), unused, unused, None,
+        None, None, q.shape[1], k.shape[1], 0.0, window_right == 0, scale=scale)
     return tuple(g.transpose(1, 2).contiguous() for g in (dq, dk, dv))
 
 
