@@ -4,6 +4,8 @@ dq, dk, dv under the 2x-stock-PyTorch rule (DESIGN.md section 7), over dtypes, l
 rope and dropout (the reference applies the same Philox mask); plus the dropout mask itself, bitwise
 determinism, the saved-bytes contract, torch.compile, opcheck and bad input."""
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from _checks import assert_within_2x_of_stock
 from helpers import (
     DTYPES,
     CompileCounter,
+    OpCalls,
     case,
     cpu_backends,
     gpu_backends,
@@ -26,6 +29,8 @@ from helpers import (
     run_and_check,
     triton_bwd_sample,
 )
+
+functional_attention = importlib.import_module("remat.functional.attention")
 
 # Shapes and options for the C++ CPU and torch backends.
 CASES = [
@@ -541,20 +546,83 @@ def test_aten_core_refuses_what_it_lacks(options, match):
         remat.rms_norm(torch.randn(2, 8), None, backend="aten")
 
 
-def test_default_on_cpu_is_the_aten_core_when_it_takes_the_call(monkeypatch):
-    """Per op: CPU attention defaults to PyTorch's flash kernel (faster than remat's C++ kernel)
-    when it takes the call, and to cpp for what it lacks; the fused layers too."""
+def _record_attention_backends(monkeypatch):
+    """A list that records the backend of each attention pass: the operator lookups of remat's
+    Functions (forward and backward; the fused layers take theirs from the same place), and "aten"
+    once per call that runs PyTorch's CPU flash kernel with its own autograd node
+    (remat.ops.attention.cpu_flash_attention)."""
     import remat.autograd.attention as attention_function
 
     used = []
-    real = attention_function.ops_for
-    # The fused layers (remat.autograd.norm_attention) take their operators from the same place.
-    monkeypatch.setattr(attention_function, "ops_for", lambda block, name: used.append(name) or real(block, name))
+    real_ops_for, real_native = attention_function.ops_for, functional_attention.cpu_flash_attention
+    monkeypatch.setattr(attention_function, "ops_for",
+                        lambda block, name: used.append(name) or real_ops_for(block, name))
+    monkeypatch.setattr(functional_attention, "cpu_flash_attention",
+                        lambda *args: used.append("aten") or real_native(*args))
     monkeypatch.delenv("REMAT_BACKEND", raising=False)
+    return used
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cpu_aten_call_without_a_function_equals_the_aten_core(dtype, causal):
+    """A plain CPU call on the aten core (remat.ops.attention.cpu_flash_attention: PyTorch's flash
+    kernel with its own autograd node) gives o and dq, dk, dv bitwise equal to the aten core inside
+    remat's AttentionFunction (the same kernels), saves the same bytes (q, k, v, o, fp32 lse), and
+    leaves its strided inputs alone; GQA, N != M without a mask."""
+    from remat.autograd.attention import AttentionFunction
+    from remat.options import AttentionOptions
+
+    torch.manual_seed(0)
+    m = 23 if causal else 31
+    q = torch.randn(2, 23, 3, 8, 16).to(dtype)[:, :, :, 2]
+    k, v = (torch.randn(2, m, 1, 16).to(dtype) for _ in range(2))
+    dout = torch.randn(2, 23, 3, 16).to(dtype)
+    q_before = q.clone()
+    options = AttentionOptions(16 ** -0.5, 0.0, -1, 0 if causal else -1, 0.0, False)
+
+    def run(fn):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = fn(*leaves)
+        return (o.detach(), *torch.autograd.grad(o, leaves, dout)), saved_bytes(fn, *leaves)
+
+    native, native_saved = run(lambda q, k, v: remat.attention(q, k, v, causal=causal))
+    core, core_saved = run(lambda q, k, v: AttentionFunction.apply(q, k, v, None, None, options, "aten", False))
+    for got, want in zip(native, core, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert native_saved == core_saved
+    contiguous = [t.contiguous().requires_grad_() for t in (q, k, v)]
+    assert saved_bytes(lambda q, k, v: remat.attention(q, k, v, causal=causal), *contiguous) == \
+        (2 * q.numel() + k.numel() + v.numel()) * q.element_size() + 2 * 3 * 23 * 4
+    assert torch.equal(q, q_before)
+
+
+def test_cpu_flash_attention_checks_its_call():
+    """Called directly, cpu_flash_attention refuses what the aten core refuses and non-CPU
+    tensors, before any kernel runs."""
+    from remat.ops.attention import cpu_flash_attention
+    from remat.options import AttentionOptions
+
+    q = torch.randn(1, 5, 2, 16)
+    with pytest.raises(ValueError, match="softcap"):
+        cpu_flash_attention(q, q, q, AttentionOptions(0.25, 5.0, -1, -1, 0.0, False))
+    with pytest.raises(ValueError, match="CPU tensors"):
+        cpu_flash_attention(q.to("meta"), q.to("meta"), q.to("meta"), AttentionOptions(0.25, 0.0, -1, -1, 0.0, False))
+
+
+def test_default_on_cpu_is_the_aten_core_when_it_takes_the_call(monkeypatch):
+    """Per op: CPU attention defaults to PyTorch's flash kernel (faster than remat's C++ kernel)
+    when it takes the call, and to cpp for what it lacks; the fused layers too. A plain call (no
+    rope) runs the kernel with PyTorch's own autograd node: its backward kernel once, no Function."""
+    used = _record_attention_backends(monkeypatch)
     q = torch.randn(1, 9, 4, 16, requires_grad=True)
     k = torch.randn(1, 9, 2, 16, requires_grad=True)
-    remat.attention(q, k, k, causal=True).sum().backward()
-    assert used == ["aten", "aten"]
+    backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    with OpCalls([backward_op]) as spy:
+        o = remat.attention(q, k, k, causal=True)
+        o.sum().backward()
+    assert used == ["aten"] and len(spy.calls) == 1
+    assert type(o.grad_fn).__name__ != "AttentionFunctionBackward"
     used.clear()
     remat.attention(q, k, k, causal=True, softcap=20.0).sum().backward()
     assert used == ["cpp", "cpp"] if remat._extension.LOADED else ["torch", "torch"]
@@ -573,13 +641,9 @@ def test_cpu_default_for_16_bit_attention_follows_the_cpus_gemms(monkeypatch, dt
     dtype (else PyTorch's flash kernel takes its scalar GEMM fallback, measured 1.5-3x slower than
     remat's C++ kernel on an AVX2 CPU): both answers substituted, the same call, the fused layers
     too; float32 is the aten core's either way."""
-    import remat.autograd.attention as attention_function
     import remat.ops.attention as attention_ops
 
-    used = []
-    real = attention_function.ops_for
-    monkeypatch.setattr(attention_function, "ops_for", lambda block, name: used.append(name) or real(block, name))
-    monkeypatch.delenv("REMAT_BACKEND", raising=False)
+    used = _record_attention_backends(monkeypatch)
     fallback = "cpp" if remat._extension.LOADED else "torch"
     q = torch.randn(1, 9, 4, 16, dtype=dtype)
     k = torch.randn(1, 9, 2, 16, dtype=dtype)

@@ -17,7 +17,7 @@ from remat.backend import (
 )
 from remat.functional.lora import check_lora
 from remat.ops import ops_for
-from remat.ops.attention import aten_unsupported_reason, cpu_flash_is_fast, rope_rotated_once
+from remat.ops.attention import aten_unsupported_reason, cpu_flash_attention, cpu_flash_is_fast, rope_rotated_once
 from remat.ops.attention_cudnn import cudnn_preferred, cudnn_unsupported_reason
 from remat.options import AttentionOptions, NormAttentionOptions
 
@@ -113,8 +113,13 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     checks.check_attention_dtype(name, q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with autocast_off:
-        o = AttentionFunction.apply(q, k, v, cos, sin, options, name,
-                                    rope_rotated_once(name, cos is not None, _backward_can_follow(q, k, v, cos, sin)))
+        if name == "aten" and q.device.type == "cpu" and cos is None:
+            # The same kernels and saved tensors as AttentionFunction's aten core, through PyTorch's
+            # own autograd node (faster than a Python Function; see cpu_flash_attention).
+            o = cpu_flash_attention(q, k, v, options)
+        else:
+            o = AttentionFunction.apply(q, k, v, cos, sin, options, name, rope_rotated_once(
+                name, cos is not None, _backward_can_follow(q, k, v, cos, sin)))
     return o.transpose(1, 2) if layout == "bhnd" else o
 
 

@@ -521,6 +521,24 @@ def _aten_core_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_r
     return o.contiguous(), lse
 
 
+def cpu_flash_attention(q, k, v, options):
+    """Dense attention of CPU tensors without rope through PyTorch's CPU flash kernel and its own
+    autograd node (derivatives.yaml: the node saves q, k, v, o and the fp32 logsumexp and its
+    backward is _scaled_dot_product_flash_attention_for_cpu_backward): exactly the aten core's
+    contract and arithmetic (_aten_core_fwd / _aten_core_bwd), without a Python autograd.Function
+    around it. Why: on a 2-core Xeon (2026-12-02, B1 H8 N512 D64 bf16 causal, forward + backward,
+    200 interleaved rounds) even a minimal Python Function around the same two kernels measured
+    1.02 of SDPA's step and remat's AttentionFunction 1.05, against a C++ node's 1.00. q [B, N, Hq, D],
+    k, v [B, M, Hkv, D]; returns o [B, N, Hq, D], contiguous. Checks the call like the core."""
+    if q.device.type != "cpu":
+        raise ValueError(f"cpu_flash_attention runs CPU tensors, and q is on {q.device}")
+    _check_aten_call(q, k, options)
+    o = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, options.window_right == 0,
+        scale=options.scale)[0]
+    return o.transpose(1, 2)
+
+
 def _keep_flash_rng_state(rng, rng_state, dropout_p):
     """With dropout, copies FlashAttention-2's rng_state (its Philox seed and offset, uint64 [2] on
     the device) into ``rng``, the int64 [2] buffer the Function saves (see the comment above
