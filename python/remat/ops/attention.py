@@ -536,7 +536,8 @@ def cpu_flash_attention(q, k, v, options):
     o = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, options.window_right == 0,
         scale=options.scale)[0]
-    return o.transpose(1, 2)
+    # The kernel allocates o as a [B, H, N, D] view of [B, N, H, D] storage: no copy here.
+    return o.transpose(1, 2).contiguous()
 
 
 def _keep_flash_rng_state(rng, rng_state, dropout_p):
