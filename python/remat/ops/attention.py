@@ -508,10 +508,8 @@ def _aten_core_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, window_r
     no_rope_tables(cos, sin)
     _check_aten_call(q, k, AttentionOptions(scale, softcap, window_left, window_right, dropout_p, False))
     if q.device.type == "cpu":
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, window_right == 0,
-                                                                            scale=scale)
-        return o.transpose(1, 2).contiguous(), lse.contiguous()
+        o, lse = _cpu_flash_forward(q, k, v, scale, window_right == 0)
+        return o, lse.contiguous()
     causal, left, right = _flash_window(window_left, window_right)
     o, lse, rng_state = torch.ops.aten._flash_attention_forward(
         q, k, v, None, None, q.shape[1], k.shape[1], dropout_p, causal, False, scale=scale, window_size_left=left,
@@ -533,11 +531,16 @@ def cpu_flash_attention(q, k, v, options):
     if q.device.type != "cpu":
         raise ValueError(f"cpu_flash_attention runs CPU tensors, and q is on {q.device}")
     _check_aten_call(q, k, options)
-    o = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, options.window_right == 0,
-        scale=options.scale)[0]
-    # The kernel allocates o as a [B, H, N, D] view of [B, N, H, D] storage: no copy here.
-    return o.transpose(1, 2).contiguous()
+    return _cpu_flash_forward(q, k, v, options.scale, options.window_right == 0)[0]
+
+
+def _cpu_flash_forward(q, k, v, scale, causal):
+    """PyTorch's CPU flash kernel on remat's q [B, N, Hq, D], k, v [B, M, Hkv, D]: o [B, N, Hq, D]
+    (contiguous without a copy: the kernel allocates o as a [B, H, N, D] view of [B, N, H, D]
+    storage) and the kernel's fp32 lse [B, Hq, N] as it returns it (a strided view)."""
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)[:2]
+    return o.transpose(1, 2).contiguous(), lse
 
 
 def _keep_flash_rng_state(rng, rng_state, dropout_p):

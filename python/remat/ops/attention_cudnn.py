@@ -148,7 +148,7 @@ def cudnn_aligned(t):
     Tensor.storage_offset inside an autograd.Function); there an operand at an odd offset reaches
     cuDNN as it does from stock SDPA."""
     size = t.element_size()
-    aligned = (t.stride(-1) == 1 or t.shape[-1] == 1) and \
+    aligned = t.stride(-1) == 1 and \
         all(stride * size % _ALIGNMENT_BYTES == 0 for stride, extent in zip(t.stride()[:-1], t.shape[:-1])
             if extent > 1)
     if aligned and not torch.compiler.is_compiling():
