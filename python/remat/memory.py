@@ -1,5 +1,15 @@
 """Saved-for-backward byte accounting, measured with torch.autograd.graph.saved_tensors_hooks,
-and what a forward really keeps alive, measured with a TorchDispatchMode (``retained_bytes``)."""
+and what a forward really keeps alive, measured with a TorchDispatchMode (``retained_bytes``).
+
+Every pack hook here hands autograd ``t.detach()``, never ``t``: a pack hook receives a saved
+output with its ``grad_fn``, and the node's saved variable keeping that tensor makes a cycle (tensor
+-> grad_fn -> saved variable -> packed tensor) through C++ that ``gc.collect()`` cannot break
+(PyTorch's tensor traverse does not walk the autograd graph). A graph that no backward consumes
+(a measured forward whose output is dropped) would stay alive for good, with every tensor it
+saved. The detached tensor shares the storage and version counter; autograd puts the ``grad_fn``
+back when it unpacks. For the same reason a pack hook holds no tensor that reaches the graph:
+each saved variable keeps its pack hook (and what the hook references) as long as it lives.
+"""
 
 import gc
 import weakref
@@ -53,7 +63,7 @@ class SavedTensorLog:
         self.saved.append(SavedTensor(tuple(t.shape), t.dtype, nbytes, is_param))
         if not is_param and span is not None:
             self._ranges.setdefault(_storage_key(t), []).append(span)
-        return t
+        return t.detach()  # not t: see the module docstring
 
     @staticmethod
     def _unpack(t):
@@ -155,7 +165,7 @@ class PeakSavedBytes:
             self._release(key)
 
     def _pack(self, t):
-        return _Held(t, self, self._add(t))
+        return _Held(t.detach(), self, self._add(t))  # not t: see the module docstring
 
     @staticmethod
     def _unpack(held):

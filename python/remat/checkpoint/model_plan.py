@@ -6,10 +6,10 @@ combination whose predicted peak of saved bytes fits the budget.
 The memory model (bytes saved for backward, as saved-tensor hooks count them; parameters excluded):
 
 - measured on the example batch with one forward per uniform configuration (stock, speed,
-  balanced, memory), each saved storage attributed to the region that saved it: before the decoder
-  layers (``pre``: embeddings), one decoder layer, after them (``post``: final norm, loss), or
-  ``shared`` when several layers save it (Hugging Face's rope tables). ``kept[i][c]``: layer i's
-  bytes under choice c.
+  balanced, memory), building no KV cache (as a training step), each saved storage attributed to
+  the region that saved it: before the decoder layers (``pre``: embeddings), one decoder layer,
+  after them (``post``: final norm, loss), or ``shared`` when several layers save it (Hugging
+  Face's rope tables). ``kept[i][c]``: layer i's bytes under choice c.
 - taped layer i with choice c keeps ``kept[i][c]`` from its forward to its backward.
 - a checkpointed span [a, b) keeps only its input (``input_bytes[a]``) through the forward; in
   backward it re-runs its layers, which then keep the sum of their ``kept`` while the span's
@@ -52,6 +52,7 @@ minimises predicted step time instead.
 
 import bisect
 import dataclasses
+import inspect
 import itertools
 import statistics
 import time
@@ -373,13 +374,37 @@ def decoder_layers(model):
             if (found := registry.match(m)) is not None and found.kind == "layer"]
 
 
-class _RegionLog:
-    """Attributes every storage saved for backward to the region (``"pre"``, a layer index,
-    ``"post"``) that saved it; storages saved in several regions are ``"shared"``."""
+class _SavedByRegion:
+    """The saved-tensor pack hook of a :class:`_RegionLog`: records the byte spans of every saved
+    storage (parameters excluded) and the regions that saved it.
 
-    def __init__(self, layers):
+    Autograd keeps a pack hook alive as long as the graph whose tensors it packed, and the measured
+    forward's graph is never consumed by a backward. So the hook holds no tensor (the layer inputs
+    live on the log: a hook holding them, whose ``grad_fn`` reaches the graph, is a reference cycle
+    through autograd's C++ graph that gc cannot collect), and it hands autograd ``t.detach()``,
+    never ``t`` (see remat.memory)."""
+
+    def __init__(self):
         self.region = "pre"
         self.spans, self.regions = {}, {}
+
+    def __call__(self, t):
+        span = _span(t)
+        if span is not None and not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+            key = _storage_key(t)
+            self.spans.setdefault(key, []).append(span)
+            self.regions.setdefault(key, set()).add(self.region)
+        return t.detach()
+
+
+class _RegionLog:
+    """Attributes every storage saved for backward to the region (``"pre"``, a layer index,
+    ``"post"``) that saved it; storages saved in several regions are ``"shared"``. Records the
+    order of the layers' calls and each layer's call arguments, its hidden states detached (the
+    measured forward's graph is freed when its output is)."""
+
+    def __init__(self, layers):
+        self.saved = _SavedByRegion()
         self.calls, self.inputs = [], {}
         self.handles = []
         for index, layer in enumerate(layers):
@@ -388,35 +413,25 @@ class _RegionLog:
 
     def _enter(self, index):
         def hook(module, args, kwargs):
-            self.region = index
+            self.saved.region = index
             self.calls.append(index)
-            self.inputs[index] = (args, kwargs)
+            self.inputs[index] = ((args[0].detach(), *args[1:]), kwargs)
 
         return hook
 
     def _leave(self, module, args, output):
-        self.region = "post"
-
-    def _pack(self, t):
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
-            return t
-        span = _span(t)
-        if span is not None:
-            key = _storage_key(t)
-            self.spans.setdefault(key, []).append(span)
-            self.regions.setdefault(key, set()).add(self.region)
-        return t
+        self.saved.region = "post"
 
     def run(self, model, example_inputs):
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(self.saved, lambda t: t):
                 model(**example_inputs)
         finally:
             for handle in self.handles:
                 handle.remove()
         totals = {}
-        for key, spans in self.spans.items():
-            regions = self.regions[key]
+        for key, spans in self.saved.spans.items():
+            regions = self.saved.regions[key]
             region = next(iter(regions)) if len(regions) == 1 else "shared"
             totals[region] = totals.get(region, 0) + _union_bytes(spans)
         return totals
@@ -594,13 +609,15 @@ def measure_model_costs(model, example_inputs, *, cost="flops", backend=None, mo
     arguments of its forward), measured in the configurations a plan can produce, each through
     remat.patch with ``modules`` and ``backend`` and one forward: every layer stock; every layer
     fused under each policy; and (two forwards) one layer fused, the others stock, which gives the
-    stock layers' bytes inside a patched model. The RNG state is left untouched and no parameter's
-    ``.grad`` changes."""
+    stock layers' bytes inside a patched model. The forwards build no KV cache, as a training step
+    (see :func:`_training_inputs`). The RNG state is left untouched and no parameter's ``.grad``
+    changes."""
     from remat.patch import MODULE_KINDS  # remat.patch imports this module
 
     names = [name for name, _ in decoder_layers(model)]
     if not names:
         raise ValueError("policy='auto' found no decoder layer that remat's model families take in this model")
+    example_inputs = _training_inputs(model, example_inputs, cost)
     modules = MODULE_KINDS if modules is None else tuple(modules)
     timed = range(len(names)) if cost == "time" else ()
 
@@ -654,6 +671,46 @@ def measure_model_costs(model, example_inputs, *, cost="flops", backend=None, mo
     return ModelCosts(tuple(per_layer), outside[0], shared, outside[2], shape, cost, all_stock)
 
 
+# The keyword arguments by which Hugging Face forwards take a KV cache ("cache" from transformers 5.x).
+_CACHE_ARGUMENTS = ("past_key_values", "cache")
+
+
+def _builds_cache(model):
+    """Whether a Hugging Face config that ``model``'s modules hold asks for a KV cache in every
+    forward (``use_cache=True``, Hugging Face's default)."""
+    return any(getattr(module.__dict__.get("config"), "use_cache", False) for module in model.modules())
+
+
+def _training_inputs(model, example_inputs, cost):
+    """``example_inputs`` as the forward of a training step takes them: with ``use_cache=False``
+    added where a config of ``model`` asks for a KV cache.
+
+    A training step builds no cache: Hugging Face turns it off under gradient checkpointing, and
+    remat.patch on the config copy of a model with fused layers. The planner measures some
+    configurations with no layer fused, where the stock forward would build one; timing
+    (``cost="time"``) then re-ran each layer with the cache among its recorded arguments, which
+    grew by the example's keys on every run and led the backward into an earlier run's freed graph
+    ("Trying to backward through the graph a second time").
+
+    Raises ValueError for an example that holds a cache or asks for one (``use_cache=True``), and,
+    with ``cost="time"``, for a model whose config asks for a cache and whose forward takes no
+    ``use_cache`` argument (set ``use_cache`` False on its config first)."""
+    if any(example_inputs.get(key) is not None for key in _CACHE_ARGUMENTS) or example_inputs.get("use_cache"):
+        raise ValueError("example_inputs holds a KV cache or use_cache=True; policy='auto' measures training "
+                         "forwards, which build and read no cache: give one training batch (input_ids, "
+                         "attention_mask, labels, ...)")
+    if "use_cache" in example_inputs or not _builds_cache(model):
+        return example_inputs
+    parameters = inspect.signature(model.forward).parameters.values()
+    if any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in parameters):
+        return {**example_inputs, "use_cache": False}
+    if cost == "time":
+        raise ValueError(f"{type(model).__name__}'s config asks for a KV cache (use_cache=True) and its forward "
+                         "takes no use_cache argument to turn it off; cost='time' times each layer on its recorded "
+                         "arguments, which a cache would change between runs: set config.use_cache = False")
+    return example_inputs
+
+
 def _check_example(example_inputs):
     if not isinstance(example_inputs, dict) or not example_inputs:
         raise TypeError("example_inputs must be a non-empty dict of the model's forward keyword arguments "
@@ -685,7 +742,9 @@ def plan_model(model, example_inputs, *, budget_bytes=None, budget_bytes_per_tok
             Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, GPT-2, Mixtral, Qwen3-MoE), in training
             mode as it will train.
         example_inputs: dict of forward keyword arguments of one training batch (``input_ids``,
-            ``attention_mask``, ``labels``...), its shape the one the plan holds for.
+            ``attention_mask``, ``labels``...), its shape the one the plan holds for; no KV cache
+            (``past_key_values``, ``use_cache=True``): the measured forwards build none, as a
+            training step (``use_cache=False`` is passed where the model's config asks for one).
         budget_bytes: cap on the peak of saved bytes over forward and backward (parameters excluded).
         budget_bytes_per_token: or the cap per token (``input_ids``' B x N); the model is then also
             measured on the example lengthened to 2N, and batches up to that length are re-planned
