@@ -18,7 +18,7 @@ and lays them out).
 
 import torch
 
-from remat.autograd.common import draw_rng_state, kernel_rope_tables
+from remat.autograd.common import draw_rng_state, kernel_rope_tables, refuse_double_backward
 from remat.ops import ops_for
 from remat.ops.attention import rotated_once
 
@@ -59,6 +59,7 @@ class AttentionFunction(torch.autograd.Function):
         return o
 
     @staticmethod
+    @refuse_double_backward("remat.attention")
     def backward(ctx, dout):
         q, k, v, o, lse, rng, cos, sin = ctx.saved_tensors
         if dout.stride(-1) != 1:
@@ -99,6 +100,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         return o
 
     @staticmethod
+    @refuse_double_backward("remat.attention (packed sequences)")
     def backward(ctx, dout):
         q, k, v, o, lse, rng, cos, sin, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         if dout.stride(-1) != 1:

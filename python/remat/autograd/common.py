@@ -1,10 +1,94 @@
-"""Pieces the autograd Functions share: linear-layer gradients, the RNG state for Philox dropout,
-and the rotary tables in the kernels' layout."""
+"""Pieces the autograd Functions share: the refusal of double backward, linear-layer gradients,
+the RNG state for Philox dropout, and the rotary tables in the kernels' layout."""
+
+import functools
 
 import torch
 
 # Seeds and offsets are drawn below 2^62, so offset + counter never wraps a uint64.
 _RNG_BOUND = 2**62
+
+
+def refuse_double_backward(op_name, graph_inputs=None):
+    """Decorates the ``backward`` of a remat autograd Function that is differentiable once only.
+
+    remat's backward passes run fused kernels (and recompute from saved statistics that carry no
+    graph), so a graph built through them would give second-order gradients that are missing or
+    wrong. As with torch.autograd.function.once_differentiable, the backward runs under no_grad
+    and, when grad mode is on at its entry (``create_graph=True``), the gradients it returns are
+    handed out through an autograd node that raises a RuntimeError naming ``op_name`` if, and only
+    if, a second backward reaches it. First-order gradients are the same with or without
+    ``create_graph``.
+
+    Unlike once_differentiable, that node's edges lead to what the gradients depend on: the
+    incoming gradients and the saved tensors that require grad (a saved input leads to its
+    producer; a saved output to this Function's node and so to every input), plus
+    ``graph_inputs(ctx)`` for a Function whose gradients depend on inputs it does not save. So
+    ``torch.autograd.grad(penalty, inputs)``, which runs only the nodes on a path to ``inputs``,
+    reaches it too (once_differentiable's node hangs off fresh leaves and is skipped there, the
+    second-order term silently dropped). Where none of them requires grad, the gradients are
+    constants and are returned as they are.
+
+    Traced by torch.compile: dynamo traces an autograd Function's backward with grad mode off, so
+    the wrapper there is the plain backward (and AOT autograd refuses double backward itself).
+    The decorated backward carries ``double_backward_refused = op_name`` (tests check that every
+    Function of the package has it)."""
+    message = (
+        f"{op_name} does not support double backward (differentiating its gradients, as a gradient "
+        "penalty or a Hessian-vector product does): its fused backward gives first-order gradients "
+        "only. Run this part of the computation on stock PyTorch for higher-order gradients (the "
+        "stock function or module instead of remat's, or remat.unpatch(model) for a patched model)."
+    )
+
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grad_outputs):
+            if not torch.is_grad_enabled():
+                return backward(ctx, *grad_outputs)
+            ctx = _SavedOnce(ctx)
+            with torch.no_grad():
+                grads = backward(ctx, *grad_outputs)
+            sources = (*grad_outputs, *ctx.saved_tensors, *(graph_inputs(ctx) if graph_inputs else ()))
+            return _delay_error(grads, message, [t for t in sources if isinstance(t, torch.Tensor) and t.requires_grad])
+
+        wrapper.double_backward_refused = op_name
+        return wrapper
+
+    return decorate
+
+
+class _SavedOnce:
+    """The ctx a refusing backward runs with: ``saved_tensors`` unpacked once, shared by the backward
+    and the wrapper (unpack hooks may allow one unpack: torch.utils.checkpoint's non-reentrant
+    hooks raise on a second); every other attribute read from and written to the real ctx."""
+
+    def __init__(self, ctx):
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "saved_tensors", ctx.saved_tensors)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._ctx, name, value)
+
+
+def _delay_error(grads, message, sources):
+    """``grads`` (a tensor or a tuple with Nones) with every tensor replaced by an alias whose
+    grad_fn raises ``message`` when backpropagated through, and whose edges lead to ``sources``;
+    ``grads`` unchanged without sources."""
+    single = not isinstance(grads, tuple)
+    items = (grads,) if single else grads
+    positions = [i for i, g in enumerate(items) if isinstance(g, torch.Tensor)]
+    if not positions or not sources:
+        return grads
+    # One output per input; the outputs of the sources only give the node its edges.
+    errors = torch._C._functions.DelayedError(message, len(positions) + len(sources))(
+        *[items[i] for i in positions], *sources)
+    items = list(items)
+    for i, g in zip(positions, errors):
+        items[i] = g
+    return items[0] if single else tuple(items)
 
 
 def linear_grads(grad_out, inp, weight, needs_input, needs_weight, needs_bias):

@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from remat.autograd.common import refuse_double_backward
 from remat.ops import ops_for
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -115,6 +116,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
+    @refuse_double_backward("remat.linear_cross_entropy")
     def backward(ctx, grad_loss, grad_lse):
         x, weight, bias, target, lse = ctx.saved_tensors
         ignore_index, reduction, label_smoothing, softcap, z_loss, chunk, backend = ctx.options

@@ -10,7 +10,7 @@ elements: a call over n elements reads counters offset .. offset + ceil(n / 4) -
 
 import torch
 
-from remat.autograd.common import draw_rng_state
+from remat.autograd.common import draw_rng_state, refuse_double_backward
 from remat.ops import ops_for
 
 
@@ -25,6 +25,7 @@ class PhiloxDropoutFunction(torch.autograd.Function):
         return ops_for("dropout", backend).philox_dropout(x, rng, p)
 
     @staticmethod
+    @refuse_double_backward("remat.dropout")
     def backward(ctx, dy):
         (rng,) = ctx.saved_tensors
         return ops_for("dropout", ctx.backend).philox_dropout(dy.contiguous(), rng, ctx.p), None, None

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from remat.autograd.common import draw_rng_state
+from remat.autograd.common import draw_rng_state, refuse_double_backward
 from remat.ops import ops_for
 
 TENSORS_PER_ADAPTER = 3
@@ -158,6 +158,7 @@ class LoRALinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @refuse_double_backward("remat.lora_linear")
     def backward(ctx, dy):
         saved = ctx.saved_tensors
         x, weight, bias = saved[:3]

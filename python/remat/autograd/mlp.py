@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from remat.autograd import lora
-from remat.autograd.common import linear_grads
+from remat.autograd.common import linear_grads, refuse_double_backward
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.ops import ops_for
 
@@ -60,6 +60,7 @@ class GatedMLPFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @refuse_double_backward("remat.gated_mlp")
     def backward(ctx, dy):
         ops = ops_for("mlp", ctx.backend)
         saved = ctx.saved_tensors
@@ -120,6 +121,7 @@ class GELUMLPFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @refuse_double_backward("remat.gelu_mlp")
     def backward(ctx, dy):
         ops = ops_for("mlp", ctx.backend)
         saved = ctx.saved_tensors
@@ -186,6 +188,7 @@ class NormGatedMLPFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @refuse_double_backward("remat.norm_mlp")
     def backward(ctx, dy):
         x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up, *lora_saved = \
             ctx.saved_tensors
@@ -260,6 +263,7 @@ class NormGELUMLPFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @refuse_double_backward("remat.norm_gelu_mlp")
     def backward(ctx, dy):
         x, norm_weight, norm_bias, w_fc, b_fc, w_proj, mean, rstd, pre = ctx.saved_tensors
         need = ctx.needs_input_grad

@@ -30,6 +30,7 @@ router GEMM (E x H per token, small next to the experts' 3kIH) runs again in bac
 import torch
 import torch.nn.functional as F
 
+from remat.autograd.common import refuse_double_backward
 from remat.autograd.mlp import _fused_gate_up
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.ops import ops_for
@@ -124,6 +125,7 @@ class MoEFunction(torch.autograd.Function):
         return out.to(x.dtype), logits, weights, indices
 
     @staticmethod
+    @refuse_double_backward("remat's mixture-of-experts block (remat.nn.moe)")
     def backward(ctx, dy, d_logits, _d_weights, _d_indices):
         x, norm_weight, w_router, gate_up, down, rstd, weights, indices, gates, ups = ctx.saved_tensors
         need = ctx.needs_input_grad

@@ -11,6 +11,7 @@ Inputs are already 2-D [rows, cols] with unit column stride (remat.functional re
 
 import torch
 
+from remat.autograd.common import refuse_double_backward
 from remat.ops import ops_for
 
 
@@ -30,17 +31,14 @@ class RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @refuse_double_backward("remat.rms_norm")
     def backward(ctx, dy, dh=None):
         norm_input, weight, rstd = ctx.saved_tensors
         ops = ops_for("norm", ctx.backend)
         dx, dw = ops.rms_norm_bwd(_unit_col(dy), _unit_col(dh), norm_input, weight, rstd)
-        return (
-            dx,
-            dw if weight is not None and ctx.needs_input_grad[1] else None,
-            dx if ctx.has_residual and ctx.needs_input_grad[2] else None,
-            None,
-            None,
-        )
+        dx, d_residual = _input_and_residual_grads(dx, ctx.needs_input_grad[0],
+                                                   ctx.has_residual and ctx.needs_input_grad[2])
+        return dx, dw if weight is not None and ctx.needs_input_grad[1] else None, d_residual, None, None
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -60,20 +58,33 @@ class LayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @refuse_double_backward("remat.layer_norm")
     def backward(ctx, dy, dh=None):
         norm_input, weight, mean, rstd = ctx.saved_tensors
         ops = ops_for("norm", ctx.backend)
         dx, dw, db = ops.layer_norm_bwd(
             _unit_col(dy), _unit_col(dh), norm_input, weight, mean, rstd, ctx.has_bias
         )
+        dx, d_residual = _input_and_residual_grads(dx, ctx.needs_input_grad[0],
+                                                   ctx.has_residual and ctx.needs_input_grad[3])
         return (
             dx,
             dw if weight is not None and ctx.needs_input_grad[1] else None,
             db if ctx.has_bias and ctx.needs_input_grad[2] else None,
-            dx if ctx.has_residual and ctx.needs_input_grad[3] else None,
+            d_residual,
             None,
             None,
         )
+
+
+def _input_and_residual_grads(d_h, needs_x, needs_residual):
+    """(dx, d_residual) of h = x + residual, both equal to d_h; None where not needed. When both
+    are needed, the residual's is a copy: autograd may keep a returned gradient as a leaf's .grad
+    (and accumulate into it in place), so one tensor for two inputs would make x.grad and
+    residual.grad one storage."""
+    if needs_x and needs_residual:
+        return d_h, d_h.clone()
+    return (d_h if needs_x else None), (d_h if needs_residual else None)
 
 
 def _unit_col(grad):

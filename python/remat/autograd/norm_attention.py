@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from remat.autograd import lora
 from remat.autograd.attention import attention_ops, attention_rng_state, varlen_rope_tables
-from remat.autograd.common import kernel_rope_tables, linear_grads
+from remat.autograd.common import kernel_rope_tables, linear_grads, refuse_double_backward
 from remat.autograd.norm import norm_backward, norm_forward
 
 
@@ -128,6 +128,7 @@ class NormAttentionFunction(torch.autograd.Function):
         return o
 
     @staticmethod
+    @refuse_double_backward("remat.norm_attention")
     def backward(ctx, dout):
         (x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, mean, rstd, q, k, v, o,
          lse, rng, cos, sin, cu_seqlens, *lora_saved) = ctx.saved_tensors

@@ -6,6 +6,7 @@ that recomputed forwards reproduce the original exactly."""
 import torch
 
 from remat import memory
+from remat.autograd.common import refuse_double_backward
 from remat.checkpoint.schedule import Segment
 
 
@@ -170,14 +171,21 @@ class ChainRunner:
 
 
 class _ChainFunction(torch.autograd.Function):
+    """The chain as one autograd node; saves nothing through save_for_backward (the runner holds
+    the checkpoints). ``ctx.inputs``: x and the parameters, the tensors the gradients depend on
+    (for refuse_double_backward; x's storage is kept anyway as x0, the parameters live)."""
+
     @staticmethod
     def forward(ctx, runner, x, *params):
         ctx.runner = runner
         ctx.x0 = x.detach()
         ctx.x0_version = x._version
+        ctx.inputs = (x, *params)
         return runner.forward(x)
 
     @staticmethod
+    @refuse_double_backward("remat's checkpointed chain (remat.checkpoint_sequential, a patched model's spans)",
+                            graph_inputs=lambda ctx: ctx.inputs)
     def backward(ctx, grad_out):
         runner = ctx.runner
         if runner is None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat import checks, functional
-from remat.autograd.common import linear_grads
+from remat.autograd.common import linear_grads, refuse_double_backward
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.backend import resolve_backend
 from remat.models.hf import rope_type_of
@@ -44,6 +44,7 @@ class _GemmaRMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @refuse_double_backward("remat's Gemma RMSNorm")
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         if dy.stride(-1) != 1:
@@ -67,6 +68,7 @@ class _PostNormLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @refuse_double_backward("remat's Gemma projection + post-norm")
     def backward(ctx, dy):
         o, weight, bias, norm_weight, rstd = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -97,6 +99,7 @@ class _SandwichMLPFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @refuse_double_backward("remat's Gemma MLP sub-block")
     def backward(ctx, dy):
         h, pre_weight, w_gate, w_up, w_down, post_weight, rstd_pre, rstd_post = ctx.saved_tensors
         need = ctx.needs_input_grad
