@@ -16,7 +16,21 @@ What is replaced is what the model-family table (remat.models.registry) lists:
 
 Only the listed classes are replaced; look-alikes whose computation differs (OLMo 2's norms,
 Cohere's LayerNorm, non-causal vision attention) are left as they are. Replacements keep the
-originals' train/eval mode.
+originals' train/eval mode. A listed module remat's kernels cannot run (float64 parameters, an
+attention head dim above remat.checks.MAX_HEAD_DIM; remat.nn.layers.check_runnable), or whose
+build refuses it (TypeError / ValueError), is left alone with the reason in the report.
+
+All or nothing: when anything inside patch raises, the model is put back as it was (modules,
+hooks, configs, forwards) and the exception propagates. A patch that replaces nothing leaves the
+model unchanged (but for a mark that unpatch removes: unpatch succeeds on any model patch was
+called on), and warns; so does a model whose
+Hugging Face layers no family takes (the warning names them and the families remat knows).
+
+Saving: a patched model pickles whenever the stock model does (``torch.save(model)``,
+``copy.deepcopy``), loading as a patched model that unpatch restores: everything patch installs
+(forward wrappers, setters, Hugging Face's recording hooks, MoE routers) is an object of a
+module-level class, a planned model's (``policy="auto"``) layer forwards too. unpatch removes every
+hook patch installed.
 
 Hugging Face masks, packing and generation (when attention is replaced: whole layers or attention
 modules): the model's ``config._attn_implementation`` becomes ``"remat"`` on a private copy of its
@@ -35,9 +49,9 @@ one (its generation config's ``use_cache``).
 """
 
 import copy
-import functools
 import inspect
-import types
+import sys
+import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -46,7 +60,7 @@ from remat.checkpoint import model_plan
 from remat.models import causal_lm, outputs, registry
 from remat.models.hf import ATTENTION_IMPLEMENTATION, check_attention_mask, register_attention
 from remat.nn.adapters import carry_wrappers
-from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, check_runnable
 
 # "loss": a causal LM's training loss through remat.linear_cross_entropy (remat.models.causal_lm).
 MODULE_KINDS = (*registry.PART_KINDS, "loss")
@@ -58,6 +72,9 @@ _COUNTING = "_remat_counts_checkpointed_layers"
 _PREVIOUS_FORWARD = "_remat_previous_forward"
 _MASK_CHECK = "_remat_mask_check"
 _KEPT_INSIDE_WRAPPER = "_remat_mask_check_inside_wrapper"
+# Set on a model a patch call left unchanged (it replaced nothing): unpatch then has nothing to undo
+# and only removes the mark; a later patch may run (and removes it too).
+_REPLACED_NOTHING = "_remat_replaced_nothing"
 
 
 @dataclass
@@ -129,6 +146,30 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
         raise ValueError("model's forward was wrapped after an earlier remat.patch (for example by TRL's "
                          "SFTTrainer) and still runs through that patch's forward; patch the model before "
                          "building the trainer, on a model that was never patched")
+    unknown_layers = _unknown_layer_classes(model)
+    # Whatever fails inside patch (a layer's build, installing hooks, the loss, the plan, ...)
+    # leaves the model as it was: everything patch changes is a module attribute (_ModuleState).
+    state = _ModuleState(model)
+    model.__dict__.pop(_REPLACED_NOTHING, None)
+    try:
+        report = _patch(model, policy, modules, backend, budget_bytes, budget_bytes_per_token, example_inputs, cost,
+                        max_span)
+    except BaseException:
+        state.restore()
+        raise
+    if not report.replaced:
+        # Nothing runs fused: the model keeps no trace of the call (no hooks, configs or forward)
+        # but one mark, so that remat.unpatch(model) succeeds (a no-op that removes it) and code
+        # written as patch ... unpatch runs on any model.
+        state.restore()
+        setattr(model, _REPLACED_NOTHING, True)
+    if unknown_layers or not report.replaced:
+        warnings.warn(_no_fused_layers_message(model, report, unknown_layers), stacklevel=2)
+    return report
+
+
+def _patch(model, policy, modules, backend, budget_bytes, budget_bytes_per_token, example_inputs, cost, max_span):
+    """patch's changes to ``model``, on validated arguments; returns the :class:`PatchReport`."""
     plan = None
     if policy == "auto":
         if not set(registry.PART_KINDS) <= set(modules):
@@ -169,6 +210,64 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             config._attn_implementation = ATTENTION_IMPLEMENTATION
         _install_mask_check(model)
     return report
+
+
+class _ModuleState:
+    """What :func:`patch` may change in ``model``, saved so that :meth:`restore` puts it back: each
+    module's attributes (its ``__dict__``: children, hook dicts, an instance forward, its config,
+    flags and setters), the dicts, lists and sets among them (``_modules``, ``_forward_hooks``, ...)
+    copied too and put back in place (hook handles hold the dicts themselves). Everything patch
+    does to a model is such an attribute of one of its modules; besides, patch registers remat's
+    attention with transformers (process-wide, idempotent, changing no model)."""
+
+    def __init__(self, model):
+        self.saved = [(module, dict(module.__dict__),
+                       {key: copy.copy(value) for key, value in module.__dict__.items()
+                        if isinstance(value, (dict, list, set))})
+                      for module in model.modules()]
+
+    def restore(self):
+        for module, attributes, containers in self.saved:
+            for key, value in containers.items():
+                held = attributes[key]
+                if isinstance(held, list):
+                    held[:] = value
+                else:
+                    held.clear()
+                    held.update(value)
+            module.__dict__.clear()
+            module.__dict__.update(attributes)
+
+
+def _unknown_layer_classes(model):
+    """The class names of ``model``'s Hugging Face layers (``GradientCheckpointingLayer``: decoder
+    and encoder layers) when no family of remat's table takes any of them (a model of a family
+    remat does not know); else (): a model with some known layers (a vision-language model's text
+    decoder) runs those fused."""
+    base = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", None)
+    if base is None:
+        return ()
+    layers = [module for module in model.modules() if isinstance(module, base)]
+    if any(registry.match(layer) is not None for layer in layers):
+        return ()
+    return tuple(sorted({type(layer).__name__ for layer in layers}))
+
+
+def _no_fused_layers_message(model, report, unknown_layers):
+    """The warning patch gives when it replaced nothing, or when no family takes the model's layers."""
+    name = type(model).__name__
+    if unknown_layers:
+        done = (f"replaced {len(report.replaced)} modules (no decoder layer)" if report.replaced else
+                "left the model unchanged")
+        why = (f"no family remat knows takes its layers ({', '.join(unknown_layers)}); they stay stock. "
+               f"Families remat knows: {registry.describe()}")
+        return f"remat.patch({name}) {done}: {why}"
+    if report.left_alone:
+        reasons = "; ".join(f"{qualified}: {why}" for qualified, _, why in report.left_alone[:3])
+        more = f" (and {len(report.left_alone) - 3} more)" if len(report.left_alone) > 3 else ""
+        return (f"remat.patch({name}) replaced nothing and left the model unchanged; left alone: {reasons}{more}")
+    return (f"remat.patch({name}) replaced nothing and left the model unchanged: it holds no module of a class "
+            f"remat knows. Families remat knows: {registry.describe()}")
 
 
 def _is_hf_config(config):
@@ -260,6 +359,7 @@ def _patch_children(parent, prefix, modules, whole_layers, policy, backend, repo
                 replacement = found.build(child, policy=layer_policy, backend=backend)
             else:
                 replacement = found.build(child, backend=backend)
+            check_runnable(replacement)
         except (TypeError, ValueError) as error:
             report.left_alone.append((qualified, type(child).__name__, str(error)))
             continue
@@ -284,34 +384,59 @@ def _patch_loss(model, report):
 
 
 def _install_mask_check(model):
-    """Makes model's forward check its attention_mask first. The wrapper is a method bound to the
-    model (so deepcopy binds it to the copy), keeps the wrapped forward's signature (Hugging Face's
-    Trainer reads it), and finds the mask whether passed by name or position. torch.compile traces
-    the check into the model's graph (a forward pre-hook would be a separate graph)."""
+    """Makes model's forward check its attention_mask first: the forward becomes a
+    :class:`MaskCheckedForward`, which runs the forward it replaced (or the stock one)."""
     previous = model.__dict__.get("forward")
-    stock_forward = type(model).forward
-    signature = inspect.signature(stock_forward)
-    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-
-    @functools.wraps(stock_forward)
-    def checked_forward(self, *args, **kwargs):
-        bound = signature.bind_partial(self, *args, **kwargs).arguments
-        mask = bound.get("attention_mask")
-        if mask is None and var_keyword is not None:
-            mask = bound.get(var_keyword, {}).get("attention_mask")
-        if getattr(self, _HOOK, False):  # a pass-through once unpatched, if a later wrapper keeps calling it
-            check_attention_mask(mask)
-        # Looked up on the bound model at call time, so a deepcopy calls its own copy.
-        inner = self.__dict__.get(_PREVIOUS_FORWARD)
-        if inner is not None:
-            return inner(*args, **kwargs)
-        return stock_forward(self, *args, **kwargs)
-
-    checked_forward.__dict__[_MASK_CHECK] = True  # how unpatch recognises it as the model's forward
     if previous is not None:
         setattr(model, _PREVIOUS_FORWARD, previous)
-    model.forward = types.MethodType(checked_forward, model)
+    model.forward = MaskCheckedForward(model)
     setattr(model, _MASK_CHECK, True)
+
+
+class MaskCheckedForward:
+    """A patched model's forward: checks the attention_mask (passed by name, by position or inside
+    ``**kwargs``; remat.models.hf.check_attention_mask), then runs the forward it replaced (an
+    instance forward such as accelerate's hooks install, kept as ``model._remat_previous_forward``)
+    or the class's. An object of a module-level class holding the model, not a closure, so the
+    model pickles (``torch.save(model)``) and a deep copy's forward holds the copy.
+    ``inspect.signature`` reads the stock forward's (through ``__wrapped__``: Hugging Face's Trainer
+    reads it). torch.compile traces the check into the model's graph (a forward pre-hook would be a
+    separate graph)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._bind()
+
+    def _bind(self):
+        self.signature = inspect.signature(type(self.model).forward)
+        self.var_keyword = next((p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
+                                None)
+
+    @property
+    def __wrapped__(self):
+        return type(self.model).forward.__get__(self.model)
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        bound = self.signature.bind_partial(model, *args, **kwargs).arguments
+        mask = bound.get("attention_mask")
+        if mask is None and self.var_keyword is not None:
+            mask = bound.get(self.var_keyword, {}).get("attention_mask")
+        if getattr(model, _HOOK, False):  # a pass-through once unpatched, if a later wrapper keeps calling it
+            check_attention_mask(mask)
+        inner = model.__dict__.get(_PREVIOUS_FORWARD)
+        if inner is not None:
+            return inner(*args, **kwargs)
+        return type(model).forward(model, *args, **kwargs)
+
+    def __getstate__(self):
+        return {"model": self.model}
+
+    def __setstate__(self, state):
+        # The signature is read again from the model's class (its annotations need not pickle);
+        # pickle has made the model, of its class, before this runs.
+        self.model = state["model"]
+        self._bind()
 
 
 def unpatch(model):
@@ -320,13 +445,16 @@ def unpatch(model):
     the mask check).
 
     Args:
-        model: a model :func:`patch` returned a report for; anything else raises ValueError.
+        model: a model :func:`patch` was called on (one it replaced nothing in, unchanged but for a
+            mark, is restored by removing the mark); anything else raises ValueError.
     """
+    if model.__dict__.pop(_REPLACED_NOTHING, False):
+        return
     if not getattr(model, _HOOK, False):
         raise ValueError("model is not patched by remat.patch")
     delattr(model, _HOOK)
     if model.__dict__.pop(_MASK_CHECK, False):
-        if getattr(getattr(model.__dict__.get("forward"), "__func__", None), _MASK_CHECK, False):
+        if isinstance(model.__dict__.get("forward"), MaskCheckedForward):
             del model.forward
             if hasattr(model, _PREVIOUS_FORWARD):
                 model.forward = getattr(model, _PREVIOUS_FORWARD)
@@ -342,6 +470,7 @@ def unpatch(model):
         causal_lm.uninstall(module)
     _remove_checkpoint_counting(model)
     _unpatch_children(model)
+    outputs.remove_recorders(model)
 
 
 def _unpatch_children(parent):
@@ -364,43 +493,57 @@ def _carry_mode(replacement, original):
     function (model.gradient_checkpointing_enable() after patching)."""
     original.train(replacement.training)
     if hasattr(original, "gradient_checkpointing"):
-        original.gradient_checkpointing = replacement.__dict__.get("gradient_checkpointing", False)
-        function = replacement.__dict__.get("_gradient_checkpointing_func")
-        if function is not None:
-            original._gradient_checkpointing_func = function
+        # Only what was set while patched: an original whose flag nobody set keeps its attributes
+        # as they were (unpatch leaves the model's modules as they were before patching).
+        for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+            if name in replacement.__dict__:
+                setattr(original, name, replacement.__dict__[name])
 
 
 def _install_checkpoint_counting(model):
     """Makes Hugging Face's ``gradient_checkpointing_enable(every_n_layers=k)`` count remat's layers.
     Hugging Face flags every k-th GradientCheckpointingLayer and gives every other module with a
     ``gradient_checkpointing`` attribute the flag outright, which would checkpoint every remat layer;
-    the wrapper re-flags the decoder layers (remat's and any left stock) in module order, as Hugging
-    Face counts them in a stock model. Installed on each module of ``model`` that has the setter
-    (new format only), removed by unpatch."""
+    the wrapper (a :class:`CountingSetter`) re-flags the decoder layers (remat's and any left stock)
+    in module order, as Hugging Face counts them in a stock model. Installed on each module of
+    ``model`` that has the setter (new format only), removed by unpatch."""
     for module in model.modules():
         setter = getattr(module, _CHECKPOINT_SETTER, None)
         if setter is None or _CHECKPOINT_SETTER in module.__dict__:
             continue
-        signature = inspect.signature(setter)
-        if "every_n_layers" not in signature.parameters:
+        if "every_n_layers" not in inspect.signature(setter).parameters:
             continue
-
-        @functools.wraps(setter)
-        def counting_setter(*args, _setter=setter, _signature=signature, _module=module, **kwargs):
-            _setter(*args, **kwargs)
-            bound = _signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            enable, every_n_layers = bound.arguments["enable"], bound.arguments["every_n_layers"]
-            from transformers.modeling_layers import GradientCheckpointingLayer
-
-            index = 0
-            for layer in _module.modules():
-                if isinstance(layer, (PreNormDecoderLayer, GradientCheckpointingLayer)) and enable:
-                    layer.gradient_checkpointing = index % every_n_layers == 0
-                    index += 1
-
-        setattr(module, _CHECKPOINT_SETTER, counting_setter)
+        setattr(module, _CHECKPOINT_SETTER, CountingSetter(module))
         setattr(module, _COUNTING, True)
+
+
+class CountingSetter:
+    """A module's ``_set_gradient_checkpointing`` while patched: runs the class's setter, then
+    flags every ``every_n_layers``-th decoder layer (remat's and stock ones, in module order) when
+    enabling. An object of a module-level class (not a closure), so the model pickles;
+    ``inspect.signature`` reads the class's setter (through ``__wrapped__``: Hugging Face reads it
+    to tell the setter's format)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    @property
+    def __wrapped__(self):
+        return getattr(type(self.module), _CHECKPOINT_SETTER).__get__(self.module)
+
+    def __call__(self, *args, **kwargs):
+        setter = self.__wrapped__
+        setter(*args, **kwargs)
+        bound = inspect.signature(setter).bind(*args, **kwargs)
+        bound.apply_defaults()
+        enable, every_n_layers = bound.arguments["enable"], bound.arguments["every_n_layers"]
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        index = 0
+        for layer in self.module.modules():
+            if isinstance(layer, (PreNormDecoderLayer, GradientCheckpointingLayer)) and enable:
+                layer.gradient_checkpointing = index % every_n_layers == 0
+                index += 1
 
 
 def _remove_checkpoint_counting(model):

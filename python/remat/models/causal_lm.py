@@ -18,18 +18,18 @@ Only the causal LM classes a family lists (``Family.causal_lms``: whose forward 
 ``lm_head`` + loss) are taken. Refused at patch time (left alone, with the reason in the patch
 report): an unlisted class, an ``lm_head`` that is not
 a plain ``nn.Linear`` (a LoRA adapter on it, a quantized layer: its term would be silently
-dropped), a model with its own ``loss_function`` or a ``loss_type`` other than ForCausalLM. An
+dropped), an ``lm_head`` of a dtype remat's kernels do not run (float64), a model with its own
+``loss_function`` or a ``loss_type`` other than ForCausalLM. An
 adapter put on ``lm_head`` after patching raises ValueError at the next training forward, never
 ignored.
 """
 
-import functools
 import inspect
-import types
 
 import torch
 from torch import nn
 
+from remat import checks
 from remat.functional.cross_entropy import linear_cross_entropy
 from remat.models import registry
 
@@ -61,6 +61,8 @@ def refusal(module):
                 "which the fused loss would skip, since it reads lm_head.weight directly; its loss stays stock")
     if head.weight.device.type == "meta":
         return "lm_head's weight is on the meta device (offloaded); its loss stays stock"
+    if head.weight.dtype not in checks.SUPPORTED_DTYPES:
+        return f"lm_head's weight is {head.weight.dtype}; remat's fused loss runs float32, float16 and bfloat16"
     if "_loss_function" in module.__dict__:
         return "the model has its own loss_function"
     loss_type = getattr(module, "loss_type", None)
@@ -72,34 +74,60 @@ def refusal(module):
 
 
 def install(module):
-    """Makes ``module`` (a causal LM that :func:`refusal` accepts) compute its training loss fused.
-    The new forward is a method bound to the instance with the stock forward's signature, so Trainer
-    and PEFT see the arguments they expect; :func:`uninstall` restores the previous forward."""
-    stock_forward = type(module).forward
-    signature = inspect.signature(stock_forward)
-    output_type = signature.return_annotation
-    if isinstance(output_type, str):  # postponed annotations: the name in the model's module
-        output_type = stock_forward.__globals__.get(output_type)
-    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-
-    @functools.wraps(stock_forward)
-    def forward(self, *args, **kwargs):
-        bound = signature.bind_partial(self, *args, **kwargs).arguments
-        extra = dict(bound.pop(var_keyword, {})) if var_keyword else {}
-        bound.pop("self", None)
-        arguments = {**bound, **extra}
-        # Stock once uninstalled, if a wrapper installed later (TRL's SFTTrainer) keeps calling it.
-        if not (self.__dict__.get(_INSTALLED) and self.training and arguments.get("labels") is not None):
-            inner = self.__dict__.get(_STOCK_FORWARD)
-            return inner(*args, **kwargs) if inner is not None else stock_forward(self, *args, **kwargs)
-        return _fused_loss_forward(self, output_type, arguments)
-
-    forward.__dict__[_INSTALLED] = True  # how uninstall recognises it as the module's forward
+    """Makes ``module`` (a causal LM that :func:`refusal` accepts) compute its training loss fused:
+    its forward becomes a :class:`FusedLossForward` (with the stock forward's signature, so Trainer
+    and PEFT see the arguments they expect); :func:`uninstall` restores the previous forward."""
     previous = module.__dict__.get("forward")
     if previous is not None:
         setattr(module, _STOCK_FORWARD, previous)
-    module.forward = types.MethodType(forward, module)
+    module.forward = FusedLossForward(module)
     setattr(module, _INSTALLED, True)
+
+
+class FusedLossForward:
+    """The forward :func:`install` gives a causal LM: in training mode with ``labels``, the fused
+    loss; otherwise the forward it replaced. An object of a module-level class (not a closure),
+    so the model pickles (``torch.save(model)``) and deep-copies (the copy's forward holds the copy);
+    ``inspect.signature`` reads the stock forward's (through ``__wrapped__``)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._bind()
+
+    def _bind(self):
+        stock_forward = type(self.model).forward
+        self.signature = inspect.signature(stock_forward)
+        output_type = self.signature.return_annotation
+        if isinstance(output_type, str):  # postponed annotations: the name in the model's module
+            output_type = stock_forward.__globals__.get(output_type)
+        self.output_type = output_type
+        self.var_keyword = next((p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
+                                None)
+
+    @property
+    def __wrapped__(self):
+        return type(self.model).forward.__get__(self.model)
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        bound = self.signature.bind_partial(model, *args, **kwargs).arguments
+        extra = dict(bound.pop(self.var_keyword, {})) if self.var_keyword else {}
+        bound.pop("self", None)
+        arguments = {**bound, **extra}
+        # Stock once uninstalled, if a wrapper installed later (TRL's SFTTrainer) keeps calling it.
+        if not (model.__dict__.get(_INSTALLED) and model.training and arguments.get("labels") is not None):
+            inner = model.__dict__.get(_STOCK_FORWARD)
+            return inner(*args, **kwargs) if inner is not None else type(model).forward(model, *args, **kwargs)
+        return _fused_loss_forward(model, self.output_type, arguments)
+
+    def __getstate__(self):
+        return {"model": self.model}
+
+    def __setstate__(self, state):
+        # The signature and output class are read again from the model's class (its stock forward's
+        # annotations need not pickle); pickle has made the model, of its class, before this runs.
+        self.model = state["model"]
+        self._bind()
 
 
 def uninstall(module):
@@ -109,7 +137,7 @@ def uninstall(module):
     if not module.__dict__.get(_INSTALLED):
         return
     delattr(module, _INSTALLED)
-    if not getattr(getattr(module.__dict__.get("forward"), "__func__", None), _INSTALLED, False):
+    if not isinstance(module.__dict__.get("forward"), FusedLossForward):
         setattr(module, _KEPT_INSIDE_WRAPPER, True)
         return
     del module.forward

@@ -98,6 +98,11 @@ class GPT2Layer(PreNormDecoderLayer):
         module.train(stock.training)
         return module
 
+    @property
+    def head_dim(self):
+        """The attention's head dim: hidden // num_heads (c_attn's q, k and v split into heads)."""
+        return self.attn.c_attn.weight.shape[0] // self.num_heads
+
     def saved_bytes_per_token(self, element_size):
         """Bytes this layer keeps for backward per token under its policy (the formulas above),
         for activations of ``element_size`` bytes; without the 16 bytes per call of each dropout."""

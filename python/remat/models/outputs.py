@@ -14,7 +14,11 @@ classes, so families added later, such as mixture-of-experts layers, are covered
 
 - :func:`install_recorders` (before the swap) makes Hugging Face install its hooks on the stock
   modules now, where its first ``output_hidden_states=True`` call would, so they exist on the
-  originals (and stay there after :func:`remat.unpatch`).
+  originals; :func:`remove_recorders` (from :func:`remat.unpatch`) takes them off again, so an
+  unpatched model carries the hooks it carried before patching. Hugging Face's hooks are closures,
+  which pickle cannot save; the ones installed here are held as :class:`Recorder` objects (the
+  same closure, rebuilt from its arguments when loaded), so a patched model pickles
+  (``torch.save(model)``, ``copy.deepcopy``) whenever the stock model does.
 - :func:`carry_recorders` (after the swap) gives each replacement the recording hooks its
   original carried itself (a decoder layer's hidden-state hook: the replacement returns the same
   hidden states), and those of the original's submodules to the replacement's submodules at the
@@ -32,10 +36,19 @@ Face's config refuses ``output_attentions`` before any forward, for any implemen
 the checks here are what still refuses it inside a recorded call that gets past that.
 """
 
+import inspect
 import sys
+
+from torch import nn
 
 _RECORDER_SOURCE = "transformers.utils.output_capturing"
 _CARRIED = "_remat_recorded_outputs"
+# Hugging Face's mark of a model whose recording hooks are installed (maybe_install_capturing_hooks),
+# and remat's mark of a model where install_recorders set it.
+_HF_INSTALLED = "_output_capturing_hooks_installed"
+_INSTALLED_HERE = "_remat_installed_recorders"
+# The names transformers has given the function that installs one recording hook.
+_HOOK_INSTALLERS = ("install_output_capuring_hook", "install_output_capturing_hook")
 
 _WHY = {
     "attentions": "remat's fused attention never forms the attention probabilities",
@@ -63,28 +76,117 @@ def _defined_in_output_capturing(function):
 
 
 def _is_recorder(hook):
-    return _defined_in_output_capturing(hook)
+    return isinstance(hook, Recorder) or _defined_in_output_capturing(hook)
+
+
+def _closure(function):
+    """The free variables of a closure: ``{name: value}``."""
+    cells = function.__closure__ or ()
+    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in cells), strict=True))
 
 
 def _recorder_key(hook):
     """The collector key (``"hidden_states"``, ``"attentions"``, ...) a Hugging Face recording hook
-    appends to: the ``key`` its closure holds."""
-    names = hook.__code__.co_freevars
-    return hook.__closure__[names.index("key")].cell_contents
+    appends to: the ``key`` its closure holds (a :class:`Recorder`'s ``key`` argument)."""
+    if isinstance(hook, Recorder):
+        return hook.arguments["key"]
+    return _closure(hook)["key"]
+
+
+def _hook_installer():
+    """transformers' function that installs one recording hook, ``(module, key, index, ...)``, or None."""
+    capturing = sys.modules[_RECORDER_SOURCE]
+    return next((getattr(capturing, name) for name in _HOOK_INSTALLERS if hasattr(capturing, name)), None)
+
+
+def _built_hook(arguments):
+    """The closure transformers' installer makes for ``arguments`` (installed on a scratch module,
+    taken from there)."""
+    scratch = nn.Module()
+    _hook_installer()(scratch, **arguments)
+    (hook,) = scratch._forward_hooks.values()
+    return hook
+
+
+class Recorder:
+    """One of Hugging Face's output-recording forward hooks, in a form pickle can save: the
+    arguments transformers' installer made the closure from (``key``, ``index``, ...), and that
+    closure, rebuilt by the installer whenever the object is built or loaded; calls run the closure,
+    so what is recorded is exactly what Hugging Face's hook records."""
+
+    def __init__(self, arguments):
+        self.arguments = dict(arguments)
+        self._hook = _built_hook(self.arguments)
+
+    @classmethod
+    def of(cls, hook):
+        """The Recorder for Hugging Face's closure ``hook``, or None where it cannot be rebuilt from its
+        free variables (a transformers whose installer or hook differs from what this reads)."""
+        installer = _hook_installer()
+        if installer is None:
+            return None
+        names = [name for name in inspect.signature(installer).parameters if name != "module"]
+        values = _closure(hook)
+        if not all(name in values for name in names):
+            return None
+        recorder = cls({name: values[name] for name in names})
+        return recorder if recorder._hook.__code__ is hook.__code__ else None
+
+    def __call__(self, module, args, output):
+        return self._hook(module, args, output)
+
+    def __getstate__(self):
+        return {"arguments": self.arguments}
+
+    def __setstate__(self, state):
+        self.__init__(state["arguments"])
 
 
 def install_recorders(model):
     """Installs Hugging Face's output recording hooks in ``model`` now, where Hugging Face would on
     the first call that asks for an output: for each ``PreTrainedModel`` whose forward is decorated
     with ``capture_outputs``, outermost first, ``maybe_install_capturing_hooks`` (a no-op where they
-    are installed already). Call before replacing modules, so the hooks land on the stock modules."""
+    are installed already). Call before replacing modules, so the hooks land on the stock modules.
+    Each hook installed here is held as a :class:`Recorder` (in place: same hook id, same order),
+    and each model whose hooks were installed here is marked for :func:`remove_recorders`."""
     capturing = _output_capturing()
     if capturing is None:
         return
     pretrained = sys.modules["transformers.modeling_utils"].PreTrainedModel
-    for module in model.modules():  # pre-order: an outer model before the models it holds
+    modules = list(model.modules())
+    hooks_before = {id(module): set(module._forward_hooks) for module in modules}
+    unmarked = [module for module in modules if isinstance(module, pretrained) and not getattr(module, _HF_INSTALLED,
+                                                                                                  False)]
+    for module in modules:  # pre-order: an outer model before the models it holds
         if isinstance(module, pretrained) and _captures_outputs(type(module).forward):
             capturing.maybe_install_capturing_hooks(module)
+    for module in unmarked:
+        if module.__dict__.get(_HF_INSTALLED):
+            module.__dict__[_INSTALLED_HERE] = True
+    for module in modules:
+        hooks = module._forward_hooks
+        for hook_id in hooks.keys() - hooks_before[id(module)]:
+            if _defined_in_output_capturing(hooks[hook_id]):
+                hooks[hook_id] = Recorder.of(hooks[hook_id]) or hooks[hook_id]
+
+
+def remove_recorders(model):
+    """Takes off ``model`` what :func:`install_recorders` put on it: every :class:`Recorder` hook,
+    and Hugging Face's installed mark where install_recorders set it (Hugging Face then installs
+    its hooks again on the first call that asks for an output, as on a model never patched). Hooks
+    Hugging Face installed itself (a recorded call before patching) are its closures, and stay."""
+    for module in model.modules():
+        for hook_id, hook in list(module._forward_hooks.items()):
+            if isinstance(hook, Recorder):
+                _remove_forward_hook(module, hook_id)
+        if module.__dict__.pop(_INSTALLED_HERE, False):
+            module.__dict__.pop(_HF_INSTALLED, None)
+
+
+def _remove_forward_hook(module, hook_id):
+    """What ``RemovableHandle.remove()`` does for a forward hook of ``module``."""
+    for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+        hooks.pop(hook_id, None)
 
 
 def _captures_outputs(forward):
@@ -154,7 +256,7 @@ def drop_recorders(replacement):
         target = replacement if not path else _submodule(replacement, path)
         for hook_id, hook in list(target._forward_hooks.items()):
             if _is_recorder(hook):
-                del target._forward_hooks[hook_id]
+                _remove_forward_hook(target, hook_id)
 
 
 class _RecordingCheck:

@@ -75,6 +75,17 @@ def families():
     return tuple(_FAMILIES)
 
 
+def describe():
+    """The families in words, for messages: each family's name and the classes it replaces whole
+    (or, for a family of parts only, the classes of its parts)."""
+    described = []
+    for family in families():
+        classes = family.layer_classes or tuple(dict.fromkeys(
+            name if isinstance(name, str) else name.__name__ for part in family.parts for name in part.classes))
+        described.append(f"{family.name} ({', '.join(classes)})")
+    return "; ".join(described)
+
+
 def causal_lm_family(module):
     """The name of the family that lists ``module``'s class (or a base class of it: FSDP2's
     fully_shard swaps in a subclass) among its causal LMs, or None."""

@@ -192,6 +192,25 @@ def varlen_arguments(sequences):
     return {"cu_seqlens": sequences[0], "max_seqlen": sequences[1]}
 
 
+def check_runnable(module):
+    """Raises ValueError when remat's kernels cannot run ``module`` (a fused layer or part built by a
+    family's ``from_module``, sharing the stock module's Parameters), which would otherwise fail at
+    its first forward: a floating-point Parameter of a dtype the kernels do not take (float64;
+    remat.checks.SUPPORTED_DTYPES, as remat.checks.check_input checks inputs), or an attention head
+    dim (a ``head_dim`` attribute of the module or a submodule) outside 1..remat.checks.MAX_HEAD_DIM,
+    the range remat's attention checks at call time. remat.patch calls it on every module it builds,
+    leaving the stock module in place with the reason."""
+    for name, parameter in module.named_parameters():
+        if parameter.is_floating_point() and parameter.dtype not in checks.SUPPORTED_DTYPES:
+            raise ValueError(f"parameter {name} is {parameter.dtype}; remat's kernels run float32, float16 and "
+                             "bfloat16")
+    for name, submodule in module.named_modules():
+        head_dim = getattr(submodule, "head_dim", None)
+        if isinstance(head_dim, int) and not 1 <= head_dim <= checks.MAX_HEAD_DIM:
+            raise ValueError(f"{name or type(module).__name__} has head dim {head_dim}; remat's attention takes head "
+                             f"dims 1..{checks.MAX_HEAD_DIM}")
+
+
 class PreNormDecoderLayer(nn.Module):
     """Base of the fused decoder layers. Subclasses set ``policy`` (one of :data:`LAYER_POLICIES`),
     ``backend`` and ``resid_dropout`` (a probability applied in training, default 0) and implement

@@ -166,8 +166,19 @@ class MoERouter(nn.Module):
         return (f"experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, "
                 f"fp32_weights={self.fp32_weights}")
 
+    def __reduce_ex__(self, protocol):
+        # A router made by from_module is of a class made at run time (_recordable_class), which
+        # pickle cannot find by name: it is saved as the pair of classes it is made from, and loaded
+        # as an instance of that pair's class (made again in a new process).
+        pair = _RECORDABLE_PAIRS.get(type(self))
+        if pair is None:
+            return super().__reduce_ex__(protocol)
+        return _new_recordable, pair, self.__getstate__()
 
+
+# (remat class, stock class) -> the class made from them, and back.
 _RECORDABLE = {}
+_RECORDABLE_PAIRS = {}
 
 
 def _recordable_class(cls, stock_class):
@@ -175,8 +186,15 @@ def _recordable_class(cls, stock_class):
     methods first; ``stock_class`` only for isinstance checks (its __init__ is never called)."""
     key = (cls, stock_class)
     if key not in _RECORDABLE:
-        _RECORDABLE[key] = type(f"Remat{stock_class.__name__}", (cls, stock_class), {"__module__": __name__})
+        made = type(f"Remat{stock_class.__name__}", (cls, stock_class), {"__module__": __name__})
+        _RECORDABLE[key], _RECORDABLE_PAIRS[made] = made, key
     return _RECORDABLE[key]
+
+
+def _new_recordable(cls, stock_class):
+    """An empty instance of ``_recordable_class(cls, stock_class)`` (its state is set by pickle)."""
+    made = _recordable_class(cls, stock_class)
+    return made.__new__(made)
 
 
 class MoEExperts(nn.Module):
