@@ -56,7 +56,6 @@ import inspect
 import itertools
 import statistics
 import time
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -934,6 +933,19 @@ def _set_policy(layer, policy):
         layer.policy = policy
 
 
+class _PlannedForward:
+    """A planned fused layer's forward (:func:`install`): runs its role in the plan. An object of a
+    module-level class holding the layer, not a method bound with ``types.MethodType`` (which pickle
+    saves by name and cannot load), so a model patched with ``policy="auto"`` survives
+    ``torch.save(model)``, pickle and deepcopy."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        return _planned_forward(self.layer, hidden_states, *args, **kwargs)
+
+
 def _planned_forward(self, hidden_states, *args, **kwargs):
     index = self.__dict__[_PLANNED]["index"]
     runtime = self.__dict__[_PLANNED]["runtime"]
@@ -1004,4 +1016,4 @@ def install(plan, layer_modules):
     for index, layer in enumerate(layer_modules):
         if isinstance(layer, PreNormDecoderLayer):
             object.__setattr__(layer, _PLANNED, {"index": index, "runtime": runtime})
-            layer.forward = types.MethodType(_planned_forward, layer)
+            layer.forward = _PlannedForward(layer)
