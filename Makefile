@@ -27,9 +27,13 @@ build: $(BUILD_STAMP)
 # compiles them for sm_80/sm_90 in a subprocess without the interpreter.
 # Two pytest workers (pytest-xdist), a test file per worker at a time (--dist loadfile), so a
 # module's fixtures, such as the ahead-of-time compile of every Triton kernel, run once.
+# The docs site (mkdocs.yml, docs/) builds with --strict first: a broken link or anchor, a page
+# missing from the nav or a docstring mkdocstrings cannot render fails the target. It builds into
+# site/ (ignored by git); REMAT_DOCS_BUILT=1 tells tests/test_docs.py not to build it again.
 test: $(BUILD_STAMP)
 	$(VENV)/bin/ruff check .
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	REMAT_DOCS_BUILT=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
