@@ -30,7 +30,16 @@ Saving: a patched model pickles whenever the stock model does (``torch.save(mode
 ``copy.deepcopy``), loading as a patched model that unpatch restores: everything patch installs
 (forward wrappers, setters, Hugging Face's recording hooks, MoE routers) is an object of a
 module-level class, a planned model's (``policy="auto"``) layer forwards too. unpatch removes every
-hook patch installed.
+hook patch installed. ``save_pretrained`` of a patched Hugging Face model writes what the unpatched
+model writes (config.json with the model's own ``use_cache`` and attention implementation, not the
+private copy's below; the generation config; the same tensors under the same names): it runs with
+the original configs put back (:class:`StockConfigSave`), and the checkpoint loads without remat.
+
+``return_dict=False``: the tuple keeps stock's positions. A field stock computes that the patched
+forward leaves None (the fused loss's ``logits``; the KV cache a patched forward does not build,
+where the stock model's config or ``use_cache`` argument would build one) stays in its place as
+None, so ``loss, logits = out[:2]`` and later indices (hidden states, MoE ``aux_loss`` and router
+logits) read what they read in stock (remat.models.hf.output_tuple).
 
 Hugging Face masks, packing and generation (when attention is replaced: whole layers or attention
 modules): the model's ``config._attn_implementation`` becomes ``"remat"`` on a private copy of its
@@ -49,6 +58,7 @@ one (its generation config's ``use_cache``).
 """
 
 import copy
+import dataclasses
 import inspect
 import sys
 import warnings
@@ -58,7 +68,14 @@ from torch import nn
 
 from remat.checkpoint import model_plan
 from remat.models import causal_lm, outputs, registry
-from remat.models.hf import ATTENTION_IMPLEMENTATION, check_attention_mask, register_attention
+from remat.models.hf import (
+    ATTENTION_IMPLEMENTATION,
+    cache_field,
+    check_attention_mask,
+    output_tuple,
+    register_attention,
+    stock_builds_cache,
+)
 from remat.nn.adapters import carry_wrappers
 from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, check_runnable
 
@@ -208,6 +225,7 @@ def _patch(model, policy, modules, backend, budget_bytes, budget_bytes_per_token
         for config in configs:
             config.use_cache = False
             config._attn_implementation = ATTENTION_IMPLEMENTATION
+        _install_stock_save(model)
         _install_mask_check(model)
     return report
 
@@ -419,15 +437,19 @@ class MaskCheckedForward:
     def __call__(self, *args, **kwargs):
         model = self.model
         bound = self.signature.bind_partial(model, *args, **kwargs).arguments
-        mask = bound.get("attention_mask")
-        if mask is None and self.var_keyword is not None:
-            mask = bound.get(self.var_keyword, {}).get("attention_mask")
-        if getattr(model, _HOOK, False):  # a pass-through once unpatched, if a later wrapper keeps calling it
-            check_attention_mask(mask)
+        given = {**bound, **bound.get(self.var_keyword, {})} if self.var_keyword is not None else bound
+        patched = getattr(model, _HOOK, False)  # a pass-through once unpatched, if a later wrapper keeps calling it
+        if patched:
+            check_attention_mask(given.get("attention_mask"))
+        as_tuple = patched and _returns_tuple(model, given, kwargs)
+        if as_tuple:
+            # The output object, made a tuple here with stock's positions (remat.models.hf.output_tuple).
+            kwargs = {**kwargs, "return_dict": True}
         inner = model.__dict__.get(_PREVIOUS_FORWARD)
-        if inner is not None:
-            return inner(*args, **kwargs)
-        return type(model).forward(model, *args, **kwargs)
+        output = inner(*args, **kwargs) if inner is not None else type(model).forward(model, *args, **kwargs)
+        if as_tuple and dataclasses.is_dataclass(output) and isinstance(output, dict):
+            return output_tuple(output, kept=_kept_fields(model, type(output), given.get("use_cache")))
+        return output
 
     def __getstate__(self):
         return {"model": self.model}
@@ -437,6 +459,88 @@ class MaskCheckedForward:
         # pickle has made the model, of its class, before this runs.
         self.model = state["model"]
         self._bind()
+
+
+def _returns_tuple(model, given, kwargs):
+    """Whether a Hugging Face model's forward called with ``given`` arguments returns a tuple: a
+    ``return_dict`` given False, else ``config.return_dict`` False (transformers'
+    ``can_return_tuple``). A ``return_dict`` passed by position is left to the model (it cannot be
+    overridden by name)."""
+    base = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if base is None or not isinstance(model, base):
+        return False
+    if "return_dict" in given and "return_dict" not in kwargs:
+        return False
+    return_dict = given.get("return_dict")
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
+    return not return_dict
+
+
+def _kept_fields(model, output_type, use_cache):
+    """The fields of a patched model's output that stock returns and the patched forward may leave
+    None, kept in place as None in its tuple: ``logits`` (None under the fused loss, see
+    remat.models.causal_lm; stock always computes them) and the KV cache when the stock model would
+    build one (its original config's ``use_cache``: the private copy says False, see patch)."""
+    kept = ["logits"]
+    original = next((config for module, config in model.__dict__.get(_CONFIGS, ()) if module is model), None)
+    cache = cache_field(output_type)
+    if cache is not None and original is not None and stock_builds_cache(model, original, use_cache):
+        kept.append(cache)
+    return tuple(kept)
+
+
+def _install_stock_save(model):
+    """Makes ``save_pretrained`` of each module holding a private config (a Hugging Face model and
+    its base model) save what the unpatched model saves: a :class:`StockConfigSave`, removed by
+    unpatch."""
+    for module, _ in model.__dict__.get(_CONFIGS, ()):
+        if callable(getattr(module, "save_pretrained", None)) and not isinstance(
+                module.__dict__.get("save_pretrained"), StockConfigSave):
+            module.save_pretrained = StockConfigSave(module, model)
+
+
+class StockConfigSave:
+    """A patched Hugging Face model's ``save_pretrained``: runs the one it replaced (the class's,
+    or an instance attribute set before patching) with the model's original configs put back for
+    the call, so config.json holds the model's ``use_cache`` and attention implementation, not
+    the private copies' (``use_cache=False``, ``"remat"``; see patch). What the save sets on the
+    configs (transformers writes ``dtype`` and ``architectures`` into them, as it does unpatched)
+    is set on the private copies too. The weights need nothing: remat's modules share the stock
+    parameters under the stock names. An object of a module-level class, so the model pickles;
+    ``inspect.signature`` reads the replaced method's (through ``__wrapped__``)."""
+
+    def __init__(self, module, model):
+        self.module = module
+        self.model = model
+        self.previous = module.__dict__.get("save_pretrained")
+
+    @property
+    def __wrapped__(self):
+        return self.previous if self.previous is not None else type(self.module).save_pretrained.__get__(self.module)
+
+    def __call__(self, *args, **kwargs):
+        swapped = self.model.__dict__.get(_CONFIGS, ())
+        private = [module.__dict__["config"] for module, _ in swapped]
+        before = [dict(original.__dict__) for _, original in swapped]
+        for module, original in swapped:
+            module.__dict__["config"] = original
+        try:
+            return self.__wrapped__(*args, **kwargs)
+        finally:
+            for (module, original), copied, old in zip(swapped, private, before, strict=True):
+                module.__dict__["config"] = copied
+                copied.__dict__.update({key: value for key, value in original.__dict__.items()
+                                        if key not in old or old[key] is not value})
+
+
+def _remove_stock_save(model):
+    for module, _ in model.__dict__.get(_CONFIGS, ()):
+        wrapper = module.__dict__.get("save_pretrained")
+        if isinstance(wrapper, StockConfigSave):
+            del module.save_pretrained
+            if wrapper.previous is not None:
+                module.save_pretrained = wrapper.previous
 
 
 def unpatch(model):
@@ -464,6 +568,7 @@ def unpatch(model):
             # LM head around the mask check) stays the model's forward; the mask check inside it
             # passes everything through now that the model is unpatched.
             setattr(model, _KEPT_INSIDE_WRAPPER, True)
+    _remove_stock_save(model)
     for module, config in model.__dict__.pop(_CONFIGS, ()):
         module.__dict__["config"] = config
     for module in model.modules():

@@ -12,7 +12,9 @@ gradient accumulation); Gemma 2's ``config.final_logit_softcapping`` becomes the
 ``lm_head`` (the embedding Parameter) is used as it is. The output's ``logits`` is None (as
 Liger-Kernel returns): ask for logits with a forward without labels, or in eval mode, where the
 model runs as stock. Everything else the base model returns (hidden states, attentions) passes
-through.
+through. With ``return_dict=False`` (or ``config.return_dict`` False) the tuple keeps stock's
+positions: loss, None in the logits' place, then the base model's fields
+(remat.models.hf.output_tuple).
 
 Only the causal LM classes a family lists (``Family.causal_lms``: whose forward is the plain
 ``lm_head`` + loss) are taken. Refused at patch time (left alone, with the reason in the patch
@@ -32,6 +34,7 @@ from torch import nn
 from remat import checks
 from remat.functional.cross_entropy import linear_cross_entropy
 from remat.models import registry
+from remat.models.hf import output_tuple
 
 LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 _STOCK_FORWARD = "_remat_loss_previous_forward"
@@ -161,9 +164,14 @@ def _fused_loss_forward(model, output_type, arguments):
     labels, shift_labels = arguments.get("labels"), arguments.get("shift_labels")
     num_items = arguments.get("num_items_in_batch")
     ignore_index = arguments.get("ignore_index", -100)
+    return_dict = arguments.get("return_dict")
+    if return_dict is None:  # as transformers' can_return_tuple resolves it
+        return_dict = getattr(model.config, "return_dict", True)
+    # The base model returns its output object (its fields by name below), whatever the caller asked.
     base_arguments = {k: v for k, v in arguments.items() if k not in _LOSS_ARGUMENTS}
+    base_arguments["return_dict"] = True
     outputs = model.base_model(**base_arguments)
-    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    hidden = outputs.last_hidden_state
     if shift_labels is None:
         # HF's ForCausalLMLoss: the token at position i predicts the label at i + 1.
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -184,6 +192,7 @@ def _fused_loss_forward(model, output_type, arguments):
         if name not in fields and isinstance(outputs, dict) and name in outputs:
             fields[name] = outputs[name]
     output = output_type(**fields)
-    if arguments.get("return_dict") is False:
-        return output.to_tuple()
+    if not return_dict:
+        # Stock's positions: loss, then logits (None here), then the base model's fields.
+        return output_tuple(output, kept=("logits",))
     return output

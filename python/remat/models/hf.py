@@ -10,6 +10,7 @@ after rope and the KV cache; decoder layers get ``position_embeddings=(cos, sin)
 model's rotary module; a layer's ``self_attn.layer_idx`` indexes ``config.layer_types``.
 """
 
+import dataclasses
 import functools
 import inspect
 
@@ -312,3 +313,35 @@ def check_attention_mask(mask):
                          "token, 0 = pad, anywhere in a row), and packed rows by position_ids or cu_seq_lens_q/k; "
                          f"got {getattr(mask, 'shape', type(mask).__name__)}: 4-D and custom masks (prefix-LM, "
                          "block masks) are not supported; call remat.unpatch(model) for those")
+
+
+def output_tuple(output, kept=()):
+    """``output`` (a Hugging Face ``ModelOutput``) as the tuple stock returns for
+    ``return_dict=False``, with stock's positions. Stock's ``ModelOutput.to_tuple()`` lists the
+    fields in class order and drops those that are None; a patched forward leaves None some fields
+    stock computes (the fused loss's ``logits``, the KV cache a training forward no longer builds),
+    which ``to_tuple()`` would drop, shifting every later field. The fields named in ``kept`` stay
+    in their place as None; the others are dropped when None, as stock drops them."""
+    values = [(f.name, getattr(output, f.name)) for f in dataclasses.fields(output)]
+    return tuple(value for name, value in values if value is not None or name in kept)
+
+
+def cache_field(output_type):
+    """The name of the KV cache field of a Hugging Face output class (``cache`` in transformers
+    5.24, ``past_key_values`` before), or None when it has none."""
+    names = {f.name for f in dataclasses.fields(output_type)} if dataclasses.is_dataclass(output_type) else ()
+    return next((name for name in _CACHE_NAMES if name in names), None)
+
+
+def stock_builds_cache(model, config, use_cache):
+    """Whether the stock ``model`` builds and returns a KV cache for a forward called with
+    ``use_cache`` (None: not given) under ``config`` (the model's own config, not a patched
+    model's private copy): the argument, else ``config.use_cache``, and never while its base
+    model trains with gradient checkpointing and grad enabled (transformers'
+    ``merge_with_config_defaults``)."""
+    if use_cache is None:
+        use_cache = getattr(config, "use_cache", None)
+    base = getattr(model, "base_model", model)
+    if getattr(base, "gradient_checkpointing", False) and base.training and torch.is_grad_enabled():
+        return False
+    return bool(use_cache)
