@@ -105,7 +105,8 @@ def _ieee_fp32_dot_accumulators(ttir):
     kinds = set()
     for line in ttir.splitlines():
         if "tt.dot " in line and "inputPrecision" not in line and re.search(r"xf32> \*", line):
-            accumulator = re.search(r"tt\.dot %[\w.]+, %[\w.]+, (%[\w.]+)", line).group(1)
+            # Operands may be results of a multi-result op (scf.if yielding several: %11#0).
+            accumulator = re.search(r"tt\.dot %[\w.#]+, %[\w.#]+, (%[\w.#]+)", line).group(1)
             kinds.add(defined_by.get(accumulator, "block argument"))
     return sorted(kinds)
 

@@ -186,14 +186,16 @@ def test_varlen_equals_dense_call_per_sequence(backend, spec):
 
 @pytest.mark.parametrize("backend", varlen_backends())
 def test_varlen_max_seqlen_bounds_and_all_empty(backend):
-    """Larger max_seqlen bounds give the same result without dropout; a batch whose sequences are
-    all empty gives empty outputs and gradients."""
+    """Larger max_seqlen bounds give the same result without dropout (bit for bit, but on the torch
+    backend, whose padded batches the bounds widen: more zeros in its sums can change their rounding);
+    a batch whose sequences are all empty gives empty outputs and gradients."""
     spec = dict(lens_q=[3, 11, 1], lens_k=[3, 11, 1], hq=2, hkv=1, d=16, causal=True)
     q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(spec, torch.float32)
     tight = run_varlen(spec, q, k, v, dout, cu_q, cu_k, rope, backend)
     loose = run_varlen(spec, q, k, v, dout, cu_q, cu_k, rope, backend, max_seqlen_q=40, max_seqlen_k=64)
+    tolerance = 1e-6 if backend == "torch" else 0
     for a, b in zip(tight, loose):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
     empty = dict(lens_q=[0, 0], lens_k=[0, 0], hq=2, hkv=1, d=16)
     q, k, v, dout, cu_q, cu_k, rope = make_varlen_inputs(empty, torch.float32)
     got = run_varlen(empty, q, k, v, dout, cu_q, cu_k, rope, backend)

@@ -306,9 +306,11 @@ void forward_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             s[c] = attention_key_visible(i, j0 + c, p.shift, p.left, p.right)
                        ? attention_logit(s[c], p.scale, p.softcap) * kLog2e
                        : -INFINITY;
-            tile_max = std::max(tile_max, s[c]);
+            tile_max = max_keeping_nan(tile_max, s[c]);
           }
           std::fill(w, w + kBlockK, 0.0f);
+          // Nothing to add: no visible key of logit above -inf. A NaN logit keeps tile_max NaN
+          // (std::max would drop it), so a tile whose only visible logit is NaN is not skipped.
           if (tile_max == -INFINITY) continue;
           const float factor = softmax[r].rescale_for(tile_max);
           float* a = acc.data() + r * Dp;
@@ -329,7 +331,7 @@ void forward_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const int64_t i = i0 + r;
         float* a = acc.data() + r * Dp;
         const float sum = softmax[r].sum;
-        for (int64_t d = 0; d < D; ++d) a[d] = sum > 0.0f ? a[d] / sum : 0.0f;
+        for (int64_t d = 0; d < D; ++d) a[d] = softmax_row_empty(sum) ? 0.0f : a[d] / sum;
         narrow(a, o_base + ((b * p.n + i) * p.hq + h) * D * o_element, D, p.storage);
         lse_base[(b * p.hq + h) * lse_head_stride + i] = softmax[r].lse();
       }

@@ -595,7 +595,8 @@ __global__ void __launch_bounds__(FwdTiles<DP>::kThreads, FwdTiles<DP>::kMinBloc
     __syncwarp();
 
     // Softmax of row r over this tile. Pass 1: masked exp2-domain logits (written back in
-    // place; each element is read and written by the same lane) and their max.
+    // place; each element is read and written by the same lane) and their max (fmaxf may drop a
+    // NaN logit from it; its NaN weight in pass 2 still poisons the row: OnlineSoftmax).
     const bool full = geo.tile_fully_visible(q0, q0 + valid_q - 1, k0, L::kBlockN);
     float* s_row = s_w + r * L::kLdS;
     float tile_max = -INFINITY;
@@ -666,21 +667,24 @@ __global__ void __launch_bounds__(FwdTiles<DP>::kThreads, FwdTiles<DP>::kMinBloc
     }
   }
 
-  // Epilogue: o = O / l (0 for a row that saw no key), lse; staged through the warp's S rows.
+  // Epilogue: o = O / l (exactly 0 for a row that saw no key, NaN for a NaN l: softmax_row_empty),
+  // lse; staged through the warp's S rows.
   __syncwarp();  // every lane has read row_w (the factors) before it is overwritten
   if (parity == 0) row_w[r] = softmax.sum;
   __syncwarp();
   {
     float l[kAccElements];
+    bool empty[kAccElements];
 #pragma unroll
     for (int e = 0; e < kAccElements; ++e) {
       const float sum = row_w[acc_row(acc_rows, e)];
-      l[e] = sum > 0.0f ? 1.0f / sum : 0.0f;
+      empty[e] = softmax_row_empty(sum);
+      l[e] = 1.0f / sum;
     }
 #pragma unroll
     for (int c = 0; c < DP / kFrag; ++c) {
 #pragma unroll
-      for (int e = 0; e < kAccElements; ++e) o_acc[c].x[e] *= l[e];
+      for (int e = 0; e < kAccElements; ++e) o_acc[c].x[e] = empty[e] ? 0.0f : o_acc[c].x[e] * l[e];
     }
   }
   T* o_g = static_cast<T*>(p.o);
@@ -774,8 +778,9 @@ struct BwdScalars {
 // The backward's element-wise step on a [BM, BN] tile (query rows q0.., keys k0..), all threads:
 //   visible: t = logit(S), prob = exp2(t * log2e - lse * log2e), keep = 1/(1-p) or 0,
 //            P_d = prob * keep, dS = prob * (dP * keep - Delta) * dlogit/ddot(t);
-//   masked:  P_d = dS = 0.
-// Rows past N carry lse = +inf and Delta = 0 (and zero q, dout), so they give 0 without a mask.
+//   masked, or a row past N:  P_d = dS = 0.
+// Rows past N (zero q and dout, lse = +inf, Delta = 0) are selected out too, even in full tiles:
+// their score 0 * k is NaN where a key holds an infinite value, and exp2(NaN) would reach dk, dv.
 // lse2_s holds lse * log2e per row. Writes P_d (when WANT_P) and dS rounded to T. Each thread
 // takes four consecutive keys at a time (k0 is a multiple of 4: key blocks, Geometry::key_range):
 // one Philox call for their dropout factors, 16-byte reads of S and dP (ld_s and the tile bases are
@@ -791,6 +796,7 @@ __device__ __forceinline__ void backward_tile(const BwdScalars& sc, const float*
   for (int idx = static_cast<int>(threadIdx.x); idx < BM * kGroups; idx += THREADS) {
     const int r = idx / kGroups, c = kPhiloxWords * (idx % kGroups);
     const int64_t i = q0 + r;
+    const bool row = i < sc.geo.n;
     const Pack<float, 4> s4 = *reinterpret_cast<const Pack<float, 4>*>(s_s + r * ld_s + c);
     const Pack<float, 4> dp4 = *reinterpret_cast<const Pack<float, 4>*>(dp_s + r * ld_s + c);
     float keep[kPhiloxWords];
@@ -799,7 +805,7 @@ __device__ __forceinline__ void backward_tile(const BwdScalars& sc, const float*
 #pragma unroll
     for (int w = 0; w < kPhiloxWords; ++w) {
       float pd = 0.0f, ds = 0.0f;
-      if (full || sc.geo.visible(i, k0 + c + w)) {
+      if (row && (full || sc.geo.visible(i, k0 + c + w))) {
         const float t = attention_logit(s4.v[w], sc.scale, sc.softcap);
         const float prob = exp2f(t * kLog2e - lse2_s[r]);
         pd = prob * keep[w];

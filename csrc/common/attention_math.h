@@ -56,8 +56,25 @@ inline REMAT_HOST_DEVICE void rope_rotate_grad(float g1, float g2, float c, floa
   dx2 = g2 * c - g1 * s;
 }
 
+// max(a, b) that is NaN when either operand is (fmaxf and std::max return the other operand).
+inline REMAT_HOST_DEVICE float max_keeping_nan(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// Whether a softmax row with this final sum saw no key (or only keys of logit -inf): its output is
+// then exactly 0, whatever its accumulator holds (a key the row does not see, in a tile it shares
+// with rows that see it, still adds 0 * v, NaN when v is NaN or infinite), and its lse +inf. The
+// test is sum == 0, not sum > 0: a NaN sum (a NaN or +inf logit, see OnlineSoftmax) fails sum > 0
+// and would turn a poisoned row into an empty one (o = 0, lse = +inf) where stock's softmax gives
+// NaN.
+inline REMAT_HOST_DEVICE bool softmax_row_empty(float sum) { return sum == 0.0f; }
+
 // Running max and sum of one softmax row in the exp2 domain (logits times log2 e). Masked keys are
 // skipped by the caller, so an empty row keeps max = -inf and sum = 0.
+//
+// Non-finite logits propagate as in stock's softmax (exp(t - max) / sum, NaN for the whole row):
+// a NaN logit gets the weight exp2(NaN - max) = NaN and a +inf one (which raises the max to +inf)
+// exp2(inf - inf) = NaN, so the sum is NaN and with it the row's output (acc / sum) and lse; every
+// later rescale keeps them NaN (NaN * factor). A -inf logit weighs 0, as a masked key does. The
+// running max may lose a NaN (fmaxf returns the other operand): the NaN weight is what carries it.
 struct OnlineSoftmax {
   float max_log2 = -INFINITY;
   float sum = 0.0f;
@@ -75,10 +92,11 @@ struct OnlineSoftmax {
   // exp2(logit_log2 - max), the unnormalised probability of one visible key.
   inline REMAT_HOST_DEVICE float weight(float logit_log2) const { return exp2f(logit_log2 - max_log2); }
 
-  // Natural-log logsumexp of the row; +inf for a row that saw no key (its output is 0 and its
-  // probabilities exp(logit - inf) are 0 in backward).
+  // Natural-log logsumexp of the row: +inf for a row that saw no key (its output is 0 and its
+  // probabilities exp(logit - inf) are 0 in backward), NaN for a row with a NaN or +inf logit (its
+  // probabilities in backward are then NaN throughout, as stock's softmax of such a row).
   inline REMAT_HOST_DEVICE float lse() const {
-    return sum > 0.0f ? (max_log2 + log2f(sum)) * kLn2 : INFINITY;
+    return softmax_row_empty(sum) ? INFINITY : (max_log2 + log2f(sum)) * kLn2;
   }
 };
 

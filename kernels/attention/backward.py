@@ -103,9 +103,6 @@ def _bwd_kv_tile(
     # Rows that saw no key have lse = +inf: P = exp2(-inf) = 0.
     p, th = _recomputed_probs(_pair_scores(k, k2, q, q2, BLOCK_D2, INTERPRETED, TF32), lse[None, :], scale,
                               cap_scale, softcap, SOFTCAP)
-    if MASKED:
-        row_pos = tl.where(row_mask, positions, -_OUT)
-        p = tl.where(_visible(row_pos[None, :], key_pos[:, None], lo_d, hi_d), p, 0.0)
     dtype = do.dtype
     dp = _dot(v, tl.trans(do), tl.zeros([v.shape[0], BLOCK_M], dtype=tl.float32), INTERPRETED, TF32)
     if BLOCK_D2 > 0:
@@ -114,15 +111,23 @@ def _bwd_kv_tile(
         # The [rows, keys] mask of the forward's stream, transposed to the [keys, rows] tiles.
         keep = tl.trans(_dropout_keep(seed, rng_base + rows.to(tl.int64) * drop_groups, start_n,
                                       dropout_p, BLOCK_N))
-        p_dropped = _round(tl.where(keep, p * inv_keep, 0.0), dtype, INTERPRETED)
         dp = tl.where(keep, dp * inv_keep, 0.0)
+    ds = _times_logit_grad(p * (dp - delta[None, :]), th, scale, SOFTCAP)
+    if MASKED:
+        # Masked pairs get P = dS = 0 by selection: p * (dP - Delta) would be 0 * NaN there when the
+        # row's Delta or the pair's dP is NaN (a NaN in v, dout or o), as in the C++ and CUDA kernels.
+        row_pos = tl.where(row_mask, positions, -_OUT)
+        visible = _visible(row_pos[None, :], key_pos[:, None], lo_d, hi_d)
+        p = tl.where(visible, p, 0.0)
+        ds = tl.where(visible, ds, 0.0)
+    if DROPOUT:
+        p_dropped = _round(tl.where(keep, p * inv_keep, 0.0), dtype, INTERPRETED)
     else:
         p_dropped = _round(p, dtype, INTERPRETED)
     dv = _dot(p_dropped, do, dv, INTERPRETED, TF32)
     if BLOCK_D2 > 0:
         dv2 = _dot(p_dropped, do2, dv2, INTERPRETED, TF32)
-    ds = _round(_times_logit_grad(p * (dp - delta[None, :]), th, scale, SOFTCAP), dtype,
-                INTERPRETED)
+    ds = _round(ds, dtype, INTERPRETED)
     dk, dk2 = _pair_grad_dots(ds, q, q2, dk, dk2, BLOCK_D2, INTERPRETED, TF32)
     if ATOMIC_DQ:
         # This tile's dq, column part by part, added into the fp32 buffer.
@@ -229,18 +234,18 @@ def _bwd_q_tile(
     v, v2 = _load_pair(v_ptr, v_base, keys, stride_vn, key_mask, HEAD_DIM, BLOCK_D, BLOCK_D2)
     p, th = _recomputed_probs(_pair_scores(q, q2, k, k2, BLOCK_D2, INTERPRETED, TF32), lse[:, None], scale,
                               cap_scale, softcap, SOFTCAP)
-    if MASKED:
-        key_pos = tl.where(key_mask, keys, _OUT)
-        p = tl.where(_visible(positions[:, None], key_pos[None, :], lo_d, hi_d), p, 0.0)
     dp = _dot(do, tl.trans(v), tl.zeros([do.shape[0], BLOCK_N], dtype=tl.float32), INTERPRETED, TF32)
     if BLOCK_D2 > 0:
         dp = _dot(do2, tl.trans(v2), dp, INTERPRETED, TF32)
     if DROPOUT:
         keep = _dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N)
         dp = tl.where(keep, dp * inv_keep, 0.0)
-    ds = _round(_times_logit_grad(p * (dp - delta[:, None]), th, scale, SOFTCAP), do.dtype,
-                INTERPRETED)
-    return _pair_grad_dots(ds, k, k2, dq, dq2, BLOCK_D2, INTERPRETED, TF32)
+    ds = _times_logit_grad(p * (dp - delta[:, None]), th, scale, SOFTCAP)
+    if MASKED:
+        # dS = 0 by selection at masked pairs (_bwd_kv_tile says why).
+        key_pos = tl.where(key_mask, keys, _OUT)
+        ds = tl.where(_visible(positions[:, None], key_pos[None, :], lo_d, hi_d), ds, 0.0)
+    return _pair_grad_dots(_round(ds, do.dtype, INTERPRETED), k, k2, dq, dq2, BLOCK_D2, INTERPRETED, TF32)
 
 
 @triton.jit

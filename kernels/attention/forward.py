@@ -5,7 +5,7 @@ Rounding points (those of an unfused PyTorch computation in the input dtype; the
 and the logits are rope.py's and logits.py's):
 - the softmax runs online over the key tiles with exp2: running max m of t, p = exp2((t - m) *
   log2 e), the row sum l of the undropped p; lse = m + log2(l) * ln 2, +inf (and o = 0) for a
-  row that sees no key;
+  row that sees no key, NaN (and o NaN) for a row with a NaN or +inf logit, as stock's softmax;
 - P (dropped and scaled by 1/(1-p)) is rounded to v's dtype before the PV dot (FlashAttention's
   rounding point); o = acc / l is rounded once. With a split head dim (BLOCK_D2 > 0, rope.py) v,
   the accumulator and o are two column parts, each part's PV dot its own (the same sums); the
@@ -132,7 +132,10 @@ def _attn_fwd_kernel(
             m_len, lo_d, hi_d, scale, cap_scale, softcap, seed, dropout_p, inv_keep,
             (start_n < int_start) | (start_n >= int_end), HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_H, BLOCK_H2,
             BLOCK_N, ROPE, SOFTCAP, DROPOUT, INTERPRETED, TF32)
-    seen = row_sum > 0.0
+    # A row saw a key when its sum is not 0; `row_sum > 0` would also be false for a NaN sum (a NaN
+    # or +inf logit: its probability exp2(NaN) or exp2(inf - inf) is NaN) and turn that row into an
+    # empty one (o = 0, lse = +inf) where stock's softmax gives NaN: NaN passes through to o and lse.
+    seen = row_sum != 0.0
     divisor = tl.where(seen, row_sum, 1.0)[:, None]
     o = tl.where(seen[:, None], tl.math.div_rn(acc, divisor), 0.0)
     if BLOCK_D2 > 0:

@@ -195,14 +195,14 @@ def check_qkv_types(q, k, v, layout):
 
 def check_qkv_shapes(q, k, v, layout):
     """q [B, N, Hq, D], k and v [B, M, Hkv, D] (after any layout transpose), one dtype and device,
-    D in 1..MAX_HEAD_DIM, Hq a multiple of Hkv."""
+    D in 1..MAX_HEAD_DIM, Hq a multiple of Hkv; B, N and M may be 0 (as for stock's attention)."""
     _check_kv_like_q(q, k, v)
     batch, n, hq, head_dim = q.shape
     _, m, hkv, _ = k.shape
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(f"k must be [B={batch}, M, Hkv, D={head_dim}] in {layout} layout, got {tuple(k.shape)}")
-    if min(batch, n, hq, m, hkv) < 1:
-        raise ValueError(f"attention needs batch, lengths and heads >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if min(hq, hkv) < 1:
+        raise ValueError(f"attention needs heads >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     _check_heads(hq, hkv, head_dim)
 
 
@@ -376,7 +376,9 @@ def check_varlen_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             lengths = cu.diff()
             torch._assert_async(cu[0] == 0, f"{name} must start at 0")
             torch._assert_async((lengths >= 0).all(), f"{name} must be non-decreasing")
-            torch._assert_async(cu[-1] == total, f"{name} must end at the packed length {total}")
+            # The message names no size: formatting a symbolic size into a string specialises it
+            # (a guard on its value), so every new length would compile a new graph.
+            torch._assert_async(cu[-1] == total, f"{name} must end at the packed length (q/k/v's first dim)")
             torch._assert_async((lengths <= bound).all(), f"{name} has a sequence longer than its max_seqlen")
         if keys_cover_queries:
             torch._assert_async((cu_seqlens_q.diff() <= cu_seqlens_k.diff()).all(),

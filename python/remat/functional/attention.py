@@ -32,8 +32,9 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
             (``layout="bhnd"``, as ``scaled_dot_product_attention``); float32, float16 or
             bfloat16; any strides (a tensor whose last dim is strided is copied once).
         k, v: ``[B, M, Hkv, D]`` (or ``[B, Hkv, M, D]``) in q's dtype and device; Hq a multiple of
-            Hkv (GQA; Hkv = 1 is MQA). N, M >= 1 any length; D in 1..256 (the cuda backend takes
-            float16/bfloat16 only).
+            Hkv (GQA; Hkv = 1 is MQA). N, M >= 0 any length (with N, M or B = 0 no kernel runs: o is
+            empty, or 0 without keys, as stock's); D in 1..256 (the cuda backend takes float16/bfloat16
+            only).
         causal: mask keys after the query. With N != M the last query is aligned with the last
             key (bottom-right, as FlashAttention >= 2.1): query i sits at position i + M - N.
         scale: logit scale; default ``1 / sqrt(D)``.
@@ -113,7 +114,9 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     checks.check_attention_dtype(name, q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with autocast_off:
-        if name == "aten" and q.device.type == "cpu" and cos is None:
+        if 0 in (batch, n, k.shape[1]):
+            o = _attention_without_work(q, k, v)
+        elif name == "aten" and q.device.type == "cpu" and cos is None:
             # The same kernels and saved tensors as AttentionFunction's aten core, through PyTorch's
             # own autograd node (faster than a Python Function; see cpu_flash_attention).
             o = cpu_flash_attention(q, k, v, options)
@@ -121,6 +124,16 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
             o = AttentionFunction.apply(q, k, v, cos, sin, options, name, rope_rotated_once(
                 name, cos is not None, _backward_can_follow(q, k, v, cos, sin)))
     return o.transpose(1, 2) if layout == "bhnd" else o
+
+
+def _attention_without_work(q, k, v):
+    """Attention of a call with no queries, no keys or no batch entries (q [B, N, Hq, D], k, v
+    [B, M, Hkv, D]), as stock's: o is empty, or 0 where queries have no key to see, and its backward
+    gives dq, dk, dv of the inputs' shapes (0 where not empty), whatever the inputs hold. No kernel
+    runs (their grids would be empty): two products over an empty dimension."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
+    return torch.matmul(torch.matmul(q.transpose(1, 2), k.transpose(-1, -2)), v).transpose(1, 2).contiguous()
 
 
 def _backward_can_follow(*tensors):

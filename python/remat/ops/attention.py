@@ -27,6 +27,12 @@ Math, shared by every backend (csrc/common/attention_math.h and philox.h hold th
   j are rotated (rotate-half convention) in fp32 and rounded to the dtype: the operands of QK^T.
 - logit = softcap * tanh(scale * q.k / softcap) with softcap > 0, else scale * q.k; softmax in
   fp32; lse = logsumexp over the visible keys, +inf (and o = 0) for a row that sees none.
+- Non-finite values propagate as in stock's softmax (exp(t - max) / sum): a NaN or +inf logit
+  makes its whole row NaN (o, and lse, so that the backward's probabilities are NaN too), a -inf
+  logit weighs 0. A key a query does not see never enters its logits, though a NaN or infinite
+  operand can still reach it through a product by an exact 0 (a masked probability times v, dS
+  times k or q, P times dout) where a kernel's tile holds both, as in PyTorch's kernels; a row
+  that sees no key keeps o = 0.
 - Dropout: rng is an int64 ``[2]`` = (seed, offset) tensor when dropout_p > 0. Probability
   (b, h, i, j) is kept when the uniform of its word of remat's Philox4x32-10 stream (row (b*Hq + h)*N + i
   of rows of length M, four keys per Philox call: remat.reference.philox_stream_words) is >= dropout_p,
@@ -105,6 +111,24 @@ def _logits(q_rows, k_heads, scale, softcap):
     return dots * scale
 
 
+def _row_lse(logits):
+    """The rows' logsumexp over the last dim as the kernels keep it (csrc/common/attention_math.h
+    OnlineSoftmax): +inf for a row that sees no key (torch.logsumexp gives -inf), NaN for a row with
+    a NaN or +inf logit. torch.logsumexp gives +inf for the latter, and exp(t - inf) would then be 0
+    at the row's finite logits, where stock's softmax (exp(t - max) / sum) is NaN for the whole row;
+    finite logits cannot make it +inf."""
+    lse = torch.logsumexp(logits, dim=-1)
+    lse = torch.where(torch.isposinf(lse), torch.full_like(lse, float("nan")), lse)
+    return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+
+
+def _row_outputs(probs, v_heads, row_lse, dtype):
+    """probs @ v with the probabilities rounded to ``dtype``, exactly 0 in rows that see no key
+    (lse = +inf): the product alone is NaN there when a v row the row does not see is NaN or infinite
+    (0 * NaN)."""
+    return torch.where(torch.isposinf(row_lse)[..., None], 0.0, torch.matmul(_round(probs, dtype), v_heads))
+
+
 def _keep_factor(rng, shape, rows, dropout_p, device):
     """1/(1-p) where the mask keeps, 0 where it drops ([B, Hq, rows, M] fp32), or None."""
     if dropout_p == 0:
@@ -127,13 +151,12 @@ def torch_attention_fwd(q, k, v, cos, sin, rng, scale, softcap, window_left, win
         i1 = min(n, i0 + _TORCH_ROWS_PER_STEP)
         logits = _logits(q_heads[:, :, i0:i1], k_heads, scale, softcap)
         logits = logits.masked_fill(~_visible(i0, i1, n, m, window_left, window_right, q.device), float("-inf"))
-        row_lse = torch.logsumexp(logits, dim=-1)
-        row_lse = torch.where(torch.isneginf(row_lse), torch.full_like(row_lse, float("inf")), row_lse)
+        row_lse = _row_lse(logits)
         probs = torch.exp(logits - row_lse[..., None])
         keep = _keep_factor(rng, (batch, hq, n, m), (i0, i1), dropout_p, q.device)
         if keep is not None:
             probs = probs * keep
-        o[:, :, i0:i1] = torch.matmul(_round(probs, q.dtype), v_heads)
+        o[:, :, i0:i1] = _row_outputs(probs, v_heads, row_lse, q.dtype)
         lse[:, :, i0:i1] = row_lse
     return o.transpose(1, 2).to(q.dtype).contiguous(), lse
 
@@ -164,7 +187,10 @@ def torch_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, wi
         dv += torch.matmul(_round(probs * keep if keep is not None else probs, q.dtype).transpose(-1, -2),
                            dout_heads[:, :, i0:i1])
         logit_grad = scale * (1 - (logits / softcap) ** 2) if softcap > 0 else scale
-        dlogits = _round(probs * (dprobs - delta[:, :, i0:i1, None]) * logit_grad, q.dtype)
+        # dS of a masked pair is 0 by selection, as the kernels' (probs * (dP - Delta) is 0 * NaN there
+        # when the row's Delta or the pair's dP is NaN).
+        dlogits = _round((probs * (dprobs - delta[:, :, i0:i1, None]) * logit_grad).masked_fill(~visible, 0.0),
+                         q.dtype)
         dq[:, :, i0:i1] = torch.matmul(dlogits, k_heads)
         dk += torch.matmul(dlogits.transpose(-1, -2), q_heads[:, :, i0:i1])
     dq = _unrotate(dq, cos, sin, m - n)
@@ -195,14 +221,9 @@ def torch_attention_bwd(dout, q, k, v, o, lse, cos, sin, rng, scale, softcap, wi
 
 
 class _VarlenGeometry(NamedTuple):
-    """Per packed token (int64): each query's sequence, index i in it and key-space position
-    p = i + M_s - N_s; each key's sequence and position j; the rope rows of queries and keys."""
+    """The rope table row of each packed query (int64 [total_q]: its key-space position p = i + M_s
+    - N_s, plus cu_seqlens_k[s] with per-token tables) and key (j, plus cu_seqlens_k[s])."""
 
-    seq_q: Tensor
-    query_index: Tensor
-    query_position: Tensor
-    seq_k: Tensor
-    key_position: Tensor
     query_row: Tensor
     key_row: Tensor
 
@@ -212,15 +233,11 @@ def _varlen_geometry(cu_seqlens_q, cu_seqlens_k, total_q, total_k, per_token_rop
     cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
     seq_q = torch.searchsorted(cu_q[1:], torch.arange(total_q, device=device), right=True)
     seq_k = torch.searchsorted(cu_k[1:], torch.arange(total_k, device=device), right=True)
-    query_index = torch.arange(total_q, device=device) - cu_q[seq_q]
     key_position = torch.arange(total_k, device=device) - cu_k[seq_k]
-    shift = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
-    query_position = query_index + shift[seq_q]
+    query_position = torch.arange(total_q, device=device) - cu_q[seq_q] + (cu_k.diff() - cu_q.diff())[seq_q]
     if per_token_rope:
-        query_row, key_row = query_position + cu_k[seq_q], key_position + cu_k[seq_k]
-    else:
-        query_row, key_row = query_position, key_position
-    return _VarlenGeometry(seq_q, query_index, query_position, seq_k, key_position, query_row, key_row)
+        return _VarlenGeometry(query_position + cu_k[seq_q], key_position + cu_k[seq_k])
+    return _VarlenGeometry(query_position, key_position)
 
 
 def _rotate_rows(x, cos, sin, rows):
@@ -240,25 +257,6 @@ def _unrotate_rows(grad, cos, sin, rows):
     return torch_rope_rotate(grad.transpose(0, 1)[None], cos, sin, rows, 0, 0, True)[0].transpose(0, 1)
 
 
-def _varlen_masks(geometry, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_left, window_right, dropout_p):
-    """For packed query rows i0 .. i1 - 1 against every packed key: visible (bool [rows, total_k]:
-    same sequence and inside the window) and the dropout factor (fp32 [Hq, rows, total_k]: 1/(1-p)
-    where the padded-batch Philox stream keeps, 0 where it drops; None without dropout)."""
-    position = geometry.query_position[i0:i1, None]
-    key = geometry.key_position[None, :]
-    visible = geometry.seq_q[i0:i1, None] == geometry.seq_k[None, :]
-    if window_left >= 0:
-        visible &= key >= position - window_left
-    if window_right >= 0:
-        visible &= key <= position + window_right
-    if dropout_p == 0:
-        return visible, None
-    heads = torch.arange(hq, device=position.device)[:, None, None]
-    rows = (geometry.seq_q[i0:i1, None] * hq + heads) * max_seqlen_q + geometry.query_index[i0:i1, None]
-    keep = philox_uniform(philox_stream_words(rng[0], rng[1], rows, key, max_seqlen_k)) >= dropout_p
-    return visible, keep.float() / (1.0 - dropout_p)
-
-
 def _varlen_operands(q, k, v, cos, sin, geometry):
     """Rotated q [Hq, Tq, D] and k [Hq, Tk, D] (kv heads repeated for GQA), v [Hq, Tk, D], fp32."""
     group = q.shape[1] // k.shape[1]
@@ -268,29 +266,116 @@ def _varlen_operands(q, k, v, cos, sin, geometry):
     return q_heads, k_heads, v_heads
 
 
+class _VarlenGroup(NamedTuple):
+    """Sequences of a packed call that run as one zero-padded dense batch: their indices, first
+    packed query and key and lengths N_s, M_s (int64 [C] each), and the padded lengths width_q >=
+    N_s, width_k >= M_s (ints)."""
+
+    sequences: Tensor
+    q_start: Tensor
+    k_start: Tensor
+    n: Tensor
+    m: Tensor
+    width_q: int
+    width_k: int
+
+
+def _varlen_groups(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+    """The sequences of a packed call in groups, each a zero-padded dense batch of at most
+    _TORCH_ROWS_PER_STEP padded queries (or one sequence), so that no product meets two sequences:
+    a block of packed rows against every packed key, masked by sequence, would multiply the masked
+    zeros by the other sequences' operands, and 0 * NaN = NaN would carry a non-finite value from
+    one sequence into the others. Widths come from host ints alone (no sync, so this traces under
+    torch.compile): sorted longest first by L_s = max(N_s, M_s), the sequence of rank r (from 1) has
+    L_s <= sum(L) // r, where sum(L) <= total_q + total_k, or = total_q when q and k share one
+    offsets tensor (self-attention). The padded work, the sum over groups of C * width_q * width_k,
+    is therefore at most S * max_seqlen_q * max_seqlen_k and at most about 1.6 sum(L)^2 (sum of
+    1 / r^2); the unpadded one is sum(N_s M_s), and the segment-masked alternative's total_q *
+    total_k."""
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    n, m = cu_q.diff(), cu_k.diff()
+    order = torch.argsort(torch.maximum(n, m), descending=True, stable=True)
+    lengths = total_q if cu_seqlens_k is cu_seqlens_q else total_q + total_k
+    groups, rank = [], 0
+    while rank < order.shape[0]:
+        bound = lengths // (rank + 1)
+        width_q, width_k = min(max_seqlen_q, bound), min(max_seqlen_k, bound)
+        if width_q == 0:
+            break  # no queries from here on: nothing to compute, those keys' dk, dv are 0
+        count = max(1, _TORCH_ROWS_PER_STEP // width_q)
+        s = order[rank : rank + count]
+        groups.append(_VarlenGroup(s, cu_q[s], cu_k[s], n[s], m[s], width_q, width_k))
+        rank += count
+    return groups
+
+
+def _with_pad_row(x, value):
+    """x [H, T, ...] with one more row (index T) filled with ``value``: where padded slots read and write."""
+    return torch.cat([x, torch.full_like(x[:, :1], value)], dim=1)
+
+
+def _padded_index(start, length, width, total):
+    """int64 [C, width]: the packed row of slot i of each sequence, ``total`` (the pad row) past its length."""
+    slots = torch.arange(width, device=start.device)
+    return torch.where(slots < length[:, None], start[:, None] + slots, total)
+
+
+def _gathered(x, index):
+    """Rows ``index`` [C, L] of x [H, T + 1, ...] as a [C, H, L, ...] batch."""
+    return x[:, index].transpose(0, 1)
+
+
+def _group_masks(group, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_left, window_right, dropout_p):
+    """For padded query rows i0 .. i1 - 1 of a group against its padded keys: visible (bool [C, 1,
+    rows, width_k]: a real query and key, inside the window at position p = i + M_s - N_s) and the
+    dropout factor (fp32 [C, Hq, rows, width_k]: 1/(1-p) where the padded-batch Philox stream keeps,
+    0 where it drops; None without dropout)."""
+    device = group.n.device
+    i = torch.arange(i0, i1, device=device)[None, :, None]
+    j = torch.arange(group.width_k, device=device)[None, None, :]
+    n, m = group.n[:, None, None], group.m[:, None, None]
+    position = i + m - n
+    visible = (i < n) & (j < m)
+    if window_left >= 0:
+        visible &= j >= position - window_left
+    if window_right >= 0:
+        visible &= j <= position + window_right
+    if dropout_p == 0:
+        return visible[:, None], None
+    heads = torch.arange(hq, device=device)[None, :, None, None]
+    rows = (group.sequences[:, None, None, None] * hq + heads) * max_seqlen_q + i[:, None]
+    keep = philox_uniform(philox_stream_words(rng[0], rng[1], rows, j[:, None], max_seqlen_k)) >= dropout_p
+    return visible[:, None], keep.float() / (1.0 - dropout_p)
+
+
 def torch_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, rng, scale,
                                softcap, window_left, window_right, dropout_p):
-    """Packed attention in plain PyTorch, segment-masked: each block of query rows against every
-    packed key with a same-sequence mask (no host sync, so it traces under torch.compile); the
-    probabilities exist for one block only."""
+    """Packed attention in plain PyTorch: the sequences in groups, each group a zero-padded dense
+    batch (_varlen_groups: no host sync, so it traces under torch.compile), its probabilities for
+    one block of rows at a time."""
     total_q, hq, head_dim = q.shape
-    geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], cos is not None and cos.dim() == 3)
-    q_heads, k_heads, v_heads = _varlen_operands(q, k, v, cos, sin, geometry)
-    o = torch.empty(hq, total_q, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(hq, total_q, dtype=torch.float32, device=q.device)
-    for i0 in range(0, total_q, _TORCH_ROWS_PER_STEP):
-        i1 = min(total_q, i0 + _TORCH_ROWS_PER_STEP)
-        visible, keep = _varlen_masks(geometry, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_left,
-                                      window_right, dropout_p)
-        logits = _logits(q_heads[:, i0:i1], k_heads, scale, softcap).masked_fill(~visible, float("-inf"))
-        row_lse = torch.logsumexp(logits, dim=-1)
-        row_lse = torch.where(torch.isneginf(row_lse), torch.full_like(row_lse, float("inf")), row_lse)
-        probs = torch.exp(logits - row_lse[..., None])
-        if keep is not None:
-            probs = probs * keep
-        o[:, i0:i1] = torch.matmul(_round(probs, q.dtype), v_heads)
-        lse[:, i0:i1] = row_lse
-    return o.transpose(0, 1).to(q.dtype).contiguous(), lse
+    total_k = k.shape[0]
+    geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, total_q, total_k, cos is not None and cos.dim() == 3)
+    q_heads, k_heads, v_heads = (_with_pad_row(t, 0.0) for t in _varlen_operands(q, k, v, cos, sin, geometry))
+    o = torch.empty(hq, total_q + 1, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(hq, total_q + 1, dtype=torch.float32, device=q.device)
+    for group in _varlen_groups(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+        index_q = _padded_index(group.q_start, group.n, group.width_q, total_q)
+        index_k = _padded_index(group.k_start, group.m, group.width_k, total_k)
+        k_group, v_group = _gathered(k_heads, index_k), _gathered(v_heads, index_k)
+        for i0 in range(0, group.width_q, _TORCH_ROWS_PER_STEP):
+            i1 = min(group.width_q, i0 + _TORCH_ROWS_PER_STEP)
+            visible, keep = _group_masks(group, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_left,
+                                         window_right, dropout_p)
+            rows = index_q[:, i0:i1]
+            logits = _logits(_gathered(q_heads, rows), k_group, scale, softcap).masked_fill(~visible, float("-inf"))
+            row_lse = _row_lse(logits)
+            probs = torch.exp(logits - row_lse[..., None])
+            if keep is not None:
+                probs = probs * keep
+            o[:, rows] = _row_outputs(probs, v_group, row_lse, q.dtype).transpose(0, 1)
+            lse[:, rows] = row_lse.transpose(0, 1)
+    return o[:, :total_q].transpose(0, 1).to(q.dtype).contiguous(), lse[:, :total_q].contiguous()
 
 
 def torch_attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin,
@@ -298,32 +383,45 @@ def torch_attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
     """Backward of torch_attention_varlen_fwd: each block of probabilities recomputed from q, k, lse."""
     total_q, hq, head_dim = q.shape
     total_k, hkv = k.shape[0], k.shape[1]
-    group = hq // hkv
+    group_size = hq // hkv
     geometry = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, total_q, total_k, cos is not None and cos.dim() == 3)
-    q_heads, k_heads, v_heads = _varlen_operands(q, k, v, cos, sin, geometry)
+    q_heads, k_heads, v_heads = (_with_pad_row(t, 0.0) for t in _varlen_operands(q, k, v, cos, sin, geometry))
     dout_heads = dout.transpose(0, 1).float()
-    delta = (dout_heads * o.transpose(0, 1).float()).sum(dim=-1)
-    dq = torch.empty(hq, total_q, head_dim, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(hq, total_k, head_dim, dtype=torch.float32, device=q.device)
+    delta = _with_pad_row((dout_heads * o.transpose(0, 1).float()).sum(dim=-1), 0.0)
+    dout_heads, lse = _with_pad_row(dout_heads, 0.0), _with_pad_row(lse, float("inf"))
+    dq = torch.empty(hq, total_q + 1, head_dim, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(hq, total_k + 1, head_dim, dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
-    for i0 in range(0, total_q, _TORCH_ROWS_PER_STEP):
-        i1 = min(total_q, i0 + _TORCH_ROWS_PER_STEP)
-        visible, keep = _varlen_masks(geometry, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_left,
-                                      window_right, dropout_p)
-        logits = _logits(q_heads[:, i0:i1], k_heads, scale, softcap)
-        probs = torch.exp(logits - lse[:, i0:i1, None]).masked_fill(~visible, 0.0)
-        dprobs = torch.matmul(dout_heads[:, i0:i1], v_heads.transpose(-1, -2))
-        if keep is not None:
-            dprobs = dprobs * keep
-        dv += torch.matmul(_round(probs * keep if keep is not None else probs, q.dtype).transpose(-1, -2),
-                           dout_heads[:, i0:i1])
-        logit_grad = scale * (1 - (logits / softcap) ** 2) if softcap > 0 else scale
-        dlogits = _round(probs * (dprobs - delta[:, i0:i1, None]) * logit_grad, q.dtype)
-        dq[:, i0:i1] = torch.matmul(dlogits, k_heads)
-        dk += torch.matmul(dlogits.transpose(-1, -2), q_heads[:, i0:i1])
-    dq = _unrotate_rows(dq, cos, sin, geometry.query_row)
-    dk = _unrotate_rows(dk.view(hkv, group, total_k, head_dim).sum(dim=1), cos, sin, geometry.key_row)
-    dv = dv.view(hkv, group, total_k, head_dim).sum(dim=1)
+    for group in _varlen_groups(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+        index_q = _padded_index(group.q_start, group.n, group.width_q, total_q)
+        index_k = _padded_index(group.k_start, group.m, group.width_k, total_k)
+        k_group, v_group = _gathered(k_heads, index_k), _gathered(v_heads, index_k)
+        dk_group, dv_group = torch.zeros_like(k_group), torch.zeros_like(v_group)
+        for i0 in range(0, group.width_q, _TORCH_ROWS_PER_STEP):
+            i1 = min(group.width_q, i0 + _TORCH_ROWS_PER_STEP)
+            visible, keep = _group_masks(group, i0, i1, hq, max_seqlen_q, max_seqlen_k, rng, window_left,
+                                         window_right, dropout_p)
+            rows = index_q[:, i0:i1]
+            q_rows, dout_rows = _gathered(q_heads, rows), _gathered(dout_heads, rows)
+            logits = _logits(q_rows, k_group, scale, softcap)
+            probs = torch.exp(logits - _gathered(lse, rows)[..., None]).masked_fill(~visible, 0.0)
+            dprobs = torch.matmul(dout_rows, v_group.transpose(-1, -2))
+            if keep is not None:
+                dprobs = dprobs * keep
+            dv_group += torch.matmul(_round(probs * keep if keep is not None else probs, q.dtype).transpose(-1, -2),
+                                     dout_rows)
+            logit_grad = scale * (1 - (logits / softcap) ** 2) if softcap > 0 else scale
+            # dS = 0 by selection at masked pairs, as in torch_attention_bwd.
+            dlogits = _round((probs * (dprobs - _gathered(delta, rows)[..., None]) * logit_grad).masked_fill(
+                ~visible, 0.0), q.dtype)
+            dq[:, rows] = torch.matmul(dlogits, k_group).transpose(0, 1)
+            dk_group += torch.matmul(dlogits.transpose(-1, -2), q_rows)
+        dk[:, index_k] = dk_group.transpose(0, 1)
+        dv[:, index_k] = dv_group.transpose(0, 1)
+    dq = _unrotate_rows(dq[:, :total_q], cos, sin, geometry.query_row)
+    dk = _unrotate_rows(dk[:, :total_k].view(hkv, group_size, total_k, head_dim).sum(dim=1), cos, sin,
+                        geometry.key_row)
+    dv = dv[:, :total_k].view(hkv, group_size, total_k, head_dim).sum(dim=1)
     return tuple(g.transpose(0, 1).to(q.dtype).contiguous() for g in (dq, dk, dv))
 
 
