@@ -44,10 +44,10 @@ TORCH_LIBRARY(remat, m) {
   // fp32 [Hq, total_q]. cos/sin: fp32 [S_rows, D/2] (positions restart per sequence) or
   // [1, T, D/2] (per packed key token). Dropout: the zero-padded batch's Philox stream.
   m.def("attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,"
-        " int max_seqlen_q, int max_seqlen_k, Tensor? cos, Tensor? sin, Tensor? rng, float scale, float softcap,"
+        " SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? cos, Tensor? sin, Tensor? rng, float scale, float softcap,"
         " int window_left, int window_right, float dropout_p) -> (Tensor o, Tensor lse)");
   m.def("attention_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,"
-        " Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, Tensor? cos, Tensor? sin,"
+        " Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? cos, Tensor? sin,"
         " Tensor? rng, float scale, float softcap, int window_left, int window_right, float dropout_p,"
         " bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
   // Rotary embedding applied once to a whole tensor (python/remat/ops/rope.py states the contract):
