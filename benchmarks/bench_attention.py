@@ -109,11 +109,11 @@ def _triton_rope_rotated_once(cos, sin):
     mode. In training that is what remat.attention does anyway (so this provider's backward and
     full rows repeat "remat-triton-rope"'s); forward-only ("forward" rows, under no_grad), where
     remat.attention keeps the rotation inside the forward kernel, the call goes through the same
-    front end with remat.functional.attention's choice (rope_rotated_once) swapped for "always
-    once" for its duration. So the two providers' "forward" rows differ only in where the rotation
+    front end with remat.ops.attention_core's choice (rope_rotated_once) swapped for "always once"
+    for its duration. So the two providers' "forward" rows differ only in where the rotation
     happens: they time the open choice for forward-only calls."""
-    functional = importlib.import_module("remat.functional.attention")
-    chosen = functional.rope_rotated_once
+    core = importlib.import_module("remat.ops.attention_core")
+    chosen = core.rope_rotated_once
 
     def always_once(backend, rope, needs_grad):
         return backend == "triton" and rope
@@ -121,11 +121,11 @@ def _triton_rope_rotated_once(cos, sin):
     def run(q, k, v, causal):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             return remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton")
-        functional.rope_rotated_once = always_once
+        core.rope_rotated_once = always_once
         try:
             return remat.attention(q, k, v, causal=causal, rope=(cos, sin), backend="triton")
         finally:
-            functional.rope_rotated_once = chosen
+            core.rope_rotated_once = chosen
 
     return run
 

@@ -29,7 +29,7 @@ from benchmarks.common import (
     timing_summary,
     with_end_load,
 )
-from remat.checkpoint import model_plan
+from remat import model_plan
 from remat.memory import PeakSavedBytes
 
 

@@ -85,7 +85,7 @@ BLOCKS = {
     # kernels/attention/ is being restructured; only the Python layers are mutated for now.
     "attention": {
         "sources": ["python/remat/ops/attention.py", "python/remat/autograd/attention.py",
-                    "python/remat/functional/attention.py"],
+                    "python/remat/functional/attention.py", "python/remat/ops/attention_core.py"],
         "tests": [("tests/test_attention.py", None), ("tests/test_rounding.py", "attention"),
                   ("tests/test_properties.py", "attention"), ("tests/test_mutation_killers.py", "attention")],
         "skip_functions": {},
@@ -95,7 +95,7 @@ BLOCKS = {
     # are tested on the CPU through PyTorch's meta kernels on fake CUDA tensors (dispatch spies).
     "attention_cores": {
         "sources": ["python/remat/ops/attention.py", "python/remat/ops/attention_cudnn.py", "python/remat/ops/rope.py",
-                    "kernels/rope_rotate.py"],
+                    "python/remat/ops/attention_core.py", "kernels/rope_rotate.py"],
         "tests": [("tests/test_attention_aten_core.py", None), ("tests/test_attention_cudnn_core.py", None),
                   ("tests/test_rope_rotate.py", None), ("tests/test_attention.py", "aten or opcheck"),
                   ("tests/test_varlen_attention.py", "rope or opcheck")],

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat.models.gemma import GemmaRMSNorm
 from remat.nn.moe import moe_block
+from remat.nn.norm import GemmaRMSNorm
 from remat.reference import attention_reference, attention_varlen_reference, layer_norm_reference, rms_norm_reference
 
 from helpers import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, batch, cpu_backends
@@ -309,7 +309,7 @@ def patched_model(kind, policy, layers=2):
     two layers through the chain executor (remat.checkpoint.executor)."""
     def build(stock):
         transformers = pytest.importorskip("transformers")
-        from remat.checkpoint import model_plan
+        from remat import model_plan
 
         torch.manual_seed(0)
         common = dict(vocab_size=96, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers,

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 import remat.ops.attention as attention_ops
+import remat.ops.attention_core as attention_core
 import remat.ops.attention_cudnn as attention_cudnn
 from remat.options import AttentionOptions
 
@@ -109,26 +110,54 @@ def test_deterministic_none_follows_pytorchs_mode():
         remat.attention(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), deterministic=1)
 
 
+def test_each_call_asks_for_its_core_once_and_gets_a_reason(monkeypatch):
+    """remat.attention (dense and packed) and remat.norm_attention ask remat.ops.attention_core once
+    per call; the choice says why: a core asked for by name, or the default and why it is."""
+    asked = []
+    real = attention_core.choose_core
+    monkeypatch.setattr(functional_attention, "choose_core", lambda *a, **kw: asked.append(a[0]) or real(*a, **kw))
+    q, k, v = (torch.randn(1, 6, 2, 8) for _ in range(3))
+    offsets = torch.tensor([0, 2, 6], dtype=torch.int32)
+    remat.attention(q, k, v, causal=True)
+    remat.attention(q[0], k[0], v[0], causal=True, cu_seqlens_q=offsets, cu_seqlens_k=offsets, backend="torch")
+    weights = [torch.ones(8), torch.randn(16, 8), torch.randn(16, 8), torch.randn(16, 8)]
+    remat.norm_attention(torch.randn(1, 6, 8), *weights, num_heads=2, backend="cpp")
+    assert asked == [None, "torch", "cpp"]
+    plain = AttentionOptions(0.25, window_right=0)
+    chosen = real("torch", q, 1, (6, 6, 2, 2, 8), plain)
+    assert (chosen.name, chosen.reason) == ("torch", "asked for by name ('torch')")
+    packed = real(None, q, 1, (6, 6, 2, 2, 8), plain, varlen=True)
+    assert packed.name != "aten" and "packed calls" in packed.reason
+    with pytest.raises(remat.BackendUnavailableError, match="packed .cu_seqlens. attention on CUDA only"):
+        real("aten", q, 1, (6, 6, 2, 2, 8), plain, varlen=True)
+
+
 @pytest.mark.parametrize("capability", [(9, 0), (7, 5)])
 def test_cuda_default_order_is_flashattention_then_triton_then_cuda(monkeypatch, capability):
     """On a CUDA tensor attention defaults to the aten core when it takes the call, else to remat's
     Triton kernels, else (no Triton) the device default (remat's CUDA kernels where built)."""
     for module in (attention_ops, attention_cudnn):
         monkeypatch.setattr(module, "device_capability", lambda index: capability)
-    monkeypatch.setattr(functional_attention, "default_backend", lambda device: "cuda")
+    monkeypatch.setattr(attention_core, "default_backend", lambda device: "cuda")
     t = types.SimpleNamespace(device=CUDA0, dtype=torch.bfloat16)
     sizes = (100, 300, 8, 2, 128)
     # A window: the cudnn core (tests/test_attention_cudnn_core.py) takes none.
     plain = AttentionOptions(0.1, window_left=64, window_right=0, deterministic=False)
     expected = "aten" if capability == (9, 0) else "triton"
-    assert functional_attention._default_attention_backend(t, 2, sizes, plain) == expected
-    assert functional_attention._default_attention_backend(t, 1, sizes, plain, varlen=True) == expected
+    assert choose(t, 2, sizes, plain) == expected
+    assert choose(t, 1, sizes, plain, varlen=True) == expected
     dropout = plain._replace(dropout_p=0.1)
-    assert functional_attention._default_attention_backend(t, 2, sizes, dropout) == expected
+    assert choose(t, 2, sizes, dropout) == expected
     capped = plain._replace(softcap=30.0)
-    assert functional_attention._default_attention_backend(t, 2, sizes, capped) == "triton"
-    monkeypatch.setattr(functional_attention, "unavailable_reason", lambda name, device: "Triton is not installed")
-    assert functional_attention._default_attention_backend(t, 2, sizes, capped) == "cuda"
+    assert choose(t, 2, sizes, capped) == "triton"
+    monkeypatch.setattr(attention_core, "unavailable_reason", lambda name, device: "Triton is not installed")
+    assert choose(t, 2, sizes, capped) == "cuda"
+
+
+def choose(t, batch, sizes, options, varlen=False):
+    """The default attention core's name (remat.ops.attention_core's choice without a backend asked
+    for)."""
+    return attention_core._default_core(t, batch, sizes, options, varlen)[0]
 
 
 def flash_band(n, m, causal, left, right):
@@ -470,7 +499,7 @@ def test_fused_attention_sub_block_takes_flashattentions_dropout(monkeypatch, ke
         saved = []
         with _FlashCalls() as spy:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                o = NormAttentionFunction.apply(x, norm_weight, None, w_q, w_k, w_v, *([None] * 8), options, "aten",
+                o = NormAttentionFunction.apply(x, norm_weight, None, w_q, w_k, w_v, *([None] * 9), options, "aten",
                                                 False, ())
             grads = o.grad_fn.apply(torch.empty_like(o))
         _check_flash_dropout_calls(spy.calls, saved, 0.1)

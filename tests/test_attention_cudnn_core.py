@@ -9,7 +9,6 @@ The suite runs under torch.use_deterministic_algorithms(True), under which cuDNN
 nondeterministic backward is refused, so the tests of the core turn it off.
 """
 
-import importlib
 import types
 import warnings
 
@@ -19,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import remat
 import remat.ops.attention as attention_ops
+import remat.ops.attention_core as attention_core
 import remat.ops.attention_cudnn as attention_cudnn
 import remat.ops.rope as rope_ops
 from remat.memory import saved_bytes
@@ -38,7 +38,6 @@ from helpers import (
     run_and_check,
 )
 
-functional_attention = importlib.import_module("remat.functional.attention")
 CUDA0 = torch.device("cuda", 0)
 PLAIN = AttentionOptions(0.125, window_right=0, deterministic=False)
 
@@ -143,7 +142,10 @@ def test_cuda_default_order_puts_cudnn_first_where_pytorch_does(monkeypatch):
     the aten core (FlashAttention-2: bottom-right causal with N != M, windows, dropout, packed
     calls); on an A100-like GPU, or with TORCH_CUDNN_SDPA_DEPRIORITIZED=1, FlashAttention-2 first."""
     t = types.SimpleNamespace(device=CUDA0, dtype=torch.bfloat16)
-    choose = functional_attention._default_attention_backend
+
+    def choose(t, batch, sizes, options, varlen=False):
+        return attention_core._default_core(t, batch, sizes, options, varlen)[0]
+
     on_gpu(monkeypatch, (9, 0))
     with deterministic_mode(False):
         assert choose(t, 2, (64, 64, 8, 2, 128), PLAIN) == "cudnn"

@@ -353,8 +353,8 @@ def test_triton_rope_rotated_once_provider_computes_the_rope_attention(monkeypat
     from benchmarks.bench_attention import _triton_rope_rotated_once, rope_tables
     from remat.ops import attention as attention_ops
 
-    functional = importlib.import_module("remat.functional.attention")
-    chosen = functional.rope_rotated_once
+    core = importlib.import_module("remat.ops.attention_core")
+    chosen = core.rope_rotated_once
     rotations = []
     real_rotate = attention_ops.rope_rotate
 
@@ -373,7 +373,7 @@ def test_triton_rope_rotated_once_provider_computes_the_rope_attention(monkeypat
         assert rotations == []
         torch.testing.assert_close(run(q, k, v, True), expected, rtol=1e-5, atol=1e-5)
     assert rotations == [False, False]
-    assert functional.rope_rotated_once is chosen
+    assert core.rope_rotated_once is chosen
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     reference = [t.clone().requires_grad_() for t in (q, k, v)]
     grads = torch.autograd.grad(run(*leaves, True), leaves, dout)

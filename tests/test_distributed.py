@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import remat
-from remat.checkpoint import model_plan
+from remat import model_plan
 from remat.memory import PeakSavedBytes
 
 transformers = pytest.importorskip("transformers")

@@ -250,7 +250,7 @@ def test_stock_layers_get_the_cache_under_their_own_argument_name():
 
 
 def test_the_cache_is_renamed_only_when_the_stock_forward_lacks_its_name():
-    from remat.models.hf import _cache_under_stock_name
+    from remat.hf import _cache_under_stock_name
 
     cache = object()
 

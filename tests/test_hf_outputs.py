@@ -251,7 +251,7 @@ def test_compiled_patched_model_records_in_one_graph():
 
 def test_generate_with_hidden_states_equals_stock():
     """generate(output_hidden_states=True): a patched layer runs its stock module's forward with the
-    KV cache (remat.models.hf.run_stock_layer), and the recorders fire once per layer and step."""
+    KV cache (remat.hf.run_stock_layer), and the recorders fire once per layer and step."""
     ids = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(0))
     runs = []
     for patched in (False, True):

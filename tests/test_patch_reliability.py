@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import remat
-from remat.checkpoint import model_plan
+from remat import model_plan
 from remat.models import causal_lm as causal_lm_module
 from remat.models import outputs, registry
 
 from helpers import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, MOE_EXPERT_INTER, MOE_TOP_K, batch, causal_lm
 
 transformers = pytest.importorskip("transformers")
-patch_module = importlib.import_module("remat.patch")  # remat.patch is also the function
+patch_module = importlib.import_module("remat.replacement")  # what remat.patch applies
 
 # Every hook dict of an nn.Module (torch 2.14).
 HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",

@@ -5,7 +5,6 @@ from remat import memory, nn
 from remat.autograd.lora import LoRAAdapter
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
 from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
-from remat.checkpoint.model_plan import ModelPlan, plan_model
 from remat.functional import (
     attention,
     dropout,
@@ -22,6 +21,7 @@ from remat.functional import (
     swiglu_mlp,
 )
 from remat.info import info
+from remat.model_plan import ModelPlan, plan_model
 from remat.patch import PatchReport, patch, unpatch
 
 __all__ = [

@@ -422,3 +422,18 @@ def check_varlen_rope(rope, total_k, max_seqlen_k, head_dim, device):
                        lambda name: f"with cu_seqlens, rope {name} must be [S, D/2] or [S, D] with S >= max_seqlen_k="
                                     f"{max_seqlen_k} (positions restart per sequence), or [1, T, D/2] or [1, T, D] "
                                     f"with T >= total_k={total_k} (per token); D={head_dim},")
+
+
+def check_empty_queries(empty, shape, device):
+    """The ``empty_queries`` argument of remat.attention / remat.norm_attention: None, or a bool
+    tensor of the queries' leading ``shape`` (``[B, N]``; ``[total_q]`` packed) on ``device``.
+    Raises TypeError / ValueError otherwise."""
+    if empty is None:
+        return None
+    if not isinstance(empty, torch.Tensor) or empty.dtype != torch.bool:
+        raise TypeError(f"empty_queries must be None or a bool tensor, got {getattr(empty, 'dtype', type(empty))}")
+    if tuple(empty.shape) != tuple(shape):
+        raise ValueError(f"empty_queries must have the queries' shape {tuple(shape)}, got {tuple(empty.shape)}")
+    if empty.device != device:
+        raise ValueError(f"empty_queries must be on the queries' device {device}, got {empty.device}")
+    return empty

@@ -17,6 +17,9 @@ import inspect
 import torch
 from torch import nn
 
+from remat import functional
+from remat.sequences import OFFSET_ARGUMENTS, refuse_offsets_with_padding, sequence_layout
+
 
 def is_hf_rms_norm(module):
     """A Hugging Face RMSNorm: a 1-D ``weight`` and ``variance_epsilon`` (LlamaRMSNorm and kin)."""
@@ -46,7 +49,7 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     no key is padding, else the 2-D bool padding mask ``[B, kv_length]`` (True: a real token), its
     last ``kv_length`` columns (a sliding-window cache keeps the last keys only). The causal and
     sliding-window structure is the layers' own; packed rows are found from ``position_ids`` by the
-    layers (remat.nn.layers.sequence_layout). Under torch.compile the mask is returned whenever
+    layers (remat.sequences.sequence_layout). Under torch.compile the mask is returned whenever
     one is given (testing it for padding would read it on the host).
 
     ``mask_function`` is transformers' mask rule for the layer; remat's layers run causal
@@ -132,20 +135,6 @@ def refuse_mask_rule(mask_function, packed_allowed):
                      "or chunked mask), which remat does not support; call remat.unpatch(model) for this model")
 
 
-def refuse_offsets_with_padding(attention_mask):
-    """Hugging Face's ``cu_seq_lens_q/k`` describe a packed row without pads: given with a 2-D
-    padding mask that has a pad (a 0), raises ValueError (in eager; under torch.compile an
-    in-graph assertion, as the mask cannot be read on the host). An all-ones mask is accepted."""
-    if attention_mask is None:
-        return
-    message = ("cu_seq_lens_q/k (packed rows) cannot be combined with an attention_mask that has padding: pass "
-               "the packed row without pads and without a mask (or an all-ones mask)")
-    if torch.compiler.is_compiling():
-        torch._assert_async(attention_mask.to(torch.bool).all(), message)
-    elif not bool(attention_mask.to(torch.bool).all()):
-        raise ValueError(message)
-
-
 def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                  softcap=None, **kwargs):
     """remat.attention with transformers' attention-function signature, for stock attention modules
@@ -160,7 +149,7 @@ def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
             sequence per row (pad keys are never seen; pad queries give 0). Without a mask and a
             cache (S = K), rows whose ``position_ids`` restart, or Hugging Face's
             ``cu_seq_lens_q/k`` arguments, split into documents that attend only within
-            themselves (remat.nn.layers.sequence_layout).
+            themselves (remat.sequences.sequence_layout).
         dropout: probability; scaling: logit scale (default 1/sqrt(D)); sliding_window: the
             layer's window W (keys within the last W positions, self included) or None; softcap:
             Gemma 2's logit cap or None. Other keyword arguments are ignored.
@@ -169,8 +158,6 @@ def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
         ``(out [B, S, Hq, D], None)``: causal attention aligned bottom-right (the last query with
         the last key); no probabilities.
     """
-    from remat.functional import attention
-
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
         raise ValueError("remat's attention takes a 2-D [B, K] padding mask or None; got "
                          f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
@@ -181,22 +168,21 @@ def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, length, heads, D]
     if attention_mask is None:
         if q.shape[1] == k.shape[1]:  # no cache: packed rows are found as the fused layers find them
-            from remat.nn.layers import OFFSET_ARGUMENTS, sequence_layout
-
             batch, n = q.shape[:2]
             layout = sequence_layout(batch, n, None, kwargs.get("position_ids"),
                                      **{name: kwargs.get(name) for name in OFFSET_ARGUMENTS})
             if layout is not None:
                 packed = {"cu_seqlens_q": layout.cu_seqlens, "cu_seqlens_k": layout.cu_seqlens,
                           "max_seqlen_q": layout.max_seqlen, "max_seqlen_k": layout.max_seqlen}
-                out = attention(*(t.reshape(batch * n, *t.shape[2:]) for t in (q, k, v)), **packed, **options)
+                rows = (t.reshape(batch * n, *t.shape[2:]) for t in (q, k, v))
+                out = functional.attention(*rows, **packed, **options)
                 return out.view(q.shape), None
-        return attention(q, k, v, **options), None
+        return functional.attention(q, k, v, **options), None
     real_keys = attention_mask.to(device=q.device, dtype=torch.bool)
     real_queries = real_keys[:, -q.shape[1]:]
     cu_seqlens_q, cu_seqlens_k = (nn.functional.pad(real.sum(1).cumsum(0), (1, 0)).to(torch.int32)
                                   for real in (real_queries, real_keys))
-    packed = attention(q[real_queries], k[real_keys], v[real_keys], cu_seqlens_q=cu_seqlens_q,
+    packed = functional.attention(q[real_queries], k[real_keys], v[real_keys], cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_k=cu_seqlens_k, **options)
     return q.new_zeros(q.shape).index_put((real_queries,), packed), None
 
@@ -345,3 +331,52 @@ def stock_builds_cache(model, config, use_cache):
     if getattr(base, "gradient_checkpointing", False) and base.training and torch.is_grad_enabled():
         return False
     return bool(use_cache)
+
+
+class ModelForward:
+    """Base of the forwards remat installs on a model instance (``model.forward = Subclass(model)``):
+    an object of a module-level class holding the model, not a closure, so the model pickles
+    (``torch.save(model)``) and a deep copy's forward holds the copy; ``inspect.signature`` reads
+    the stock forward's (through ``__wrapped__``; Hugging Face's Trainer reads it). Subclasses
+    implement ``__call__`` and may extend ``_bind`` (run again after unpickling)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._bind()
+
+    @classmethod
+    def install(cls, model, previous_name, mark_name):
+        """Makes ``model.forward`` an instance of this class: an instance forward it replaces (such
+        as accelerate's hooks install) is kept as ``model.<previous_name>``, and ``model.<mark_name>``
+        is set True."""
+        previous = model.__dict__.get("forward")
+        if previous is not None:
+            setattr(model, previous_name, previous)
+        model.forward = cls(model)
+        setattr(model, mark_name, True)
+
+    def _bind(self):
+        self.signature = inspect.signature(type(self.model).forward)
+        self.var_keyword = next((p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
+                                None)
+
+    @property
+    def __wrapped__(self):
+        return type(self.model).forward.__get__(self.model)
+
+    def arguments(self, args, kwargs):
+        """{name: value} of a call with ``args`` and ``kwargs`` bound to the stock forward's
+        signature, the ``**kwargs`` entries flattened in, without ``self``."""
+        bound = self.signature.bind_partial(self.model, *args, **kwargs).arguments
+        extra = dict(bound.pop(self.var_keyword, {})) if self.var_keyword else {}
+        bound.pop("self", None)
+        return {**bound, **extra}
+
+    def __getstate__(self):
+        return {"model": self.model}
+
+    def __setstate__(self, state):
+        # The signature is read again from the model's class (its annotations need not pickle);
+        # pickle has made the model, of its class, before this runs.
+        self.model = state["model"]
+        self._bind()

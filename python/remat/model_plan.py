@@ -67,9 +67,9 @@ from remat.memory import _span, _storage_key, _union_bytes
 from remat.models import registry
 from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
 from remat.nn.moe import SparseMoE
+from remat.replacement import MODULE_KINDS, STOCK, replace_modules, unpatch
 
 COSTS = ("flops", "time")
-STOCK = "stock"
 _PLANNED = "_remat_model_plan"
 
 
@@ -581,9 +581,7 @@ class _Configuration:
     seconds of those layers, all while patched; then unpatched."""
 
     def __init__(self, model, names, policy, example_inputs, modules, backend, time_layers=()):
-        from remat.patch import patch, unpatch  # remat.patch imports this module
-
-        report = patch(model, policy=policy, modules=modules, backend=backend)
+        report = replace_modules(model, policy, modules, backend)
         try:
             replaced = {name for name, _, _ in report.replaced}
             self.fused = [name in replaced for name in names]
@@ -611,8 +609,6 @@ def measure_model_costs(model, example_inputs, *, cost="flops", backend=None, mo
     stock layers' bytes inside a patched model. The forwards build no KV cache, as a training step
     (see :func:`_training_inputs`). The RNG state is left untouched and no parameter's ``.grad``
     changes."""
-    from remat.patch import MODULE_KINDS  # remat.patch imports this module
-
     names = [name for name, _ in decoder_layers(model)]
     if not names:
         raise ValueError("policy='auto' found no decoder layer that remat's model families take in this model")

@@ -1,6 +1,8 @@
-"""One-call patching of real models: ``remat.patch(model)`` swaps, in place, the submodules remat
-has fused versions of, sharing their parameters (no copies; ``state_dict`` unchanged), and
-``remat.unpatch(model)`` puts the originals back.
+"""What remat.patch does under one layer configuration (:func:`replace_modules`): it swaps, in
+place, the submodules remat has fused versions of, sharing their parameters (no copies;
+``state_dict`` unchanged), and :func:`unpatch` puts the originals back. remat.patch (remat/patch.py)
+fixes the configuration, planning ``policy="auto"`` with remat.model_plan, which measures
+configurations through this module; this module imports neither.
 
 What is replaced is what the model-family table (remat.models.registry) lists:
 
@@ -39,20 +41,20 @@ the original configs put back (:class:`StockConfigSave`), and the checkpoint loa
 forward leaves None (the fused loss's ``logits``; the KV cache a patched forward does not build,
 where the stock model's config or ``use_cache`` argument would build one) stays in its place as
 None, so ``loss, logits = out[:2]`` and later indices (hidden states, MoE ``aux_loss`` and router
-logits) read what they read in stock (remat.models.hf.output_tuple).
+logits) read what they read in stock (remat.hf.output_tuple).
 
 Hugging Face masks, packing and generation (when attention is replaced: whole layers or attention
 modules): the model's ``config._attn_implementation`` becomes ``"remat"`` on a private copy of its
 config (the model's modules hold the copy until unpatch puts the original back; other models built
 from the same config object are not changed),
-registered with transformers (remat.models.hf.register_attention), so the model gives its layers
+registered with transformers (remat.hf.register_attention), so the model gives its layers
 the 2-D padding mask, or None without padding. A 2-D ``attention_mask`` may pad anywhere (right,
 left, holes): each row's real tokens run as one packed variable-length sequence; rows whose
 ``position_ids`` restart (packed documents) or Hugging Face's ``cu_seq_lens_q/k`` arguments run
-each document as its own sequence (remat.nn.layers.sequence_layout). The model checks the mask it
+each document as its own sequence (remat.sequences.sequence_layout). The model checks the mask it
 is called with: other masks (4-D, custom) raise ValueError. With a KV cache (``generate``), each
 fused layer runs the Hugging Face layer it replaced, which appends to the cache and attends through
-remat's attention (remat.models.hf.hf_attention), in no_grad saving nothing. ``config.use_cache``
+remat's attention (remat.hf.hf_attention), in no_grad saving nothing. ``config.use_cache``
 is set False (on the copy) so training forwards build no cache; ``generate`` still uses
 one (its generation config's ``use_cache``).
 """
@@ -66,21 +68,23 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from remat.checkpoint import model_plan
-from remat.models import causal_lm, outputs, registry
-from remat.models.hf import (
+from remat.hf import (
     ATTENTION_IMPLEMENTATION,
+    ModelForward,
     cache_field,
     check_attention_mask,
     output_tuple,
     register_attention,
     stock_builds_cache,
 )
+from remat.models import causal_lm, outputs, registry
 from remat.nn.adapters import carry_wrappers
 from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, check_runnable
 
 # "loss": a causal LM's training loss through remat.linear_cross_entropy (remat.models.causal_lm).
 MODULE_KINDS = (*registry.PART_KINDS, "loss")
+# A per-layer policy dict's value for a decoder layer left as it is (the planner's choice too).
+STOCK = "stock"
 _ORIGINAL = "_remat_original"
 _HOOK = "_remat_patched"
 _CONFIGS = "_remat_saved_configs"
@@ -102,7 +106,7 @@ class PatchReport:
 
     replaced: list = field(default_factory=list)
     left_alone: list = field(default_factory=list)
-    # policy="auto": the remat.checkpoint.model_plan.ModelPlan the layers run (plan.explain()).
+    # policy="auto": the remat.model_plan.ModelPlan the layers run (plan.explain()).
     plan: object = None
 
     def __str__(self):
@@ -112,65 +116,38 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budget_bytes=None,
-          budget_bytes_per_token=None, example_inputs=None, cost="flops", max_span=None):
-    """Replaces, in place, the submodules of ``model`` that remat has fused versions of (see the
-    module docstring), keeping their parameters, and returns a :class:`PatchReport`.
+def replace_modules(model, policy, modules=MODULE_KINDS, backend=None, finish=None):
+    """Replaces, in place, the submodules of ``model`` that remat has fused versions of under one
+    layer configuration, keeping their parameters, and returns a :class:`PatchReport`: what
+    remat.patch does once its policy is fixed (remat.patch also plans ``policy="auto"`` first;
+    remat.model_plan measures configurations through this function and :func:`unpatch`).
 
     Args:
-        model: an ``nn.Module``: a Hugging Face model of a family remat.models lists (built from a config
-            or loaded from a checkpoint), or any PyTorch model with ``torch.nn.RMSNorm`` /
-            ``LayerNorm`` layers.
-        policy: ``"speed"``, ``"balanced"`` (default) or ``"memory"``: what whole decoder layers
-            keep for backward (see remat.nn.LlamaLayer); a dict {qualified decoder-layer name:
-            policy or ``"stock"``} chooses per layer (layers it does not name stay stock);
-            ``"auto"``: planned under a budget (below).
-        modules: which kinds to replace, a subset of ``("norm", "mlp", "attention", "loss")``
-            (default: all). Whole decoder layers need norm, mlp and attention. "loss": a causal
-            LM of a known family computes its training loss (training mode, labels given) with
-            remat.linear_cross_entropy, never materialising the logits; its output's ``logits``
-            is then None (see remat.models.causal_lm).
+        model: an ``nn.Module`` (see remat.patch).
+        policy: ``"speed"``, ``"balanced"`` or ``"memory"`` for every decoder layer, or a dict
+            {qualified decoder-layer name: one of those or :data:`STOCK`} (layers it does not name
+            stay stock).
+        modules: which kinds to replace, a non-empty subset of :data:`MODULE_KINDS`.
         backend: remat backend for the new modules, or None for the default choice.
-        budget_bytes, budget_bytes_per_token, example_inputs, cost: with ``policy="auto"`` only:
-            remat.plan_model measures every decoder layer on ``example_inputs`` (a dict of forward
-            keyword arguments of one training batch) and chooses, per layer, the stock layer, a
-            fused policy, or re-running a span of fused layers from its input, so that the step's
-            peak of saved bytes stays within the budget (in bytes, or per token of the example) at
-            the least recompute (``cost="flops"`` or ``"time"``); ``report.plan.explain()`` shows
-            the plan. Batches larger than the example in either dimension raise ValueError.
-        max_span: with ``policy="auto"``: the most layers one checkpointed span may hold (default:
-            any); ``max_span=1`` under FSDP2 with ``fully_shard`` on each decoder layer (see
-            remat.plan_model).
+        finish: None, or a function of the report run last inside the all-or-nothing section
+            (remat.patch installs a plan there).
+
+    All or nothing: when anything inside raises, the model is put back as it was and the exception
+    propagates. A call that replaces nothing leaves the model unchanged but for a mark unpatch
+    removes, and warns; so does a model with Hugging Face layers no family takes.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    modules = tuple(modules)
-    unknown = [m for m in modules if m not in MODULE_KINDS]
-    if unknown or not modules:
-        raise ValueError(f"modules must be a non-empty subset of {MODULE_KINDS}, got {modules!r}")
-    if policy != "auto" and not (budget_bytes is None and budget_bytes_per_token is None and example_inputs is None
-                                 and max_span is None):
-        raise ValueError("budget_bytes, budget_bytes_per_token, example_inputs and max_span are for policy='auto'")
-    if isinstance(policy, dict):
-        if not all(isinstance(k, str) and v in (*LAYER_POLICIES, model_plan.STOCK) for k, v in policy.items()):
-            raise ValueError(f"a policy dict maps layer names to one of {(*LAYER_POLICIES, model_plan.STOCK)}, "
-                             f"got {policy!r}")
-    elif policy not in (*LAYER_POLICIES, "auto"):
-        raise ValueError(f"policy must be one of {(*LAYER_POLICIES, 'auto')} or a dict, got {policy!r}")
-    if getattr(model, _HOOK, False):
-        raise ValueError("model is already patched; call remat.unpatch(model) first")
-    if model.__dict__.get(_KEPT_INSIDE_WRAPPER) or causal_lm.wrapped_after_uninstall(model):
-        raise ValueError("model's forward was wrapped after an earlier remat.patch (for example by TRL's "
-                         "SFTTrainer) and still runs through that patch's forward; patch the model before "
-                         "building the trainer, on a model that was never patched")
+    modules = check_model_and_modules(model, modules)
+    check_policy(policy)
+    check_patchable(model)
     unknown_layers = _unknown_layer_classes(model)
-    # Whatever fails inside patch (a layer's build, installing hooks, the loss, the plan, ...)
-    # leaves the model as it was: everything patch changes is a module attribute (_ModuleState).
+    # Whatever fails inside (a layer's build, installing hooks, the loss, finish, ...) leaves the
+    # model as it was: everything replace_modules changes is a module attribute (_ModuleState).
     state = _ModuleState(model)
     model.__dict__.pop(_REPLACED_NOTHING, None)
     try:
-        report = _patch(model, policy, modules, backend, budget_bytes, budget_bytes_per_token, example_inputs, cost,
-                        max_span)
+        report = _replace(model, policy, modules, backend)
+        if finish is not None and report.replaced:
+            finish(report)
     except BaseException:
         state.restore()
         raise
@@ -181,21 +158,45 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
         state.restore()
         setattr(model, _REPLACED_NOTHING, True)
     if unknown_layers or not report.replaced:
-        warnings.warn(_no_fused_layers_message(model, report, unknown_layers), stacklevel=2)
+        warnings.warn(_no_fused_layers_message(model, report, unknown_layers), stacklevel=3)
     return report
 
 
-def _patch(model, policy, modules, backend, budget_bytes, budget_bytes_per_token, example_inputs, cost, max_span):
-    """patch's changes to ``model``, on validated arguments; returns the :class:`PatchReport`."""
-    plan = None
-    if policy == "auto":
-        if not set(registry.PART_KINDS) <= set(modules):
-            raise ValueError(f"policy='auto' plans whole decoder layers: modules must include {registry.PART_KINDS}")
-        plan = model_plan.plan_model(model, example_inputs, budget_bytes=budget_bytes,
-                                     budget_bytes_per_token=budget_bytes_per_token, cost=cost, backend=backend,
-                                     modules=modules, max_span=max_span)
-        # Per qualified layer name: "stock" (left as it is) or the fused policy.
-        policy = {plan.costs.layers[i].name: choice for i, choice in plan.layer_policies().items()}
+def check_model_and_modules(model, modules):
+    """Raises TypeError unless ``model`` is an ``nn.Module``, ValueError unless ``modules`` is a
+    non-empty subset of :data:`MODULE_KINDS`; returns ``modules`` as a tuple."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    modules = tuple(modules)
+    unknown = [m for m in modules if m not in MODULE_KINDS]
+    if unknown or not modules:
+        raise ValueError(f"modules must be a non-empty subset of {MODULE_KINDS}, got {modules!r}")
+    return modules
+
+
+def check_policy(policy):
+    """Raises ValueError unless ``policy`` is a fused layer policy or a dict {layer name: fused
+    policy or :data:`STOCK`}."""
+    if isinstance(policy, dict):
+        if not all(isinstance(k, str) and v in (*LAYER_POLICIES, STOCK) for k, v in policy.items()):
+            raise ValueError(f"a policy dict maps layer names to one of {(*LAYER_POLICIES, STOCK)}, got {policy!r}")
+    elif policy not in LAYER_POLICIES:
+        raise ValueError(f"policy must be one of {(*LAYER_POLICIES, 'auto')} or a dict, got {policy!r}")
+
+
+def check_patchable(model):
+    """Raises ValueError when ``model`` is patched already, or its forward was wrapped after an
+    earlier patch (a trainer's wrapper still running that patch's forward)."""
+    if getattr(model, _HOOK, False):
+        raise ValueError("model is already patched; call remat.unpatch(model) first")
+    if model.__dict__.get(_KEPT_INSIDE_WRAPPER) or causal_lm.wrapped_after_uninstall(model):
+        raise ValueError("model's forward was wrapped after an earlier remat.patch (for example by TRL's "
+                         "SFTTrainer) and still runs through that patch's forward; patch the model before "
+                         "building the trainer, on a model that was never patched")
+
+
+def _replace(model, policy, modules, backend):
+    """replace_modules's changes to ``model``, on validated arguments; returns the :class:`PatchReport`."""
     report = PatchReport()
     whole_layers = set(registry.PART_KINDS) <= set(modules)
     # Hugging Face's output-recording hooks go on the stock modules first, then each replacement
@@ -205,10 +206,6 @@ def _patch(model, policy, modules, backend, budget_bytes, budget_bytes_per_token
     layers_replaced = bool(report.replaced)
     if "loss" in modules:
         _patch_loss(model, report)
-    if plan is not None:
-        report.plan = plan
-        named = dict(model.named_modules())
-        model_plan.install(plan, [named[layer.name] for layer in plan.costs.layers])
     if not report.replaced:
         return report
     setattr(model, _HOOK, True)
@@ -370,8 +367,8 @@ def _patch_children(parent, prefix, modules, whole_layers, policy, backend, repo
             continue
         try:
             if found.kind == "layer":
-                layer_policy = policy.get(qualified, model_plan.STOCK) if isinstance(policy, dict) else policy
-                if layer_policy == model_plan.STOCK:
+                layer_policy = policy.get(qualified, STOCK) if isinstance(policy, dict) else policy
+                if layer_policy == STOCK:
                     report.left_alone.append((qualified, type(child).__name__, "kept stock by policy='auto'"))
                     continue
                 replacement = found.build(child, policy=layer_policy, backend=backend)
@@ -404,61 +401,31 @@ def _patch_loss(model, report):
 def _install_mask_check(model):
     """Makes model's forward check its attention_mask first: the forward becomes a
     :class:`MaskCheckedForward`, which runs the forward it replaced (or the stock one)."""
-    previous = model.__dict__.get("forward")
-    if previous is not None:
-        setattr(model, _PREVIOUS_FORWARD, previous)
-    model.forward = MaskCheckedForward(model)
-    setattr(model, _MASK_CHECK, True)
+    MaskCheckedForward.install(model, _PREVIOUS_FORWARD, _MASK_CHECK)
 
 
-class MaskCheckedForward:
+class MaskCheckedForward(ModelForward):
     """A patched model's forward: checks the attention_mask (passed by name, by position or inside
-    ``**kwargs``; remat.models.hf.check_attention_mask), then runs the forward it replaced (an
+    ``**kwargs``; remat.hf.check_attention_mask), then runs the forward it replaced (an
     instance forward such as accelerate's hooks install, kept as ``model._remat_previous_forward``)
-    or the class's. An object of a module-level class holding the model, not a closure, so the
-    model pickles (``torch.save(model)``) and a deep copy's forward holds the copy.
-    ``inspect.signature`` reads the stock forward's (through ``__wrapped__``: Hugging Face's Trainer
-    reads it). torch.compile traces the check into the model's graph (a forward pre-hook would be a
-    separate graph)."""
-
-    def __init__(self, model):
-        self.model = model
-        self._bind()
-
-    def _bind(self):
-        self.signature = inspect.signature(type(self.model).forward)
-        self.var_keyword = next((p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
-                                None)
-
-    @property
-    def __wrapped__(self):
-        return type(self.model).forward.__get__(self.model)
+    or the class's (pickling and the signature: remat.hf.ModelForward). torch.compile traces the
+    check into the model's graph (a forward pre-hook would be a separate graph)."""
 
     def __call__(self, *args, **kwargs):
         model = self.model
-        bound = self.signature.bind_partial(model, *args, **kwargs).arguments
-        given = {**bound, **bound.get(self.var_keyword, {})} if self.var_keyword is not None else bound
+        given = self.arguments(args, kwargs)
         patched = getattr(model, _HOOK, False)  # a pass-through once unpatched, if a later wrapper keeps calling it
         if patched:
             check_attention_mask(given.get("attention_mask"))
         as_tuple = patched and _returns_tuple(model, given, kwargs)
         if as_tuple:
-            # The output object, made a tuple here with stock's positions (remat.models.hf.output_tuple).
+            # The output object, made a tuple here with stock's positions (remat.hf.output_tuple).
             kwargs = {**kwargs, "return_dict": True}
         inner = model.__dict__.get(_PREVIOUS_FORWARD)
         output = inner(*args, **kwargs) if inner is not None else type(model).forward(model, *args, **kwargs)
         if as_tuple and dataclasses.is_dataclass(output) and isinstance(output, dict):
             return output_tuple(output, kept=_kept_fields(model, type(output), given.get("use_cache")))
         return output
-
-    def __getstate__(self):
-        return {"model": self.model}
-
-    def __setstate__(self, state):
-        # The signature is read again from the model's class (its annotations need not pickle);
-        # pickle has made the model, of its class, before this runs.
-        self.model = state["model"]
-        self._bind()
 
 
 def _returns_tuple(model, given, kwargs):

@@ -5,8 +5,9 @@ Llama, Mistral (sliding window), Qwen2 and GPT-2 models built from configs.
 
 Padding: logits at every real position, the loss and every parameter gradient against the stock
 model in the same dtype and a float64 copy (the 2x rule). Labels are -100 at pads and wherever the
-token before is a pad (a logit at a pad position predicts it: the stock model's outputs there come
-from a fully masked softmax row and mean nothing). Packed rows: against running each document
+token before is a pad (a logit at a pad after a real token predicts it, where stock's SDPA attends
+the pad to the real tokens before it and remat gives it attention output 0; left padding with
+standard labels, pads included: test_left_padding.py). Packed rows: against running each document
 alone. Also torch.compile on a padded batch (one graph), attention-only patching and gradient
 checkpointing with padding."""
 
@@ -270,16 +271,21 @@ def test_hugging_face_flattening_collator(flash_kwargs):
         torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-6)
 
 
-def test_static_padding_layout_has_two_sequences_per_row():
-    """The fixed-shape layout (torch.compile) of a [3, 5] batch: per row its real tokens then its
-    pads, 2B sequences (not one per pad: kernels' grids have a sequence limit), all tokens once."""
-    from remat.nn.layers import _padding_layout_static
+def test_padding_layout_has_two_sequences_per_row():
+    """The padding layout of a [3, 5] batch: per row its real tokens then its pads, 2B sequences
+    (not one per pad: kernels' grids have a sequence limit), all tokens once, the pads marked as
+    empty queries; under torch.compile (fixed shapes) max_seqlen is N, in eager the longest
+    sequence."""
+    from remat.sequences import sequence_layout
 
     real = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
-    layout = _padding_layout_static(real)
+    layout = sequence_layout(3, 5, real.long())
     assert layout.cu_seqlens.tolist() == [0, 3, 5, 10, 10, 10, 15]
     assert layout.tokens.tolist() == [1, 2, 4, 0, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert layout.empty.tolist() == [[False] * 3 + [True] * 2 + [False] * 5 + [True] * 5]
     assert layout.max_seqlen == 5
+    right = sequence_layout(2, 3, torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    assert right.cu_seqlens is None and right.empty.tolist() == [[False] * 3, [False, False, True]]
 
 
 def mask_config(kind):
@@ -296,7 +302,7 @@ def test_mask_rules_other_than_causal_raise(kind):
     so they raise."""
     from transformers import masking_utils
 
-    from remat.models.hf import register_attention
+    from remat.hf import register_attention
 
     register_attention()
     config = mask_config(kind)
@@ -325,7 +331,7 @@ def test_packed_rule_of_transformers_without_position_remapping(monkeypatch):
     functions with the remapping removed; it passes, and other combinations still raise."""
     from transformers import masking_utils
 
-    from remat.models import hf
+    from remat import hf
 
     monkeypatch.delattr(masking_utils, "remap_positions_for_packed_sequence")
     packed = masking_utils.packed_sequence_mask_function(torch.zeros(1, LENGTH, dtype=torch.long))
@@ -367,7 +373,7 @@ def test_offsets_with_a_padding_mask_or_wrong_sums_raise(monkeypatch):
     fused layers and in the attention function stock modules call; offsets that do not run from 0
     to the row length raise before the row is packed (GPT-2, no rope: positions are built from the
     offsets there, by repeat_interleave with the row length as output size)."""
-    from remat.models.hf import hf_attention
+    from remat.hf import hf_attention
     from remat.nn import layers
 
     _, _, _, offsets, _ = packed_row()

@@ -18,7 +18,13 @@ and lays them out).
 
 import torch
 
-from remat.autograd.common import draw_rng_state, kernel_rope_tables, refuse_double_backward
+from remat.autograd.common import (
+    draw_rng_state,
+    kernel_rope_tables,
+    refuse_double_backward,
+    without_empty_queries,
+    zero_empty_queries_,
+)
 from remat.ops import ops_for
 from remat.ops.attention import rotated_once
 
@@ -46,28 +52,32 @@ class AttentionFunction(torch.autograd.Function):
     """o = softmax(logits(q, k)) v with causal/window masking, softcap, rope and dropout; the
     scalar options are one :class:`remat.options.AttentionOptions`; ``rotate_once``: rope rotated
     once per pass outside the kernels (remat.ops.attention.rope_rotated_once, decided by the caller,
-    which knows whether a backward can follow: inside forward grad mode is always off)."""
+    which knows whether a backward can follow: inside forward grad mode is always off). ``empty``:
+    None, or bool ``[B, N]``: queries whose output is 0 and from which no gradient flows (pads; see
+    remat.autograd.common.zero_empty_queries_)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cos, sin, options, backend, rotate_once):
+    def forward(ctx, q, k, v, cos, sin, options, backend, rotate_once, empty=None):
         rng = attention_rng_state(backend, q.device) if options.dropout_p > 0 else None
         cos32, sin32 = kernel_rope_tables(cos, sin, q.shape[-1])
         ctx.rotate_once = rotate_once
         o, lse = attention_ops(backend, ctx.rotate_once).attention_fwd(q, k, v, cos32, sin32, rng, *options[:5])
-        ctx.save_for_backward(q, k, v, o, lse, rng, cos, sin)
+        zero_empty_queries_(o, empty)
+        ctx.save_for_backward(q, k, v, o, lse, rng, cos, sin, empty)
         ctx.options, ctx.backend = options, backend
         return o
 
     @staticmethod
     @refuse_double_backward("remat.attention")
     def backward(ctx, dout):
-        q, k, v, o, lse, rng, cos, sin = ctx.saved_tensors
+        q, k, v, o, lse, rng, cos, sin, empty = ctx.saved_tensors
+        dout = without_empty_queries(dout, empty)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         cos32, sin32 = kernel_rope_tables(cos, sin, q.shape[-1])
         dq, dk, dv = attention_ops(ctx.backend, ctx.rotate_once).attention_bwd(dout, q, k, v, o, lse, cos32, sin32,
                                                                                 rng, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def varlen_rope_tables(cos, sin, head_dim):
@@ -83,26 +93,29 @@ class VarlenAttentionFunction(torch.autograd.Function):
     """Packed (variable-length) attention: q [total_q, Hq, D], k, v [total_k, Hkv, D] holding the
     sequences the int32 offsets cu_seqlens_q / cu_seqlens_k delimit, each attending only within
     itself. Saves what AttentionFunction saves (o, fp32 lse [Hq, total_q]) plus the offsets.
+    ``empty``: None, or bool ``[total_q]`` as AttentionFunction's.
     cu_seqlens_k None means cu_seqlens_q's (one tensor, saved once: torch.compile cannot trace
     an autograd.Function given one tensor twice)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cos, sin, options, backend,
-                rotate_once):
+                rotate_once, empty=None):
         rng = attention_rng_state(backend, q.device) if options.dropout_p > 0 else None
         cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
         offsets_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
         ctx.rotate_once = rotate_once
         o, lse = attention_ops(backend, ctx.rotate_once).attention_varlen_fwd(
             q, k, v, cu_seqlens_q, offsets_k, max_seqlen_q, max_seqlen_k, cos32, sin32, rng, *options[:5])
-        ctx.save_for_backward(q, k, v, o, lse, rng, cos, sin, cu_seqlens_q, cu_seqlens_k)
+        zero_empty_queries_(o, empty)
+        ctx.save_for_backward(q, k, v, o, lse, rng, cos, sin, cu_seqlens_q, cu_seqlens_k, empty)
         ctx.options, ctx.backend, ctx.max_seqlens = options, backend, (max_seqlen_q, max_seqlen_k)
         return o
 
     @staticmethod
     @refuse_double_backward("remat.attention (packed sequences)")
     def backward(ctx, dout):
-        q, k, v, o, lse, rng, cos, sin, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, o, lse, rng, cos, sin, cu_seqlens_q, cu_seqlens_k, empty = ctx.saved_tensors
+        dout = without_empty_queries(dout, empty)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         cos32, sin32 = varlen_rope_tables(cos, sin, q.shape[-1])
@@ -110,4 +123,4 @@ class VarlenAttentionFunction(torch.autograd.Function):
             cu_seqlens_k = cu_seqlens_q
         dq, dk, dv = attention_ops(ctx.backend, ctx.rotate_once).attention_varlen_bwd(
             dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, cos32, sin32, rng, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None

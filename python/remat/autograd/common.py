@@ -120,3 +120,19 @@ def kernel_rope_tables(cos, sin, head_dim):
             table = table[None]
         tables.append(table.to(torch.float32).contiguous())
     return tables[0], tables[1]
+
+
+def zero_empty_queries_(o, empty):
+    """Sets, in place, the rows of attention output o ``[..., H, D]`` at the queries ``empty`` marks
+    (bool, o's leading shape, or None) to 0: queries that attend to nothing (pads), as PyTorch's SDPA
+    gives a query whose keys are all masked. Returns o."""
+    if empty is not None:
+        o.masked_fill_(empty.reshape(*o.shape[:-2], 1, 1), 0)
+    return o
+
+
+def without_empty_queries(dout, empty):
+    """The incoming gradient dout of an attention output with the rows of ``empty`` queries set to 0
+    (their outputs are the constant 0, so no gradient flows back from them); dout itself when
+    ``empty`` is None."""
+    return dout if empty is None else dout.masked_fill(empty.reshape(*dout.shape[:-2], 1, 1), 0)

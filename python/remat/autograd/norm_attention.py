@@ -29,7 +29,13 @@ import torch.nn.functional as F
 
 from remat.autograd import lora
 from remat.autograd.attention import attention_ops, attention_rng_state, varlen_rope_tables
-from remat.autograd.common import kernel_rope_tables, linear_grads, refuse_double_backward
+from remat.autograd.common import (
+    kernel_rope_tables,
+    linear_grads,
+    refuse_double_backward,
+    without_empty_queries,
+    zero_empty_queries_,
+)
 from remat.autograd.norm import norm_backward, norm_forward
 
 
@@ -86,8 +92,8 @@ def _attention_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, rng, options, ba
 
 
 # The position of the first LoRA tensor among NormAttentionFunction.forward's inputs (after x, the
-# ten weights and biases, cos, sin, cu_seqlens, options, backend, rotate_once and lora_layout).
-_FIRST_LORA_INPUT = 18
+# ten weights and biases, cos, sin, cu_seqlens, empty, options, backend, rotate_once and lora_layout).
+_FIRST_LORA_INPUT = 19
 
 
 class NormAttentionFunction(torch.autograd.Function):
@@ -98,11 +104,12 @@ class NormAttentionFunction(torch.autograd.Function):
     branches join the projections, are kept inside q, k, v under keep_qkv and recomputed with them
     otherwise, and their rank-r intermediates are recomputed in backward. ``rotate_once``: rope
     rotated once per pass outside the attention kernels (remat.ops.attention.rope_rotated_once,
-    decided by the caller)."""
+    decided by the caller). ``empty``: None, or bool ``[B, N]``: queries whose output is 0 and from
+    which no gradient flows (pads; remat.autograd.common.zero_empty_queries_)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, cos, sin,
-                cu_seqlens, options, backend, rotate_once=False, lora_layout=(), *lora_tensors):
+                cu_seqlens, empty, options, backend, rotate_once=False, lora_layout=(), *lora_tensors):
         shape, attention = options.shape, options.attention
         batch, n, hq, hkv, head_dim = shape
         rows = x.reshape(batch * n, x.shape[-1])
@@ -119,11 +126,13 @@ class NormAttentionFunction(torch.autograd.Function):
         rng = attention_rng_state(backend, x.device) if attention.dropout_p > 0 else None
         ctx.rotate_once = rotate_once
         o, lse = _attention_fwd(q_in, k_in, v, cos, sin, cu_seqlens, rng, options, backend, ctx.rotate_once)
+        zero_empty_queries_(o, empty)
         del q_in, k_in
         if not options.keep_qkv:
             q = k = v = None
         ctx.save_for_backward(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight,
-                              mean, rstd, q, k, v, o, lse, rng, cos, sin, cu_seqlens, *lora_tensors, *lora_rngs)
+                              mean, rstd, q, k, v, o, lse, rng, cos, sin, cu_seqlens, empty, *lora_tensors,
+                              *lora_rngs)
         ctx.options, ctx.backend, ctx.lora_layout = options, backend, lora_layout
         return o
 
@@ -131,7 +140,7 @@ class NormAttentionFunction(torch.autograd.Function):
     @refuse_double_backward("remat.norm_attention")
     def backward(ctx, dout):
         (x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, mean, rstd, q, k, v, o,
-         lse, rng, cos, sin, cu_seqlens, *lora_saved) = ctx.saved_tensors
+         lse, rng, cos, sin, cu_seqlens, empty, *lora_saved) = ctx.saved_tensors
         options, backend, lora_layout = ctx.options, ctx.backend, ctx.lora_layout
         lora_count = lora.TENSORS_PER_ADAPTER * len(lora_layout)
         adapters = (lora_layout, lora_saved[:lora_count], lora_saved[lora_count:], options.norm_backend)
@@ -149,6 +158,7 @@ class NormAttentionFunction(torch.autograd.Function):
             # The per-head norms and their statistics, recomputed from the pre-norm q and k.
             q_in, q_rstd = _head_norm(q, q_norm_weight, options)
             k_in, k_rstd = _head_norm(k, k_norm_weight, options)
+        dout = without_empty_queries(dout, empty)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv = _attention_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, rng, options, backend,
@@ -178,4 +188,4 @@ class NormAttentionFunction(torch.autograd.Function):
         return (dx.view(x.shape), d_norm_weight if need[1] else None, d_norm_bias if need[2] else None,
                 grads[0][0], grads[1][0], grads[2][0], grads[0][1], grads[1][1], grads[2][1],
                 d_q_norm if need[9] else None, d_k_norm if need[10] else None, None, None, None, None, None, None,
-                None, *lora.grads_tuple(lora_grads, lora_count))
+                None, None, *lora.grads_tuple(lora_grads, lora_count))

@@ -1,30 +1,22 @@
 """Public attention functions: flash attention and the pre-norm attention sub-block. Argument
 checks and layout, then the autograd Function."""
 
-import warnings
 
 import torch
 
 from remat import checks
 from remat.autograd.attention import AttentionFunction, VarlenAttentionFunction
 from remat.autograd.norm_attention import NormAttentionFunction
-from remat.backend import (
-    BackendUnavailableError,
-    default_backend,
-    requested_backend,
-    resolve_backend,
-    unavailable_reason,
-)
+from remat.backend import default_backend
 from remat.functional.lora import check_lora
-from remat.ops import ops_for
-from remat.ops.attention import aten_unsupported_reason, cpu_flash_attention, cpu_flash_is_fast, rope_rotated_once
-from remat.ops.attention_cudnn import cudnn_preferred, cudnn_unsupported_reason
+from remat.ops.attention import cpu_flash_attention
+from remat.ops.attention_core import choose_core
 from remat.options import AttentionOptions, NormAttentionOptions
 
 
 def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, window=None, softcap=None,
               deterministic=None, layout="bnhd", backend=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None):
+              max_seqlen_q=None, max_seqlen_k=None, empty_queries=None):
     """Flash attention: ``softmax(q k^T * scale) v`` without storing the attention matrix.
 
     Args:
@@ -85,6 +77,10 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
             bounds (the aten core: FlashAttention-2's own mask).
         max_seqlen_q, max_seqlen_k: with offsets, upper bounds of the sequence lengths (the
             kernels' grids); None computes them from the offsets (required under torch.compile).
+        empty_queries: None (default), or bool ``[B, N]`` (``[total_q]`` with offsets): queries
+            that attend to nothing whatever their keys (pads of a padded batch): their output is 0
+            and no gradient flows back from it, as PyTorch's SDPA gives a query whose keys are all
+            masked. They still run through the kernels (their rows are zeroed after).
 
     Returns:
         o in q's layout, shape and dtype (a new tensor); ``[total_q, Hq, D]`` with offsets. Rows
@@ -98,31 +94,31 @@ def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, wi
     if any(a is not None for a in varlen):
         return _varlen_attention(q, k, v, *varlen, causal=causal, scale=scale, dropout_p=dropout_p, rope=rope,
                                  window=window, softcap=softcap, deterministic=deterministic, layout=layout,
-                                 backend=backend)
+                                 backend=backend, empty_queries=empty_queries)
     checks.check_choice(layout, "layout", checks.ATTENTION_LAYOUTS)
     checks.check_qkv_types(q, k, v, layout)
     if layout == "bhnd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     checks.check_qkv_shapes(q, k, v, layout)
     checks.check_rope(rope, q.shape[0], q.shape[1], k.shape[1], q.shape[-1], q.device)
+    empty = checks.check_empty_queries(empty_queries, q.shape[:2], q.device)
     options = _attention_options(q.shape[-1], causal, scale, softcap, window, dropout_p, deterministic)
     cos, sin = rope if rope is not None else (None, None)
     (q, k, v), autocast_off = checks.autocast_cast(q, k, v)
     batch, n, hq, head_dim = q.shape
-    name = _attention_backend(backend, q, batch, (n, k.shape[1], hq, k.shape[2], head_dim), options)
-    options = _respect_deterministic_mode(options, name)
-    checks.check_attention_dtype(name, q.dtype)
+    core = choose_core(backend, q, batch, (n, k.shape[1], hq, k.shape[2], head_dim), options, rope=cos is not None,
+                       backward_can_follow=_backward_can_follow(q, k, v, cos, sin))
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with autocast_off:
         if 0 in (batch, n, k.shape[1]):
             o = _attention_without_work(q, k, v)
-        elif name == "aten" and q.device.type == "cpu" and cos is None:
+            o = o if empty is None else o.masked_fill(empty[..., None, None], 0)
+        elif core.name == "aten" and q.device.type == "cpu" and cos is None and empty is None:
             # The same kernels and saved tensors as AttentionFunction's aten core, through PyTorch's
             # own autograd node (faster than a Python Function; see cpu_flash_attention).
-            o = cpu_flash_attention(q, k, v, options)
+            o = cpu_flash_attention(q, k, v, core.options)
         else:
-            o = AttentionFunction.apply(q, k, v, cos, sin, options, name, rope_rotated_once(
-                name, cos is not None, _backward_can_follow(q, k, v, cos, sin)))
+            o = AttentionFunction.apply(q, k, v, cos, sin, core.options, core.name, core.rotate_once, empty)
     return o.transpose(1, 2) if layout == "bhnd" else o
 
 
@@ -143,7 +139,7 @@ def _backward_can_follow(*tensors):
 
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, dropout_p,
-                      rope, window, softcap, deterministic, layout, backend):
+                      rope, window, softcap, deterministic, layout, backend, empty_queries):
     """remat.attention with cumulative sequence lengths (packed sequences)."""
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("packed attention needs both cu_seqlens_q and cu_seqlens_k")
@@ -154,109 +150,18 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                                              q.shape[0], k.shape[0], q.device,
                                                              keys_cover_queries=rope is not None)
     checks.check_varlen_rope(rope, k.shape[0], max_seqlen_k, q.shape[-1], q.device)
+    empty = checks.check_empty_queries(empty_queries, q.shape[:1], q.device)
     options = _attention_options(q.shape[-1], causal, scale, softcap, window, dropout_p, deterministic)
     cos, sin = rope if rope is not None else (None, None)
     (q, k, v), autocast_off = checks.autocast_cast(q, k, v)
-    name = _varlen_attention_backend(backend, q, (max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2]),
-                                     options)
-    options = _respect_deterministic_mode(options, name)
-    checks.check_attention_dtype(name, q.dtype)
+    core = choose_core(backend, q, 1, (max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2]), options,
+                       varlen=True, rope=cos is not None, backward_can_follow=_backward_can_follow(q, k, v, cos, sin))
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     # One offsets tensor for both (self-attention) is passed once: see VarlenAttentionFunction.
     distinct_k = None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k
     with autocast_off:
-        rotate_once = rope_rotated_once(name, cos is not None, _backward_can_follow(q, k, v, cos, sin))
         return VarlenAttentionFunction.apply(q, k, v, cu_seqlens_q, distinct_k, max_seqlen_q, max_seqlen_k, cos, sin,
-                                             options, name, rotate_once)
-
-
-def _varlen_attention_backend(explicit, t, sizes, options):
-    """The backend of a packed attention call on tensors like ``t`` with sizes (max_seqlen_q,
-    max_seqlen_k, Hq, Hkv, D): the one asked for, which must have packed kernels and take the call,
-    else the per-op default (_default_attention_backend). The aten core's packed entry is
-    FlashAttention-2's (CUDA only): PyTorch's CPU flash kernel takes no sequence offsets; the cudnn
-    core has none."""
-    name = requested_backend(explicit)
-    if name is None:
-        return _default_attention_backend(t, 1, sizes, options, varlen=True)
-    name = resolve_backend(name, t)
-    if name == "aten":
-        if t.device.type != "cuda":
-            raise BackendUnavailableError("remat backend 'aten' has packed (cu_seqlens) attention on CUDA only: "
-                                          "PyTorch's CPU flash core takes no sequence offsets; use backend='cpp', "
-                                          "'triton' or 'torch'")
-        _check_aten_takes(t, sizes, options, varlen=True)
-    if ops_for("attention", name).attention_varlen_fwd is None:
-        raise BackendUnavailableError(f"remat backend {name!r} has no packed (cu_seqlens) attention; use "
-                                      "backend='aten' (FlashAttention-2's variable-length entry), 'triton', 'cuda' "
-                                      "or 'torch'")
-    return name
-
-
-def _attention_backend(explicit, t, batch, sizes, options):
-    """The backend of an attention call of ``batch`` sequences on tensors like ``t`` with sizes (N,
-    M, Hq, Hkv, D). Asked for by name: that backend, which must be able to run the call. Otherwise
-    the per-op default (_default_attention_backend)."""
-    name = requested_backend(explicit)
-    if name is None:
-        return _default_attention_backend(t, batch, sizes, options)
-    name = resolve_backend(name, t)
-    if name == "aten":
-        _check_aten_takes(t, sizes, options)
-    if name == "cudnn":
-        reason = cudnn_unsupported_reason(batch, *sizes, t.dtype, t.device, options)
-        if reason is not None:
-            raise BackendUnavailableError(f"remat backend 'cudnn' cannot run this attention call: {reason}; use "
-                                          "backend='aten', 'triton' or 'cuda'")
-    return name
-
-
-def _default_attention_backend(t, batch, sizes, options, varlen=False):
-    """Attention's default backend, the one expected fastest that takes the call (README "Default
-    backends"). CPU tensors: PyTorch's flash kernel (the aten core, dense calls only; measured
-    faster than remat's C++ kernel in benchmarks/results/attention-cpu.csv) where it runs the
-    dtype at full speed (remat.ops.attention.cpu_flash_is_fast: float32, or a CPU with native
-    16-bit GEMMs), else remat's C++ kernels. CUDA tensors, by expectation until GPU numbers
-    replace it: cuDNN (the cudnn core) where stock PyTorch tries it first
-    (remat.ops.attention_cudnn.cudnn_preferred: sm_90/sm_10x, where published numbers put it ahead
-    of FlashAttention-2), else FlashAttention-2 (the aten
-    core: pipelined, warp-specialised tiles tuned per architecture), else remat's Triton kernels
-    (software-pipelined, autotuned tiles), else remat's CUDA kernels (WMMA without pipelining: the
-    slowest). ``batch`` sequences of sizes (N, M, Hq, Hkv, D), for packed calls (max_seqlen_q,
-    max_seqlen_k, Hq, Hkv, D)."""
-    aten_takes = aten_unsupported_reason(*sizes, t.dtype, t.device, options, varlen=varlen) is None
-    if t.device.type == "cuda":
-        if cudnn_preferred(t.device) and cudnn_unsupported_reason(batch, *sizes, t.dtype, t.device, options,
-                                                                  varlen=varlen) is None:
-            return "cudnn"
-        if aten_takes:
-            return "aten"
-        return "triton" if unavailable_reason("triton", t.device) is None else default_backend(t.device)
-    if t.device.type == "cpu" and aten_takes and not varlen and cpu_flash_is_fast(t.dtype):
-        return "aten"
-    return default_backend(t.device)
-
-
-def _check_aten_takes(t, sizes, options, varlen=False):
-    reason = aten_unsupported_reason(*sizes, t.dtype, t.device, options, varlen=varlen)
-    if reason is not None:
-        raise BackendUnavailableError(f"remat backend 'aten' cannot run this attention call: {reason}; use "
-                                      "backend='cpp', 'cuda', 'triton' or 'torch'")
-
-
-def _respect_deterministic_mode(options, backend):
-    """``deterministic=False`` selects the GPU backward with fp32 atomics. Under
-    ``torch.use_deterministic_algorithms(True)`` it raises RuntimeError, as PyTorch's
-    nondeterministic ops do, or with ``warn_only=True`` warns and runs the deterministic backward.
-    The CPU backends are always deterministic."""
-    if options.deterministic or backend not in ("cuda", "triton") or not torch.are_deterministic_algorithms_enabled():
-        return options
-    message = ("remat attention with deterministic=False accumulates dq with fp32 atomics, which is not "
-               "deterministic, and torch.use_deterministic_algorithms(True) is set")
-    if not torch.is_deterministic_algorithms_warn_only_enabled():
-        raise RuntimeError(message + "; pass deterministic=True")
-    warnings.warn(message + "; running the deterministic backward instead", stacklevel=3)
-    return options._replace(deterministic=True)
+                                             core.options, core.name, core.rotate_once, empty)
 
 
 def _attention_options(head_dim, causal, scale, softcap, window, dropout_p, deterministic):
@@ -276,7 +181,8 @@ def _attention_options(head_dim, causal, scale, softcap, window, dropout_p, dete
 def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=None, norm_bias=None, b_q=None,
                    b_k=None, b_v=None, norm="rms", eps=None, qk_norm=None, q_norm_weight=None, k_norm_weight=None,
                    qk_eps=None, causal=True, scale=None, rope=None, window=None, softcap=None, dropout_p=0.0,
-                   deterministic=None, keep_qkv=True, lora=None, backend=None, cu_seqlens=None, max_seqlen=None):
+                   deterministic=None, keep_qkv=True, lora=None, backend=None, cu_seqlens=None, max_seqlen=None,
+                   empty_queries=None):
     """The pre-norm attention sub-block of a transformer layer in one fused Function: the norm, the
     q/k/v projections, rotary embedding and flash attention, up to the attention output (the
     output projection and residual add are the caller's).
@@ -320,6 +226,9 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
             row t.
         max_seqlen: with cu_seqlens, an upper bound of the sequence lengths; None computes it
             (required under torch.compile).
+        empty_queries: None (default), or bool ``[B, N]`` of x's tokens (``[1, T]`` packed): queries
+            whose attention output is 0 and from which no gradient flows (pads), as for
+            :func:`attention`.
 
     Returns:
         o ``[B, N, Hq, D]`` in x's dtype (the autocast dtype under autocast); ``[1, T, Hq, D]``
@@ -365,6 +274,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         checks.check_varlen_rope(rope, n, max_seqlen, head_dim, x.device)
     if not isinstance(keep_qkv, bool):
         raise TypeError("keep_qkv must be a bool")
+    empty = checks.check_empty_queries(empty_queries, (batch, n), x.device)
     attention_options = _attention_options(head_dim, causal, scale, softcap, window, dropout_p, deterministic)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -372,22 +282,17 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     (_, *lora_tensors), _ = checks.autocast_cast(x, *lora_tensors)
     (x, *params), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v,
                                                       q_norm_weight, k_norm_weight)
-    if cu_seqlens is None:
-        name = _attention_backend(backend, x, batch, (n, n, num_heads, num_kv_heads, head_dim), attention_options)
-    else:
-        name = _varlen_attention_backend(backend, x, (max_seqlen, max_seqlen, num_heads, num_kv_heads, head_dim),
-                                         attention_options)
-    attention_options = _respect_deterministic_mode(attention_options, name)
-    checks.check_attention_dtype(name, x.dtype)
+    sizes = (n if cu_seqlens is None else max_seqlen,) * 2 + (num_heads, num_kv_heads, head_dim)
+    recorded = _backward_can_follow(x, *params, cos, sin, *lora_tensors)
+    core = choose_core(backend, x, batch, sizes, attention_options, varlen=cu_seqlens is not None,
+                       rope=cos is not None, backward_can_follow=recorded)
     # The PyTorch cores are attention only: the norm kernels then take the device's default backend.
-    norm_name = default_backend(x.device) if name in ("aten", "cudnn") else name
+    norm_name = default_backend(x.device) if core.name in ("aten", "cudnn") else core.name
     options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
-                                   attention_options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen)
+                                   core.options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen)
     with autocast_off:
-        rotate_once = rope_rotated_once(name, cos is not None, _backward_can_follow(x, *params, cos, sin,
-                                                                                    *lora_tensors))
-        return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, options, name, rotate_once, lora_layout,
-                                           *lora_tensors)
+        return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, empty, options, core.name,
+                                           core.rotate_once, lora_layout, *lora_tensors)
 
 
 def _check_qk_norm(qk_norm, q_norm_weight, k_norm_weight, qk_eps, head_dim, x):

@@ -14,7 +14,7 @@ Liger-Kernel returns): ask for logits with a forward without labels, or in eval 
 model runs as stock. Everything else the base model returns (hidden states, attentions) passes
 through. With ``return_dict=False`` (or ``config.return_dict`` False) the tuple keeps stock's
 positions: loss, None in the logits' place, then the base model's fields
-(remat.models.hf.output_tuple).
+(remat.hf.output_tuple).
 
 Only the causal LM classes a family lists (``Family.causal_lms``: whose forward is the plain
 ``lm_head`` + loss) are taken. Refused at patch time (left alone, with the reason in the patch
@@ -33,8 +33,8 @@ from torch import nn
 
 from remat import checks
 from remat.functional.cross_entropy import linear_cross_entropy
+from remat.hf import ModelForward, output_tuple
 from remat.models import registry
-from remat.models.hf import output_tuple
 
 LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 _STOCK_FORWARD = "_remat_loss_previous_forward"
@@ -80,57 +80,28 @@ def install(module):
     """Makes ``module`` (a causal LM that :func:`refusal` accepts) compute its training loss fused:
     its forward becomes a :class:`FusedLossForward` (with the stock forward's signature, so Trainer
     and PEFT see the arguments they expect); :func:`uninstall` restores the previous forward."""
-    previous = module.__dict__.get("forward")
-    if previous is not None:
-        setattr(module, _STOCK_FORWARD, previous)
-    module.forward = FusedLossForward(module)
-    setattr(module, _INSTALLED, True)
+    FusedLossForward.install(module, _STOCK_FORWARD, _INSTALLED)
 
 
-class FusedLossForward:
+class FusedLossForward(ModelForward):
     """The forward :func:`install` gives a causal LM: in training mode with ``labels``, the fused
-    loss; otherwise the forward it replaced. An object of a module-level class (not a closure),
-    so the model pickles (``torch.save(model)``) and deep-copies (the copy's forward holds the copy);
-    ``inspect.signature`` reads the stock forward's (through ``__wrapped__``)."""
-
-    def __init__(self, model):
-        self.model = model
-        self._bind()
+    loss; otherwise the forward it replaced (pickling and the signature: remat.hf.ModelForward)."""
 
     def _bind(self):
-        stock_forward = type(self.model).forward
-        self.signature = inspect.signature(stock_forward)
+        super()._bind()
         output_type = self.signature.return_annotation
         if isinstance(output_type, str):  # postponed annotations: the name in the model's module
-            output_type = stock_forward.__globals__.get(output_type)
+            output_type = type(self.model).forward.__globals__.get(output_type)
         self.output_type = output_type
-        self.var_keyword = next((p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
-                                None)
-
-    @property
-    def __wrapped__(self):
-        return type(self.model).forward.__get__(self.model)
 
     def __call__(self, *args, **kwargs):
         model = self.model
-        bound = self.signature.bind_partial(model, *args, **kwargs).arguments
-        extra = dict(bound.pop(self.var_keyword, {})) if self.var_keyword else {}
-        bound.pop("self", None)
-        arguments = {**bound, **extra}
+        arguments = self.arguments(args, kwargs)
         # Stock once uninstalled, if a wrapper installed later (TRL's SFTTrainer) keeps calling it.
         if not (model.__dict__.get(_INSTALLED) and model.training and arguments.get("labels") is not None):
             inner = model.__dict__.get(_STOCK_FORWARD)
             return inner(*args, **kwargs) if inner is not None else type(model).forward(model, *args, **kwargs)
         return _fused_loss_forward(model, self.output_type, arguments)
-
-    def __getstate__(self):
-        return {"model": self.model}
-
-    def __setstate__(self, state):
-        # The signature and output class are read again from the model's class (its stock forward's
-        # annotations need not pickle); pickle has made the model, of its class, before this runs.
-        self.model = state["model"]
-        self._bind()
 
 
 def uninstall(module):

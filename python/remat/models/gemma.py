@@ -1,6 +1,6 @@
 """The Gemma 2 and Gemma 3 family: Hugging Face ``Gemma2DecoderLayer`` and ``Gemma3DecoderLayer``
-(text) as :class:`GemmaLayer`, and their RMSNorm (:class:`GemmaRMSNorm`) and MLP modules one by
-one.
+(text) as :class:`GemmaLayer`, and their RMSNorm (remat.nn.norm.GemmaRMSNorm) and MLP modules one
+by one.
 
 Their computation is shared: Gemma's RMSNorm ``norm(x.float()) * (1 + w.float())`` rounded once
 to x's dtype (remat's ``norm="gemma"``), "sandwich" norms (a post-norm on each sub-block's output
@@ -16,41 +16,20 @@ outside the layers.
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from remat import checks, functional
 from remat.autograd.common import linear_grads, refuse_double_backward
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.backend import resolve_backend
-from remat.models.hf import rope_type_of
-from remat.models.qwen3 import QKNormAttention, attention_from_hf
+from remat.hf import rope_type_of
 from remat.models.registry import Family, Part
 from remat.nn import adapters
-from remat.nn.attention import Attention
-from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, varlen_arguments
+from remat.nn.attention import Attention, QKNormAttention, attention_from_hf
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
 from remat.nn.mlp import SwiGLUMLP
+from remat.nn.norm import GemmaRMSNorm, is_gemma_rms_norm
 from remat.ops import ops_for
-
-
-class _GemmaRMSNormFunction(torch.autograd.Function):
-    """y = x_hat * (1 + w), in fp32, rounded once to x's dtype (remat.autograd.norm.norm_forward
-    with norm="gemma"). Saves x (rows [R, C]) and the fp32 rstd [R]; backward recomputes x_hat."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, backend):
-        y, _, rstd = norm_forward(x, weight, None, "gemma", eps, backend)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.backend = backend
-        return y
-
-    @staticmethod
-    @refuse_double_backward("remat's Gemma RMSNorm")
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        dx, dw, _ = norm_backward(dy, x, weight, None, rstd, "gemma", False, ctx.backend)
-        return dx, dw if weight is not None and ctx.needs_input_grad[1] else None, None, None
+from remat.sequences import varlen_arguments
 
 
 class _PostNormLinearFunction(torch.autograd.Function):
@@ -121,58 +100,6 @@ class _SandwichMLPFunction(torch.autograd.Function):
                                      False, ctx.backend)
         return (dh, d_pre if need[1] else None, d_w_gate, d_w_up, d_w_down, d_post if need[5] else None, None, None,
                 None)
-
-
-class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm with Hugging Face's ``Gemma2RMSNorm`` / ``Gemma3RMSNorm`` parameter (``weight``,
-    initialised to zeros) and arithmetic: ``y = x * rsqrt(mean(x^2) + eps) * (1 + weight)``, all in
-    fp32 and rounded once to x's dtype. Runs remat's norm kernels (every backend) on an fp32 copy of
-    the rows with the fp32 weight ``1 + weight`` (the kernels take a weight in the input's dtype,
-    where ``1 + weight`` would round); keeps x and an fp32 rstd per row for backward.
-
-    Args:
-        dim: the normalized (last) dimension. eps: default 1e-6. backend: remat backend or None.
-    """
-
-    def __init__(self, dim, eps=1e-6, device=None, dtype=None, *, backend=None):
-        super().__init__()
-        checks.check_eps(eps)
-        self.eps, self.backend = float(eps), backend
-        self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
-
-    @classmethod
-    def from_module(cls, stock, *, backend=None):
-        """A GemmaRMSNorm sharing the weight (no copy) of a Hugging Face Gemma2RMSNorm or
-        Gemma3RMSNorm (a 1-D ``weight`` and ``eps``)."""
-        if not is_gemma_rms_norm(stock):
-            raise TypeError(f"from_module expects a Gemma RMSNorm (a 1-D weight and eps), got {type(stock).__name__}")
-        module = cls(stock.weight.shape[0], float(stock.eps), device="meta", backend=backend)
-        module.weight = stock.weight
-        return module
-
-    def eps_for(self, x):
-        """The epsilon (one for every dtype)."""
-        return self.eps
-
-    def forward(self, x):
-        checks.check_input(x)
-        if x.shape[-1] != self.weight.shape[0]:
-            raise ValueError(f"x's last dimension must be {self.weight.shape[0]}, got shape {tuple(x.shape)}")
-        name = resolve_backend(self.backend, x)
-        (rows, weight), autocast_off = checks.autocast_cast(checks.as_rows(x), checks.vector_like(self.weight, x))
-        with autocast_off:
-            y = _GemmaRMSNormFunction.apply(rows, weight, self.eps, name)
-        return y.view(x.shape)
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-def is_gemma_rms_norm(module):
-    """A Hugging Face Gemma RMSNorm: a 1-D ``weight`` Parameter and ``eps`` (no ``variance_epsilon``)."""
-    weight = getattr(module, "weight", None)
-    return (isinstance(weight, nn.Parameter) and weight.dim() == 1 and isinstance(getattr(module, "eps", None), float)
-            and not hasattr(module, "variance_epsilon"))
 
 
 # Hugging Face's Gemma decoder layers: whether the attention has per-head q/k norms, and whether
@@ -302,14 +229,14 @@ class GemmaLayer(PreNormDecoderLayer):
                                                   for modules in ([attn.o_proj], mlp))
         return {"memory": memory, "balanced": balanced, "speed": speed}[self.policy]
 
-    def attention_output(self, x, position_ids, position_embeddings, sequences=None):
+    def attention_output(self, x, position_ids, position_embeddings, layout=None):
         attn, norm = self.self_attn, self.input_layernorm
         rope = attn.rope_for(x.shape[1], x.device, position_ids, position_embeddings)
         projections = [adapters.read_projection(getattr(attn, f"{p}_proj")) for p in "qkv"]
         if any(p.generic for p in projections):
             qk_norms = (attn.q_norm, attn.k_norm) if isinstance(attn, QKNormAttention) else None
             return adapters.checkpointed(
-                lambda t: adapters.unfused_attention(norm, attn, t, rope, qk_norms, sequences), x)
+                lambda t: adapters.unfused_attention(norm, attn, t, rope, qk_norms, layout), x)
         weights, biases = adapters.weights_like(projections, x)
         qk = {}
         if isinstance(attn, QKNormAttention):
@@ -320,7 +247,7 @@ class GemmaLayer(PreNormDecoderLayer):
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="gemma", eps=norm.eps, **qk,
             causal=attn.causal, scale=attn.scale, rope=rope, window=attn.window, softcap=attn.softcap,
             dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv,
-            lora=adapters.lora_argument(projections), backend=attn.backend, **varlen_arguments(sequences))
+            lora=adapters.lora_argument(projections), backend=attn.backend, **varlen_arguments(layout))
 
     def out_proj(self, o):
         """o_proj, then the sandwich post-norm ``post_attention_layernorm`` (before the residual

@@ -11,8 +11,9 @@ from torch import nn
 from remat import checks, functional
 from remat.models.registry import Family
 from remat.nn import adapters
-from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, varlen_arguments
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
 from remat.nn.norm import LayerNorm
+from remat.sequences import varlen_arguments
 
 
 class Conv1D(nn.Module):
@@ -113,9 +114,9 @@ class GPT2Layer(PreNormDecoderLayer):
         speed = balanced + element_size * intermediate
         return {"memory": memory, "balanced": balanced, "speed": speed}[self.policy]
 
-    def attention_output(self, x, position_ids, position_embeddings, sequences=None):
+    def attention_output(self, x, position_ids, position_embeddings, layout=None):
         if not _is_plain_conv1d(self.attn.c_attn):
-            return adapters.checkpointed(lambda t: self._unfused_attention_output(t, sequences), x)
+            return adapters.checkpointed(lambda t: self._unfused_attention_output(t, layout), x)
         hidden = x.shape[-1]
         c_attn = self.attn.c_attn
         if hidden != c_attn.weight.shape[0]:
@@ -129,16 +130,16 @@ class GPT2Layer(PreNormDecoderLayer):
             x, checks.vector_like(self.ln_1.weight, x), *weights, norm_bias=checks.vector_like(self.ln_1.bias, x),
             b_q=biases[0], b_k=biases[1], b_v=biases[2], num_heads=self.num_heads, norm="layer",
             eps=float(self.ln_1.eps), causal=True, dropout_p=self.attention_dropout if self.training else 0.0,
-            keep_qkv=self.keeps_qkv, backend=self.backend, **varlen_arguments(sequences))
+            keep_qkv=self.keeps_qkv, backend=self.backend, **varlen_arguments(layout))
 
-    def _unfused_attention_output(self, x, sequences):
+    def _unfused_attention_output(self, x, layout):
         """The attention sub-block through the modules' own forwards (a c_attn with LoRA or another
         module: the generic path of remat.nn.adapters, run under checkpoint)."""
         batch, n, hidden = x.shape
         head_dim = hidden // self.num_heads
         q, k, v = (t.reshape(batch, n, self.num_heads, head_dim) for t in self.attn.c_attn(self.ln_1(x)).split(
             hidden, dim=-1))
-        return adapters.attend(q, k, v, sequences, causal=True,
+        return adapters.attend(q, k, v, layout, causal=True,
                                dropout_p=self.attention_dropout if self.training else 0.0, backend=self.backend)
 
     def out_proj(self, o):

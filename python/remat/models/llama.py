@@ -7,21 +7,14 @@ mean-centred norm, non-causal vision attention) are other families.
 """
 
 from remat import checks, functional
-from remat.models.hf import given_cache, is_hf_rms_norm, refuse_static_cache, run_stock_layer
+from remat.hf import given_cache, is_hf_rms_norm, refuse_static_cache, run_stock_layer
 from remat.models.registry import Family, Part
 from remat.nn import adapters
 from remat.nn.attention import Attention
-from remat.nn.layers import (
-    LAYER_POLICIES,
-    OFFSET_ARGUMENTS,
-    PreNormDecoderLayer,
-    pack_sequences,
-    sequence_layout,
-    unpack_sequences,
-    varlen_arguments,
-)
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
 from remat.nn.mlp import SwiGLUMLP
 from remat.nn.norm import RMSNorm
+from remat.sequences import OFFSET_ARGUMENTS, pack_sequences, sequence_layout, unpack_sequences, varlen_arguments
 
 _PREFIXES = ("Llama", "Mistral", "Qwen2")
 
@@ -127,14 +120,14 @@ class LlamaLayer(PreNormDecoderLayer):
         projections += [getattr(self.mlp, f"{p}_proj") for p in ("gate", "up", "down")]
         return attention_dropout + adapters.lora_bytes_per_call(projections)
 
-    def attention_output(self, x, position_ids, position_embeddings, sequences=None):
+    def attention_output(self, x, position_ids, position_embeddings, layout=None):
         attn, norm = self.self_attn, self.input_layernorm
         rope = attn.rope_for(x.shape[1], x.device, position_ids, position_embeddings)
         projections = [adapters.read_projection(getattr(attn, f"{p}_proj")) for p in "qkv"]
         if any(p.generic for p in projections):
             qk_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
             return adapters.checkpointed(
-                lambda t: adapters.unfused_attention(norm, attn, t, rope, qk_norms, sequences), x)
+                lambda t: adapters.unfused_attention(norm, attn, t, rope, qk_norms, layout), x)
         weights, biases = adapters.weights_like(projections, x)
         return functional.norm_attention(
             x, checks.vector_like(norm.weight, x), *weights, b_q=biases[0], b_k=biases[1], b_v=biases[2],
@@ -142,7 +135,7 @@ class LlamaLayer(PreNormDecoderLayer):
             causal=attn.causal, scale=attn.scale, rope=rope, window=attn.window, softcap=attn.softcap,
             dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv,
             lora=adapters.lora_argument(projections), backend=attn.backend, **self.extra_attention_arguments(x),
-            **varlen_arguments(sequences))
+            **varlen_arguments(layout))
 
     def extra_attention_arguments(self, x):
         """Further keyword arguments of functional.norm_attention for input x (none here; Qwen3 adds
@@ -175,7 +168,8 @@ class HFAttention(Attention):
     ``forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs) ->
     (output, None)``. ``attention_mask``: None or the 2-D padding mask a patched model builds
     (rows' real tokens then run packed, as do rows whose ``position_ids`` restart, or Hugging
-    Face's ``cu_seq_lens_q/k``; pad positions give 0). With a KV cache (``cache``) the replaced
+    Face's ``cu_seq_lens_q/k``; a pad's attention output is 0, as in
+    remat.nn.PreNormDecoderLayer). With a KV cache (``cache``) the replaced
     stock attention runs instead, attending through remat's attention (generation)."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
@@ -187,11 +181,10 @@ class HFAttention(Attention):
         position_ids = kwargs.get("position_ids")
         batch, n = hidden_states.shape[:2]
         layout = sequence_layout(batch, n, attention_mask, position_ids, **{k: kwargs.get(k) for k in OFFSET_ARGUMENTS})
-        if layout is None:
-            return super().forward(hidden_states, position_embeddings=position_embeddings), None
+        if layout is None or layout.cu_seqlens is None:
+            return super().forward(hidden_states, position_ids, position_embeddings, layout), None
         x, position_ids, position_embeddings = pack_sequences(hidden_states, position_ids, position_embeddings, layout)
-        y = super().forward(x, position_ids, position_embeddings, sequences=(layout.cu_seqlens, layout.max_seqlen))
-        return unpack_sequences(y, layout, hidden_states.new_zeros(batch, n, y.shape[-1])), None
+        return unpack_sequences(super().forward(x, position_ids, position_embeddings, layout), layout, batch, n), None
 
 
 def _rms_norm(stock, *, backend):

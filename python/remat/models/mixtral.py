@@ -18,7 +18,7 @@ the graph there.
 from torch import nn
 
 from remat import checks
-from remat.models.hf import is_hf_rms_norm
+from remat.hf import is_hf_rms_norm
 from remat.models.llama import HFAttention, LlamaLayer, _rms_norm
 from remat.models.qwen3 import attention_from_hf
 from remat.models.registry import Family, Part

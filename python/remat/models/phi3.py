@@ -18,15 +18,16 @@ rotate, in pairs ``(i, i + r/2)``) is refused: remat's rope kernels rotate the w
 from torch import nn
 
 from remat import checks, functional
-from remat.models.hf import is_hf_rms_norm, rope_type_of, sliding_window_of
+from remat.hf import is_hf_rms_norm, rope_type_of, sliding_window_of
 from remat.models.llama import _rms_norm
 from remat.models.registry import Family, Part
 from remat.nn import adapters
 from remat.nn.attention import Attention
-from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, varlen_arguments
+from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
 from remat.nn.mlp import activation_of
 from remat.nn.norm import RMSNorm
 from remat.ops.mlp import ACTIVATIONS
+from remat.sequences import varlen_arguments
 
 
 class FusedQKVAttention(nn.Module):
@@ -207,12 +208,12 @@ class Phi3Layer(PreNormDecoderLayer):
         speed = balanced + 2 * element_size * self.mlp.intermediate
         return {"memory": memory, "balanced": balanced, "speed": speed}[self.policy]
 
-    def attention_output(self, x, position_ids, position_embeddings, sequences=None):
+    def attention_output(self, x, position_ids, position_embeddings, layout=None):
         attn, norm = self.self_attn, self.input_layernorm
         rope = attn.rope_for(x.shape[1], x.device, position_ids, position_embeddings)
         qkv = adapters.read_projection(attn.qkv_proj)
         if not adapters.fusable_split(qkv):
-            return adapters.checkpointed(lambda t: _unfused_attention(norm, attn, t, rope, sequences), x)
+            return adapters.checkpointed(lambda t: _unfused_attention(norm, attn, t, rope, layout), x)
         weights, biases = attn.qkv_weights(x)
         q_width, kv_width = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         lora = adapters.split_adapters(qkv.adapters, (q_width, kv_width, kv_width))
@@ -220,7 +221,7 @@ class Phi3Layer(PreNormDecoderLayer):
             x, checks.vector_like(norm.weight, x), *weights, b_q=biases[0], b_k=biases[1], b_v=biases[2],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="rms", eps=norm.eps_for(x), causal=True,
             scale=attn.scale, rope=rope, window=attn.window, dropout_p=attn.dropout if attn.training else 0.0,
-            keep_qkv=self.keeps_qkv, lora=lora, backend=attn.backend, **varlen_arguments(sequences))
+            keep_qkv=self.keeps_qkv, lora=lora, backend=attn.backend, **varlen_arguments(layout))
 
     def out_proj(self, o):
         return adapters.linear_projection(adapters.read_projection(self.self_attn.o_proj), o, self.backend)
@@ -240,7 +241,7 @@ class Phi3Layer(PreNormDecoderLayer):
             b_down=checks.cast_like(down.bias, h), recompute=self.mlp_recompute, lora=lora, backend=self.backend)
 
 
-def _unfused_attention(norm, attn, x, rope, sequences):
+def _unfused_attention(norm, attn, x, rope, layout):
     """The attention sub-block through the modules' own forwards (a qkv_proj with LoRA or another
     linear module; the generic path of remat.nn.adapters, run under checkpoint)."""
     batch, n, _ = x.shape
@@ -248,7 +249,7 @@ def _unfused_attention(norm, attn, x, rope, sequences):
     q, k, v = attn.qkv_proj(norm(x)).split((q_width, kv_width, kv_width), dim=-1)
     q = q.reshape(batch, n, attn.num_heads, attn.head_dim)
     k, v = (t.reshape(batch, n, attn.num_kv_heads, attn.head_dim) for t in (k, v))
-    return adapters.attend(q, k, v, sequences, causal=True, scale=attn.scale, rope=rope,
+    return adapters.attend(q, k, v, layout, causal=True, scale=attn.scale, rope=rope,
                            dropout_p=attn.dropout if attn.training else 0.0, window=attn.window, backend=attn.backend)
 
 

@@ -22,7 +22,7 @@ from functools import partial
 from torch import nn
 
 from remat import checks
-from remat.models.hf import is_hf_rms_norm
+from remat.hf import is_hf_rms_norm
 from remat.models.llama import _rms_norm
 from remat.models.qwen3 import HFQwen3Layer, QKNormAttention, Qwen3Layer, attention_from_hf
 from remat.models.registry import Family, Part

@@ -5,16 +5,16 @@ families share). ``from_module`` converts a stock module, sharing its parameters
 The whole decoder layers of the model families live in remat.models and are re-exported here.
 """
 
-from remat.models.gemma import GemmaLayer, GemmaRMSNorm  # noqa: E402  (the families build on the modules above)
+from remat.models.gemma import GemmaLayer  # noqa: E402  (the families build on the modules above)
 from remat.models.gpt2 import Conv1D, GPT2Layer  # noqa: E402
 from remat.models.llama import LlamaLayer  # noqa: E402
 from remat.models.phi3 import Phi3Layer  # noqa: E402
-from remat.models.qwen3 import QKNormAttention, Qwen3Layer  # noqa: E402
-from remat.nn.attention import Attention
+from remat.models.qwen3 import Qwen3Layer  # noqa: E402
+from remat.nn.attention import Attention, QKNormAttention
 from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer
 from remat.nn.loss import LinearCrossEntropy
 from remat.nn.mlp import GELUMLP, SwiGLUMLP
-from remat.nn.norm import LayerNorm, RMSNorm
+from remat.nn.norm import GemmaRMSNorm, LayerNorm, RMSNorm
 
 __all__ = [
     "Attention",

@@ -150,12 +150,11 @@ def linear_projection(projection, x, backend):
     return functional.lora_linear(x, weight, bias, projection.adapters, backend=backend)
 
 
-def unfused_attention(norm, attention, x, rope, qk_norms=None, sequences=None):
+def unfused_attention(norm, attention, x, rope, qk_norms=None, layout=None):
     """The attention sub-block through the modules' own forwards: ``norm(x)``, q/k/v_proj, the
     optional per-head norms ``qk_norms = (q_norm, k_norm)``, then remat.attention. o ``[B, N, Hq,
-    D]``; the generic path (run it under :func:`checkpointed`). ``sequences``: None or
-    ``(cu_seqlens, max_seqlen)`` of a packed row x ``[1, T, hidden]`` (see
-    remat.nn.layers.PreNormDecoderLayer.attention_output)."""
+    D]``; the generic path (run it under :func:`checkpointed`). ``layout``: None or x's
+    remat.sequences.SequenceLayout (see remat.nn.layers.PreNormDecoderLayer.attention_output)."""
     batch, n, _ = x.shape
     normed = norm(x)
     q = attention.q_proj(normed).view(batch, n, attention.num_heads, attention.head_dim)
@@ -163,19 +162,23 @@ def unfused_attention(norm, attention, x, rope, qk_norms=None, sequences=None):
     v = attention.v_proj(normed).view(batch, n, attention.num_kv_heads, attention.head_dim)
     if qk_norms is not None:
         q, k = qk_norms[0](q), qk_norms[1](k)
-    return attend(q, k, v, sequences, causal=attention.causal, scale=attention.scale, rope=rope,
+    return attend(q, k, v, layout, causal=attention.causal, scale=attention.scale, rope=rope,
                   dropout_p=attention.dropout if attention.training else 0.0, window=attention.window,
                   softcap=attention.softcap, backend=attention.backend)
 
 
-def attend(q, k, v, sequences, **options):
-    """remat.attention of q ``[B, N, Hq, D]``, k, v; with ``sequences = (cu_seqlens, max_seqlen)``
-    (B = 1, a packed row) as variable-length attention over those sequences."""
-    if sequences is None:
+def attend(q, k, v, layout, **options):
+    """remat.attention of q ``[B, N, Hq, D]``, k, v laid out by ``layout`` (None, or a
+    remat.sequences.SequenceLayout: packed (B = 1) as variable-length attention over its
+    sequences; its empty queries (pads) give 0)."""
+    if layout is None:
         return functional.attention(q, k, v, **options)
-    cu_seqlens, max_seqlen = sequences
+    if layout.cu_seqlens is None:
+        return functional.attention(q, k, v, empty_queries=layout.empty, **options)
+    cu_seqlens, max_seqlen = layout.cu_seqlens, layout.max_seqlen
+    empty = None if layout.empty is None else layout.empty[0]
     return functional.attention(q[0], k[0], v[0], cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, **options)[None]
+                                max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, empty_queries=empty, **options)[None]
 
 
 ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}

@@ -13,12 +13,10 @@ those hooks catch it (output index 0: the logits).
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from remat import checks
 from remat.autograd.moe import EXPERT_RECOMPUTE_MODES, MoEFunction, expert_groups
 from remat.backend import resolve_backend
-from remat.nn.layers import OFFSET_ARGUMENTS, sequence_layout
 from remat.nn.mlp import activation_of
 from remat.nn.norm import RMSNorm
 from remat.ops.mlp import ACTIVATIONS, activate
@@ -104,14 +102,12 @@ class MoERouter(nn.Module):
         fp32_weights: keep the routing weights fp32 (Mixtral) instead of casting them to the
             logits' dtype (Qwen3-MoE).
 
-    ``forward(hidden_states, norm=None, experts=None, recompute=None, token_rows=None)``: hidden_states ``[..., H]``
+    ``forward(hidden_states, norm=None, experts=None, recompute=None)``: hidden_states ``[..., H]``
     -> (logits ``[T, E]``, weights ``[T, k]``, indices ``[T, k]``) as Hugging Face's router returns
     them (:func:`route`). With ``experts`` (a :class:`MoEExperts`) the call runs the whole block
     (:func:`moe_block`, one autograd Function) and returns (logits, weights, indices, out ``[T, H]``);
     ``norm`` (a remat RMSNorm module; with experts only) is then fused in front, hidden_states being
-    its input; ``token_rows=(tokens, total)`` (with experts) places the logits of packed tokens at
-    their rows ``tokens`` of a padded batch of ``total`` rows (zero logits at pads), as Hugging
-    Face's load-balancing loss takes them. The block runs inside the router's call because Hugging
+    its input. The block runs inside the router's call because Hugging
     Face records router logits with a forward hook on its router class (output index 0), and one
     Function for router and experts lets the norm's backward run once, on their summed gradient.
     """
@@ -143,7 +139,7 @@ class MoERouter(nn.Module):
         module.train(stock.training)
         return module
 
-    def forward(self, hidden_states, norm=None, experts=None, recompute=None, token_rows=None):
+    def forward(self, hidden_states, norm=None, experts=None, recompute=None):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         w_router = checks.cast_like(self.weight, x)
         if experts is None:
@@ -156,10 +152,6 @@ class MoERouter(nn.Module):
             self.top_k, renormalize=self.renormalize, fp32_weights=self.fp32_weights, norm_weight=norm_weight,
             eps=eps, activation=experts.activation, recompute=experts.recompute if recompute is None else recompute,
             backend=self.backend)
-        if token_rows is not None:
-            # Packed real tokens of a padded batch: the logits as [B N, E] rows, zeros at pads.
-            tokens, total = token_rows
-            logits = logits.new_zeros(total, logits.shape[1]).index_copy(0, tokens, logits)
         return logits, weights, indices, out
 
     def extra_repr(self):
@@ -267,9 +259,9 @@ class SparseMoE(nn.Module):
     ``gate`` (:class:`MoERouter`) and ``experts`` (:class:`MoEExperts`), registered in the stock
     block's order so ``state_dict`` keys match.
 
-    ``forward(hidden_states, norm=None, recompute=None, token_rows=None)``: ``[B, N, H]`` ->
-    ``[B, N, H]``; with ``norm`` hidden_states is that RMSNorm's input (a decoder layer's residual
-    stream), fused into the router and the experts; token_rows as for :class:`MoERouter`. The
+    ``forward(hidden_states, norm=None, recompute=None)``: ``[B, N, H]`` -> ``[B, N, H]``; with
+    ``norm`` hidden_states is that RMSNorm's input (a decoder layer's residual stream), fused into
+    the router and the experts. The
     block runs inside the router module's call, so Hugging Face's router-logit hooks fire.
     """
 
@@ -306,7 +298,7 @@ class SparseMoE(nn.Module):
         module.train(stock.training)
         return module
 
-    def forward(self, hidden_states, norm=None, recompute=None, token_rows=None):
+    def forward(self, hidden_states, norm=None, recompute=None):
         checks.check_hidden_states(hidden_states)
         if type(self.experts) is not MoEExperts:
             # A wrapper added after patching (PEFT's target_parameters LoRA: a ParamWrapper) would
@@ -314,8 +306,7 @@ class SparseMoE(nn.Module):
             raise ValueError(f"the experts module is a {type(self.experts).__name__}, not remat's MoEExperts (an "
                              "adapter added after remat.patch?); call remat.unpatch(model), add the adapter, and "
                              "patch again (such layers are then left stock)")
-        *_, out = self.gate(hidden_states, norm=norm, experts=self.experts, recompute=recompute,
-                            token_rows=token_rows)
+        *_, out = self.gate(hidden_states, norm=norm, experts=self.experts, recompute=recompute)
         return out.view(hidden_states.shape)
 
     def saved_bytes_per_token(self, element_size, recompute="block"):
@@ -327,10 +318,6 @@ class SparseMoE(nn.Module):
         weight_size = 4 if self.gate.fp32_weights else element_size
         block = element_size * hidden + 4 + top_k * (8 + weight_size)
         return block + (2 * inter * top_k * element_size if recompute == "activation" else 0)
-
-
-# Offsets tensor of a padded batch's packed layout -> (real-token rows, B * N); see MoELayerMixin.
-_TOKEN_ROWS = WeakIdKeyDictionary()
 
 
 class MoELayerMixin:
@@ -374,27 +361,8 @@ class MoELayerMixin:
         module.train(stock.training)
         return module
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
-        # A padded batch runs packed (remat.nn.layers.sequence_layout; the same, cached layout the
-        # base forward finds): remember where its real tokens sit, by the layout's offsets tensor,
-        # which _fused_forward receives (in a gradient-checkpoint recompute too).
-        if hidden_states.dim() == 3 and attention_mask is not None and attention_mask.dim() == 2:
-            batch, n, _ = hidden_states.shape
-            layout = sequence_layout(batch, n, attention_mask, position_ids,
-                                     **{k: kwargs.get(k) for k in OFFSET_ARGUMENTS})
-            if layout is not None and layout.tokens is not None:
-                _TOKEN_ROWS[layout.cu_seqlens] = (layout.tokens, batch * n)
-        return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                               position_embeddings=position_embeddings, **kwargs)
-
-    def _fused_forward(self, x, position_ids, position_embeddings, sequences=None):
-        self._token_rows = None if sequences is None else _TOKEN_ROWS.get(sequences[0])
-        return super()._fused_forward(x, position_ids, position_embeddings, sequences)
-
     def mlp_block(self, h):
-        # token_rows: the router logits Hugging Face records are per row of the padded batch.
-        return self.mlp(h, norm=self.post_attention_layernorm, recompute=self.mlp_recompute,
-                        token_rows=getattr(self, "_token_rows", None))
+        return self.mlp(h, norm=self.post_attention_layernorm, recompute=self.mlp_recompute)
 
     def saved_bytes_per_token(self, element_size):
         """Bytes this layer keeps for backward per token under its policy (the formulas above);

@@ -1,5 +1,6 @@
 """Drop-in norm modules with the constructor arguments and state_dict keys of torch.nn.RMSNorm and
-torch.nn.LayerNorm (``load_state_dict`` from a stock module works; ``from_module`` converts one).
+torch.nn.LayerNorm (``load_state_dict`` from a stock module works; ``from_module`` converts one),
+and Gemma's RMSNorm (:class:`GemmaRMSNorm`, Hugging Face's Gemma2RMSNorm / Gemma3RMSNorm layout).
 
 Mixed precision: when the input's dtype differs from the parameters' (say bf16 activations with
 fp32 parameters under autocast), the parameters are cast to the input's dtype inside autograd
@@ -11,7 +12,10 @@ import torch
 from torch import nn
 
 from remat import checks, functional
-from remat.models.hf import is_hf_rms_norm
+from remat.autograd.common import refuse_double_backward
+from remat.autograd.norm import norm_backward, norm_forward
+from remat.backend import resolve_backend
+from remat.hf import is_hf_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -127,3 +131,76 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class _GemmaRMSNormFunction(torch.autograd.Function):
+    """y = x_hat * (1 + w), in fp32, rounded once to x's dtype (remat.autograd.norm.norm_forward
+    with norm="gemma"). Saves x (rows [R, C]) and the fp32 rstd [R]; backward recomputes x_hat."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, backend):
+        y, _, rstd = norm_forward(x, weight, None, "gemma", eps, backend)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.backend = backend
+        return y
+
+    @staticmethod
+    @refuse_double_backward("remat's Gemma RMSNorm")
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        dx, dw, _ = norm_backward(dy, x, weight, None, rstd, "gemma", False, ctx.backend)
+        return dx, dw if weight is not None and ctx.needs_input_grad[1] else None, None, None
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm with Hugging Face's ``Gemma2RMSNorm`` / ``Gemma3RMSNorm`` parameter (``weight``,
+    initialised to zeros) and arithmetic: ``y = x * rsqrt(mean(x^2) + eps) * (1 + weight)``, all in
+    fp32 and rounded once to x's dtype. Runs remat's norm kernels (every backend) on an fp32 copy of
+    the rows with the fp32 weight ``1 + weight`` (the kernels take a weight in the input's dtype,
+    where ``1 + weight`` would round); keeps x and an fp32 rstd per row for backward.
+
+    Args:
+        dim: the normalized (last) dimension. eps: default 1e-6. backend: remat backend or None.
+    """
+
+    def __init__(self, dim, eps=1e-6, device=None, dtype=None, *, backend=None):
+        super().__init__()
+        checks.check_eps(eps)
+        self.eps, self.backend = float(eps), backend
+        self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+
+    @classmethod
+    def from_module(cls, stock, *, backend=None):
+        """A GemmaRMSNorm sharing the weight (no copy) of a Hugging Face Gemma2RMSNorm or
+        Gemma3RMSNorm (a 1-D ``weight`` and ``eps``)."""
+        if not is_gemma_rms_norm(stock):
+            raise TypeError(f"from_module expects a Gemma RMSNorm (a 1-D weight and eps), got {type(stock).__name__}")
+        module = cls(stock.weight.shape[0], float(stock.eps), device="meta", backend=backend)
+        module.weight = stock.weight
+        return module
+
+    def eps_for(self, x):
+        """The epsilon (one for every dtype)."""
+        return self.eps
+
+    def forward(self, x):
+        checks.check_input(x)
+        if x.shape[-1] != self.weight.shape[0]:
+            raise ValueError(f"x's last dimension must be {self.weight.shape[0]}, got shape {tuple(x.shape)}")
+        name = resolve_backend(self.backend, x)
+        (rows, weight), autocast_off = checks.autocast_cast(checks.as_rows(x), checks.vector_like(self.weight, x))
+        with autocast_off:
+            y = _GemmaRMSNormFunction.apply(rows, weight, self.eps, name)
+        return y.view(x.shape)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def is_gemma_rms_norm(module):
+    """A Hugging Face Gemma RMSNorm: a 1-D ``weight`` Parameter and ``eps`` (no ``variance_epsilon``)."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(weight, nn.Parameter) and weight.dim() == 1 and isinstance(getattr(module, "eps", None), float)
+            and not hasattr(module, "variance_epsilon"))

@@ -1,0 +1,82 @@
+"""One-call patching of real models: ``remat.patch(model)`` swaps, in place, the submodules remat
+has fused versions of, sharing their parameters (no copies; ``state_dict`` unchanged), and
+``remat.unpatch(model)`` puts the originals back.
+
+This module is the entry: it checks the arguments and fixes the layer configuration (planning
+``policy="auto"`` with remat.model_plan), then remat.replacement applies it (what is replaced, the
+all-or-nothing guarantee, masks, tuples, saving and generation are documented there). The layers
+read top-down: patch -> model_plan -> replacement -> models -> nn.
+"""
+
+from remat import model_plan
+from remat.models import registry
+from remat.replacement import (
+    MODULE_KINDS,
+    STOCK,
+    PatchReport,
+    check_model_and_modules,
+    check_patchable,
+    check_policy,
+    replace_modules,
+    unpatch,
+)
+
+__all__ = ["MODULE_KINDS", "STOCK", "PatchReport", "patch", "unpatch"]
+
+
+def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budget_bytes=None,
+          budget_bytes_per_token=None, example_inputs=None, cost="flops", max_span=None):
+    """Replaces, in place, the submodules of ``model`` that remat has fused versions of (see
+    remat.replacement), keeping their parameters, and returns a :class:`PatchReport`.
+
+    Args:
+        model: an ``nn.Module``: a Hugging Face model of a family remat.models lists (built from a config
+            or loaded from a checkpoint), or any PyTorch model with ``torch.nn.RMSNorm`` /
+            ``LayerNorm`` layers.
+        policy: ``"speed"``, ``"balanced"`` (default) or ``"memory"``: what whole decoder layers
+            keep for backward (see remat.nn.LlamaLayer); a dict {qualified decoder-layer name:
+            policy or ``"stock"``} chooses per layer (layers it does not name stay stock);
+            ``"auto"``: planned under a budget (below).
+        modules: which kinds to replace, a subset of ``("norm", "mlp", "attention", "loss")``
+            (default: all). Whole decoder layers need norm, mlp and attention. "loss": a causal
+            LM of a known family computes its training loss (training mode, labels given) with
+            remat.linear_cross_entropy, never materialising the logits; its output's ``logits``
+            is then None (see remat.models.causal_lm).
+        backend: remat backend for the new modules, or None for the default choice.
+        budget_bytes, budget_bytes_per_token, example_inputs, cost: with ``policy="auto"`` only:
+            remat.plan_model measures every decoder layer on ``example_inputs`` (a dict of forward
+            keyword arguments of one training batch) and chooses, per layer, the stock layer, a
+            fused policy, or re-running a span of fused layers from its input, so that the step's
+            peak of saved bytes stays within the budget (in bytes, or per token of the example) at
+            the least recompute (``cost="flops"`` or ``"time"``); ``report.plan.explain()`` shows
+            the plan. Batches larger than the example in either dimension raise ValueError.
+        max_span: with ``policy="auto"``: the most layers one checkpointed span may hold (default:
+            any); ``max_span=1`` under FSDP2 with ``fully_shard`` on each decoder layer (see
+            remat.plan_model).
+
+    All or nothing: when anything inside patch raises (the plan included), the model is left as it
+    was and the exception propagates.
+    """
+    modules = check_model_and_modules(model, modules)
+    if policy != "auto" and not (budget_bytes is None and budget_bytes_per_token is None and example_inputs is None
+                                 and max_span is None):
+        raise ValueError("budget_bytes, budget_bytes_per_token, example_inputs and max_span are for policy='auto'")
+    if policy != "auto":
+        check_policy(policy)
+        return replace_modules(model, policy, modules, backend)
+    check_patchable(model)
+    if not set(registry.PART_KINDS) <= set(modules):
+        raise ValueError(f"policy='auto' plans whole decoder layers: modules must include {registry.PART_KINDS}")
+    # The planner measures configurations through remat.replacement and leaves the model unpatched.
+    plan = model_plan.plan_model(model, example_inputs, budget_bytes=budget_bytes,
+                                 budget_bytes_per_token=budget_bytes_per_token, cost=cost, backend=backend,
+                                 modules=modules, max_span=max_span)
+    # Per qualified layer name: "stock" (left as it is) or the fused policy.
+    layer_policies = {plan.costs.layers[i].name: choice for i, choice in plan.layer_policies().items()}
+
+    def install(report):
+        report.plan = plan
+        named = dict(model.named_modules())
+        model_plan.install(plan, [named[layer.name] for layer in plan.costs.layers])
+
+    return replace_modules(model, layer_policies, modules, backend, finish=install)
