@@ -221,6 +221,20 @@ def _check_launch(lib, entry, params, kind, what):
     assert rc == CUDA_SUCCESS, f"{what}: cudaError {rc} {message}"
 
 
+def visible_keys(n, m, spec):
+    """Bool [N, M]: the keys each query sees under the spec's causal mask and window (query i at
+    key position i + M - N)."""
+    left, right = window_bounds(spec.get("window"), spec.get("causal", False))
+    position = torch.arange(n)[:, None] + (m - n)
+    key = torch.arange(m)[None, :]
+    visible = torch.ones(n, m, dtype=torch.bool)
+    if left >= 0:
+        visible &= key >= position - left
+    if right >= 0:
+        visible &= key <= position + right
+    return visible
+
+
 def _lse_reference(q, k, rope, spec, dtype):
     """logsumexp over the visible keys of each query row ([B, Hq, N]; +inf where none), with the
     logits computed in ``dtype`` (float64: the reference; the low-precision dtype: stock)."""
@@ -242,14 +256,7 @@ def _lse_reference(q, k, rope, spec, dtype):
     logits = logits * d**-0.5
     if spec.get("softcap"):
         logits = spec["softcap"] * torch.tanh(logits / spec["softcap"])
-    left, right = window_bounds(spec.get("window"), spec.get("causal", False))
-    position = torch.arange(n)[:, None] + (m - n)
-    key = torch.arange(m)[None, :]
-    visible = torch.ones(n, m, dtype=torch.bool)
-    if left >= 0:
-        visible &= key >= position - left
-    if right >= 0:
-        visible &= key <= position + right
+    visible = visible_keys(n, m, spec)
     lse = torch.logsumexp(logits.masked_fill(~visible, float("-inf")).to(torch.float64), dim=-1)
     return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
 

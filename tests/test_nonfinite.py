@@ -35,7 +35,15 @@ against the per-query reference in float64.
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cuda_emulation import KIND, BwdParams, FwdParams, Guarded, _check_launch, emu  # noqa: F401 (fixture)
+from test_cuda_emulation import (  # noqa: F401 (emu: a fixture)
+    KIND,
+    BwdParams,
+    FwdParams,
+    Guarded,
+    _check_launch,
+    emu,
+    visible_keys,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import remat
@@ -82,19 +90,6 @@ VARLEN_SPECS = [
 
 def _masked(spec):
     return bool(spec.get("causal") or spec.get("window"))
-
-
-def _visible(n, m, spec):
-    """Bool [N, M]: the keys each query sees (query i at position i + M - N)."""
-    left, right = window_bounds(spec.get("window"), spec.get("causal", False))
-    position = torch.arange(n)[:, None] + (m - n)
-    key = torch.arange(m)[None, :]
-    visible = torch.ones(n, m, dtype=torch.bool)
-    if left >= 0:
-        visible &= key >= position - left
-    if right >= 0:
-        visible &= key <= position + right
-    return visible
 
 
 def _rope_tables(m, d):
@@ -155,7 +150,7 @@ def _with_grads(fn, q, k, v, dout, dtype):
 
 
 def _dense_reference(q, k, v, dout, spec, per_query, dtype):
-    visible = _visible(q.shape[1], k.shape[1], spec)
+    visible = visible_keys(q.shape[1], k.shape[1], spec)
     return _with_grads(lambda *t: _eager_heads(*t, spec, visible, per_query), q, k, v, dout, dtype)
 
 
@@ -167,7 +162,7 @@ def _varlen_reference(q, k, v, dout, spec, per_query, dtype):
         for n, m in zip(spec["n"], spec["m"]):
             if n and m:
                 seq = [t[None, start : start + length] for t, start, length in ((q, q0, n), (k, k0, m), (v, k0, m))]
-                outputs.append(_eager_heads(*seq, spec, _visible(n, m, spec), per_query)[0])
+                outputs.append(_eager_heads(*seq, spec, visible_keys(n, m, spec), per_query)[0])
             elif n:
                 outputs.append(q.new_zeros(n, *q.shape[1:]))
             q0, k0 = q0 + n, k0 + m
