@@ -124,9 +124,35 @@ def arch_list_runs_on(archs, capability):
     return False
 
 
+_simulated = threading.local()
+
+
+@contextlib.contextmanager
+def simulated_gpu(capability):
+    """Answers device questions for fake CUDA tensors on a machine that may have no GPU: inside,
+    :func:`device_capability` returns ``capability`` ((major, minor), e.g. (9, 0) for an H100/H200)
+    and :func:`simulated_capability` says so. ``remat.estimate`` runs the step in it, so that
+    remat's kernel choices are those of that GPU."""
+    previous = getattr(_simulated, "capability", None)
+    _simulated.capability = tuple(capability)
+    try:
+        yield
+    finally:
+        _simulated.capability = previous
+
+
+def simulated_capability():
+    """The capability :func:`simulated_gpu` set on this thread, or None outside it."""
+    return getattr(_simulated, "capability", None)
+
+
 @torch.compiler.assume_constant_result
 def device_capability(index):
-    """(major, minor) compute capability of CUDA device ``index`` (a constant to torch.compile)."""
+    """(major, minor) compute capability of CUDA device ``index`` (a constant to torch.compile),
+    or the simulated GPU's inside :func:`simulated_gpu`."""
+    simulated = simulated_capability()
+    if simulated is not None:
+        return simulated
     return torch.cuda.get_device_capability(index)
 
 

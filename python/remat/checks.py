@@ -10,12 +10,20 @@ import math
 import numbers
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ATTENTION_LAYOUTS = ("bnhd", "bhnd")
 MAX_HEAD_DIM = 256
 NORMS = ("rms", "layer", "gemma")
 GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+def values_unknown(*tensors):
+    """Whether the values of ``tensors`` cannot be read on the host: under torch.compile (traced
+    tensors) or on fake tensors (``remat.estimate``'s runs). Checks that read values then run in
+    the graph (``torch._assert_async``) or not at all, and layouts take their value-free form."""
+    return torch.compiler.is_compiling() or any(isinstance(t, FakeTensor) for t in tensors)
 
 
 def check_input(x, name="x"):

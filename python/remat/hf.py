@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from remat import functional
+from remat.checks import values_unknown
 from remat.sequences import OFFSET_ARGUMENTS, refuse_offsets_with_padding, sequence_layout
 
 
@@ -62,7 +63,7 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
-    if torch.compiler.is_compiling() or attention_mask.shape[1] != kv_length or not bool(attention_mask.all()):
+    if values_unknown(attention_mask) or attention_mask.shape[1] != kv_length or not bool(attention_mask.all()):
         return attention_mask
     return None
 

@@ -1,8 +1,8 @@
 """How a ``[B, N]`` batch's attention runs: dense, or as packed variable-length sequences (padding
 masks, packed rows with restarting positions, Hugging Face's ``cu_seq_lens_q/k``), and which
 queries attend to nothing (pads). The fused decoder layers (remat.nn.layers), remat's attention
-modules and the Hugging Face attention function (remat.hf) read the layout here; this module
-imports nothing of remat.
+modules and the Hugging Face attention function (remat.hf) read the layout here; of remat this
+module imports only remat.checks.
 """
 
 import warnings
@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from remat.checks import values_unknown
 
 # Hugging Face's keyword arguments for packed rows (DataCollatorWithFlattening(return_flash_attn_kwargs=True),
 # TRL's padding_free): int32 offsets and the longest sequence, as FlashAttention's varlen functions take them.
@@ -57,7 +59,8 @@ def sequence_layout(batch, n, attention_mask=None, position_ids=None, cu_seq_len
 
     Finding the layout reads the mask or positions on the host (one sync per model forward: the
     result is reused while the same, unchanged tensors come back, as they do layer after layer).
-    Under torch.compile nothing is read on the host (no graph break): a padding mask gives a layout
+    Under torch.compile, and on fake tensors (no values), nothing is read on the host (no graph
+    break): a padding mask gives a layout
     of fixed shape (two sequences per row: its real tokens, then its pads, whose attention among
     themselves is computed and replaced by 0), and positions are checked in the graph only: packed
     rows under compile need ``cu_seq_lens_q/k`` (a restart without them fails an in-graph
@@ -70,11 +73,11 @@ def sequence_layout(batch, n, attention_mask=None, position_ids=None, cu_seq_len
             raise ValueError(f"attention_mask must be None or a 2-D [B, N] = [{batch}, {n}] padding mask (1 = real "
                              f"token, 0 = pad), got {getattr(attention_mask, 'shape', type(attention_mask).__name__)};"
                              " 4-D and custom masks (prefix-LM, block masks) are not supported")
-        if torch.compiler.is_compiling():
+        if values_unknown(attention_mask):
             return _padding_layout(attention_mask.to(torch.bool), n)
     elif position_ids is None:
         return None
-    elif torch.compiler.is_compiling():
+    elif values_unknown(position_ids):
         torch._assert_async(~_position_restarts(position_ids, batch, n).any(),
                             "packed rows (position_ids restarting) under torch.compile need Hugging Face's "
                             "cu_seq_lens_q/k arguments (DataCollatorWithFlattening(return_flash_attn_kwargs=True))")

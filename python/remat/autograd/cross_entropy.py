@@ -28,6 +28,7 @@ import os
 import torch
 
 from remat.autograd.common import refuse_double_backward
+from remat.backend import simulated_capability
 from remat.ops import ops_for
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -47,9 +48,11 @@ COLUMN_ALIGN = 128
 @torch.compiler.assume_constant_result
 def free_memory_bytes(device_type, index):
     """Free memory of the device now: cudaMemGetInfo's free bytes on a GPU (no stream sync), the
-    kernel's MemAvailable on the CPU; None where unknown. torch.compile evaluates it once, when it
-    traces the call."""
+    kernel's MemAvailable on the CPU; None where unknown (a simulated GPU: remat.estimate).
+    torch.compile evaluates it once, when it traces the call."""
     if device_type == "cuda":
+        if simulated_capability() is not None:
+            return None
         return torch.cuda.mem_get_info(index)[0]
     if device_type == "cpu":
         try:

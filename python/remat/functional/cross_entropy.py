@@ -67,7 +67,7 @@ def check_targets(target, vocab, ignore_index):
     ``torch._assert_async`` instead: no sync and no graph break, but on a GPU the failure is a
     device-side assert at the next synchronisation (as F.cross_entropy's own check)."""
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
-    if torch.compiler.is_compiling():
+    if checks.values_unknown(target):
         torch._assert_async(~bad.any(), "linear_cross_entropy: target out of range")
         return
     if bool(bad.any()):

@@ -1,0 +1,184 @@
+"""remat.estimate: the predicted peak of a training step against the measured one (CPU), the graph
+walk against the autograd engine, and estimates for fake CUDA models on this machine (no GPU)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import remat
+from remat.estimate import GraphWalk, estimate, is_fake
+
+transformers = pytest.importorskip("transformers")
+from torch.profiler._memory_profiler import Action, MemoryProfile  # noqa: E402
+
+
+def llama(seed=0, dtype=torch.float32, **overrides):
+    torch.manual_seed(seed)
+    config = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, attn_implementation="sdpa")
+    config.update(overrides)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(dtype)
+
+
+def gpt2(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=1024,
+                                     attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def measured_peak(model, batch_size, seq_len):
+    """The peak of live CPU tensor bytes over one real step, from the profiler's allocator records
+    (every allocation and free of the CPU allocator, tensors existing before the step included):
+    a measurement independent of the estimator's dispatch-mode count."""
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=True) as prof:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        del loss
+    current = peak = 0
+    for _, action, _, nbytes in MemoryProfile(prof.profiler.kineto_results).timeline:
+        if action in (Action.PREEXISTING, Action.CREATE):
+            current += nbytes
+        elif action == Action.DESTROY:
+            current -= nbytes
+        peak = max(peak, current)
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+@pytest.mark.parametrize("build", [llama, gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+@pytest.mark.parametrize("shape", [(2, 96), (1, 300)], ids=["2x96", "1x300"])
+def test_estimate_equals_the_measured_peak_of_a_real_cpu_step(build, patched, shape):
+    model = build()
+    if patched:
+        remat.patch(model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    predicted = estimate(model, batch_size=shape[0], seq_len=shape[1])
+    # The model is not touched: no gradients, the same weights.
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+    actual = measured_peak(model, *shape)
+    assert abs(predicted.peak_bytes - actual) <= 0.01 * actual, (predicted, actual)
+    assert predicted.host_bytes == 0
+    assert predicted.breakdown["parameters"] == sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers())
+    assert sum(predicted.breakdown.values()) == predicted.peak_bytes
+    assert predicted.peak_bytes == max(predicted.phases.values())
+
+
+def test_patched_llama_peaks_lower_than_stock_and_the_estimate_grows_with_the_sequence():
+    stock, patched = llama(), llama()
+    remat.patch(patched)
+    stock_short, patched_short = (estimate(m, seq_len=128) for m in (stock, patched))
+    stock_long, patched_long = (estimate(m, seq_len=512) for m in (stock, patched))
+    assert patched_long.peak_bytes < stock_long.peak_bytes
+    assert stock_short.peak_bytes < stock_long.peak_bytes
+    assert patched_short.peak_bytes < patched_long.peak_bytes
+    assert patched_long.breakdown["saved"] < stock_long.breakdown["saved"]
+
+
+def test_adam_states_add_two_fp32_copies_of_the_trainable_parameters():
+    model = llama()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    without = estimate(model, seq_len=64)
+    with_adam = estimate(model, seq_len=64, optimizer="adam")
+    assert with_adam.breakdown["optimizer"] == 8 * trainable
+    assert with_adam.peak_bytes == without.peak_bytes + 8 * trainable
+
+
+def _walk_and_engine_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    engine = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    walk = GraphWalk()
+    with walk.saving():
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    walk.backward(loss)
+    walked = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return engine, walked
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+def test_graph_walk_computes_the_engines_gradients_bitwise(patched):
+    model = llama()
+    if patched:
+        remat.patch(model)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    engine, walked = _walk_and_engine_grads(model, ids)
+    assert engine.keys() == walked.keys()
+    for name in engine:
+        assert torch.equal(engine[name], walked[name]), name
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+def test_graph_walk_reaches_the_engines_peak(patched):
+    model = llama()
+    if patched:
+        remat.patch(model)
+    engine = estimate(model, batch_size=2, seq_len=200, walk=False)
+    walked = estimate(model, batch_size=2, seq_len=200, walk=True)
+    assert walked.peak_bytes == engine.peak_bytes
+    assert walked.phases == engine.phases
+
+
+def test_graph_walk_refuses_a_root_without_a_graph():
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        GraphWalk().backward(torch.ones(()))
+    x = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="scalar"):
+        GraphWalk().backward(x * 2)
+
+
+def fake_cuda_llama(**overrides):
+    """A bfloat16 Llama on fake CUDA tensors, built in its dtype (``.to`` cannot swap fake
+    parameters: module._apply's swap_tensors refuses them)."""
+    config = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, attn_implementation="sdpa")
+    config.update(overrides)
+    with FakeTensorMode(), torch.device("cuda"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+def test_a_fake_cuda_model_is_estimated_without_a_gpu(patched):
+    model = fake_cuda_llama()
+    assert is_fake(next(model.parameters())) and next(model.parameters()).device.type == "cuda"
+    if patched:
+        remat.patch(model)
+    peaks = [estimate(model, seq_len=n).peak_bytes for n in (256, 512, 768)]
+    # Linear in the sequence: SDPA runs as the fused kernels would (a math kernel's [N, N] scores
+    # would make the second step larger than the first).
+    assert peaks[0] < peaks[1] < peaks[2]
+    assert abs((peaks[2] - peaks[1]) - (peaks[1] - peaks[0])) <= 0.02 * (peaks[1] - peaks[0])
+    # The CUDA caching allocator's 512-byte blocks.
+    assert estimate(model, seq_len=256).breakdown["parameters"] % 512 == 0
+
+
+def test_a_patched_fake_cuda_model_peaks_lower_than_stock():
+    stock, patched = fake_cuda_llama(), fake_cuda_llama()
+    remat.patch(patched)
+    assert estimate(patched, seq_len=1024).peak_bytes < estimate(stock, seq_len=1024).peak_bytes
+
+
+def test_bad_arguments_raise_before_any_step():
+    model = llama()
+    with pytest.raises(TypeError, match="nn.Module"):
+        estimate(object(), seq_len=8)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="seq_len"):
+            estimate(model, seq_len=bad)
+        with pytest.raises(ValueError, match="batch_size"):
+            estimate(model, seq_len=8, batch_size=bad)
+    with pytest.raises(ValueError, match="optimizer"):
+        estimate(model, seq_len=8, optimizer="sgd")
+    with pytest.raises(TypeError, match="inputs"):
+        estimate(model, seq_len=8, inputs=[1])
+    with pytest.raises(ValueError, match="no parameters"):
+        estimate(torch.nn.ReLU(), seq_len=8)
