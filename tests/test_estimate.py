@@ -6,7 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import remat
-from remat.estimate import GraphWalk, estimate, is_fake
+from remat.estimator import GraphWalk, estimate, is_fake
 
 transformers = pytest.importorskip("transformers")
 from torch.profiler._memory_profiler import Action, MemoryProfile  # noqa: E402
@@ -25,6 +25,18 @@ def gpt2(seed=0):
     config = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=1024,
                                      attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return transformers.GPT2LMHeadModel(config)
+
+
+def set_up(model, setup):
+    if setup == "patched":
+        remat.patch(model)
+    elif setup == "checkpointing":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    return model
+
+
+SETUPS = ["stock", "patched", "checkpointing"]
 
 
 def measured_peak(model, batch_size, seq_len):
@@ -50,12 +62,10 @@ def measured_peak(model, batch_size, seq_len):
 
 
 @pytest.mark.parametrize("build", [llama, gpt2], ids=["llama", "gpt2"])
-@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+@pytest.mark.parametrize("setup", SETUPS)
 @pytest.mark.parametrize("shape", [(2, 96), (1, 300)], ids=["2x96", "1x300"])
-def test_estimate_equals_the_measured_peak_of_a_real_cpu_step(build, patched, shape):
-    model = build()
-    if patched:
-        remat.patch(model)
+def test_estimate_equals_the_measured_peak_of_a_real_cpu_step(build, setup, shape):
+    model = set_up(build(), setup)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     predicted = estimate(model, batch_size=shape[0], seq_len=shape[1])
     # The model is not touched: no gradients, the same weights.
@@ -105,11 +115,11 @@ def _walk_and_engine_grads(model, ids):
     return engine, walked
 
 
-@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
-def test_graph_walk_computes_the_engines_gradients_bitwise(patched):
-    model = llama()
-    if patched:
-        remat.patch(model)
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_graph_walk_computes_the_engines_gradients_bitwise(setup):
+    model = set_up(llama(), setup)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
     engine, walked = _walk_and_engine_grads(model, ids)
     assert engine.keys() == walked.keys()
@@ -117,11 +127,9 @@ def test_graph_walk_computes_the_engines_gradients_bitwise(patched):
         assert torch.equal(engine[name], walked[name]), name
 
 
-@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
-def test_graph_walk_reaches_the_engines_peak(patched):
-    model = llama()
-    if patched:
-        remat.patch(model)
+@pytest.mark.parametrize("setup", SETUPS)
+def test_graph_walk_reaches_the_engines_peak(setup):
+    model = set_up(llama(), setup)
     engine = estimate(model, batch_size=2, seq_len=200, walk=False)
     walked = estimate(model, batch_size=2, seq_len=200, walk=True)
     assert walked.peak_bytes == engine.peak_bytes

@@ -5,6 +5,7 @@ from remat import memory, nn
 from remat.autograd.lora import LoRAAdapter
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
 from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
+from remat.estimator import Estimate, estimate
 from remat.functional import (
     attention,
     dropout,
@@ -33,6 +34,8 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "dropout",
+    "Estimate",
+    "estimate",
     "gated_mlp",
     "geglu_mlp",
     "gelu_mlp",

@@ -1,16 +1,23 @@
-"""``python -m remat info``: print what this installation can run."""
+"""``python -m remat info``: print what this installation can run.
+``python -m remat fit CONFIG.json --gpu-memory 80GB ...``: what fits a GPU (remat.fit)."""
 
 import sys
 
-from remat.info import info
+USAGE = "usage: python -m remat info | python -m remat fit CONFIG.json --gpu-memory SIZE [options] (fit --help)"
 
 
 def main(argv):
-    if argv != ["info"]:
-        print("usage: python -m remat info", file=sys.stderr)
-        return 2
-    info()
-    return 0
+    if argv == ["info"]:
+        from remat.info import info
+
+        info()
+        return 0
+    if argv[:1] == ["fit"]:
+        from remat.fit import main as fit_main
+
+        return fit_main(argv[1:])
+    print(USAGE, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -26,6 +26,15 @@ def values_unknown(*tensors):
     return torch.compiler.is_compiling() or any(isinstance(t, FakeTensor) for t in tensors)
 
 
+def check_tile_tokens(tile_tokens):
+    """tile_tokens: None (no tiling: returns 0) or an int >= 1 (returned)."""
+    if tile_tokens is None:
+        return 0
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, numbers.Integral) or tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be None or an int >= 1, got {tile_tokens!r}")
+    return int(tile_tokens)
+
+
 def check_input(x, name="x"):
     """x: a float32/float16/bfloat16 tensor with a last (hidden) dimension of size >= 1."""
     if not isinstance(x, torch.Tensor):

@@ -8,8 +8,10 @@ all-or-nothing guarantee, masks, tuples, saving and generation are documented th
 read top-down: patch -> model_plan -> replacement -> models -> nn.
 """
 
-from remat import model_plan
+from remat import checks, model_plan
 from remat.models import registry
+from remat.nn.layers import PreNormDecoderLayer
+from remat.offload import HostOffload
 from remat.replacement import (
     MODULE_KINDS,
     STOCK,
@@ -25,7 +27,8 @@ __all__ = ["MODULE_KINDS", "STOCK", "PatchReport", "patch", "unpatch"]
 
 
 def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budget_bytes=None,
-          budget_bytes_per_token=None, example_inputs=None, cost="flops", max_span=None):
+          budget_bytes_per_token=None, example_inputs=None, cost="flops", max_span=None, offload=False,
+          tile_tokens=None):
     """Replaces, in place, the submodules of ``model`` that remat has fused versions of (see
     remat.replacement), keeping their parameters, and returns a :class:`PatchReport`.
 
@@ -54,16 +57,36 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             any); ``max_span=1`` under FSDP2 with ``fully_shard`` on each decoder layer (see
             remat.plan_model).
 
+        offload: move what every fused decoder layer keeps for backward (its policy's saved
+            tensors, or its input under Hugging Face gradient checkpointing) to host memory after
+            its forward and back one layer ahead of its backward (remat.offload.HostOffload, on
+            ``report.offload``); bitwise the same gradients. Default False. Not with
+            ``policy="auto"`` yet (its checkpointed spans run in remat's own executor).
+        tile_tokens: None (default) or an int >= 1: every fused decoder layer's gated MLP runs
+            over tiles of that many tokens in forward and backward (remat.norm_mlp), so no
+            ``[tokens, intermediate]`` tensor exists beyond one tile; the same saved bytes, the
+            untiled results up to rounding. With LoRA dropout, a multiple of 4 (the call raises
+            ValueError otherwise; the masks are the untiled call's).
+
     All or nothing: when anything inside patch raises (the plan included), the model is left as it
     was and the exception propagates.
     """
     modules = check_model_and_modules(model, modules)
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
+    if offload and policy == "auto":
+        raise ValueError("offload=True is not supported with policy='auto' yet: choose a policy")
+    tile_tokens = checks.check_tile_tokens(tile_tokens) or None
     if policy != "auto" and not (budget_bytes is None and budget_bytes_per_token is None and example_inputs is None
                                  and max_span is None):
         raise ValueError("budget_bytes, budget_bytes_per_token, example_inputs and max_span are for policy='auto'")
     if policy != "auto":
         check_policy(policy)
-        return replace_modules(model, policy, modules, backend)
+        finish = None
+        if offload or tile_tokens:
+            def finish(report):
+                _set_layer_options(model, report, offload, tile_tokens)
+        return replace_modules(model, policy, modules, backend, finish=finish)
     check_patchable(model)
     if not set(registry.PART_KINDS) <= set(modules):
         raise ValueError(f"policy='auto' plans whole decoder layers: modules must include {registry.PART_KINDS}")
@@ -78,5 +101,21 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
         report.plan = plan
         named = dict(model.named_modules())
         model_plan.install(plan, [named[layer.name] for layer in plan.costs.layers])
+        if tile_tokens:
+            _set_layer_options(model, report, False, tile_tokens)
 
     return replace_modules(model, layer_policies, modules, backend, finish=install)
+
+
+def _set_layer_options(model, report, offload, tile_tokens):
+    """Gives every fused decoder layer the report names, in model order, the MLP tile size and one
+    shared HostOffload (on ``report.offload``)."""
+    named = dict(model.named_modules())
+    layers = [named[name] for name, _, _ in report.replaced if isinstance(named.get(name), PreNormDecoderLayer)]
+    if offload:
+        report.offload = HostOffload()
+    for index, layer in enumerate(layers):
+        layer.tile_tokens = tile_tokens
+        if offload:
+            layer._offload = report.offload
+            layer._offload_index = index

@@ -108,6 +108,8 @@ class PatchReport:
     left_alone: list = field(default_factory=list)
     # policy="auto": the remat.model_plan.ModelPlan the layers run (plan.explain()).
     plan: object = None
+    # offload=True: the remat.offload.HostOffload the layers share (host_bytes, copied_bytes).
+    offload: object = None
 
     def __str__(self):
         lines = [f"remat.patch: replaced {len(self.replaced)} modules, left {len(self.left_alone)} alone"]

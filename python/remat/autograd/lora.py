@@ -69,73 +69,151 @@ def _adapter(tensors, index):
     return tensors[TENSORS_PER_ADAPTER * index: TENSORS_PER_ADAPTER * (index + 1)]
 
 
-def _dropped(x, slot, rng, backend):
-    """x cast to the adapter's dtype, dropped out with the adapter's Philox mask."""
+# The branches run over row chunks whose fp32 temporaries (x cast to the adapter's dtype, the
+# scaled gradient of the output, the input gradient before its cast) take at most this many bytes
+# each: PEFT's arithmetic makes [rows, features] fp32 copies for fp32 adapters on a bf16 model,
+# 6 GiB per projection at 400K tokens and hidden 4096. Rows are independent, so the results are
+# the same; weight gradients are summed over the chunks in fp32.
+CHUNK_BYTES = 256 * 2**20
+
+
+def _row_chunks(rows, width):
+    """[(start, end)] row chunks of a [rows, width] fp32 temporary of at most CHUNK_BYTES, a
+    multiple of 4 rows each (Philox draws four elements per call: a chunk's mask starts on a
+    call)."""
+    chunk = max(4, CHUNK_BYTES // (4 * max(width, 1)) // 4 * 4)
+    if rows <= chunk:
+        return [(0, rows)]
+    return [(start, min(start + chunk, rows)) for start in range(0, rows, chunk)]
+
+
+def _shifted(rng, elements):
+    """The Philox state of the element ``elements`` places into a mask: counter + elements / 4."""
+    if rng is None or elements == 0:
+        return rng
+    if elements % 4:
+        raise ValueError(f"a LoRA dropout mask can be split only on a multiple of 4 elements, got {elements}")
+    return rng + torch.tensor([0, elements // 4], dtype=rng.dtype, device=rng.device)
+
+
+def _dropped(x, slot, rng, backend, row_offset=0):
+    """x (rows ``row_offset`` on of the projection's input) cast to the adapter's dtype, dropped out
+    with the adapter's Philox mask."""
     if rng is None:
         return x
+    rng = _shifted(rng, row_offset * x.shape[1])
     return ops_for("dropout", backend).philox_dropout(x.contiguous(), rng, slot.dropout_p)
 
 
-def add_branches(base, x, target, layout, tensors, rngs, backend):
+def _targets(layout, target):
+    return [index for index, slot in enumerate(layout) if slot.target == target]
+
+
+def add_branches(base, x, target, layout, tensors, rngs, backend, row_offset=0):
     """base ``[rows, out]`` + the branches of the adapters of projection ``target`` on x ``[rows,
-    in]``, rounded once to base's dtype (PEFT's order of operations); base itself without any."""
-    result = base
-    for index, slot in enumerate(layout):
-        if slot.target != target:
-            continue
-        a, b, bias = _adapter(tensors, index)
-        dropped = _dropped(x.to(a.dtype), slot, rngs[index], backend)
-        result = result + F.linear(F.linear(dropped, a), b, bias) * slot.scaling
-    return result if result is base else result.to(base.dtype)
+    in]``, rounded once to base's dtype (PEFT's order of operations); base itself without any.
+    ``row_offset``: where x's rows start in the call's rows (for the dropout masks of a tile)."""
+    indices = _targets(layout, target)
+    if not indices:
+        return base
+    rows = x.shape[0]
+    chunks = _row_chunks(rows, max(x.shape[1], base.shape[1]))
+    out = base if len(chunks) == 1 else torch.empty_like(base)
+    for start, end in chunks:
+        result = base[start:end]
+        for index in indices:
+            a, b, bias = _adapter(tensors, index)
+            dropped = _dropped(x[start:end].to(a.dtype), layout[index], rngs[index], backend, row_offset + start)
+            result = result + F.linear(F.linear(dropped, a), b, bias) * layout[index].scaling
+        if len(chunks) == 1:
+            return result.to(base.dtype)
+        out[start:end] = result
+    return out
 
 
-def branch_input_grad(grad, x_dtype, target, layout, tensors, rngs, backend):
+def branch_input_grad(grad, x_dtype, target, layout, tensors, rngs, backend, row_offset=0):
     """The part of the branches' backward that needs no input: grad ``[rows, out]`` (of the rounded
     sum, in base's dtype) -> (d x summed over the adapters of projection ``target``, in
     ``x_dtype``, or None without adapters; {adapter index: d intermediate} for
     :func:`branch_weight_grads`)."""
+    indices = _targets(layout, target)
+    if not indices:
+        return None, {}
+    in_features = _adapter(tensors, indices[0])[0].shape[1]
+    chunks = _row_chunks(grad.shape[0], max(grad.shape[1], in_features))
     d_x, d_intermediates = None, {}
-    for index, slot in enumerate(layout):
-        if slot.target != target:
-            continue
-        a, b, _ = _adapter(tensors, index)
-        d_intermediate = (grad.to(b.dtype) * slot.scaling) @ b
-        d_intermediates[index] = d_intermediate
-        d_dropped = d_intermediate @ a
-        if rngs[index] is not None:
-            d_dropped = ops_for("dropout", backend).philox_dropout(d_dropped.contiguous(), rngs[index],
-                                                                   slot.dropout_p)
-        d_dropped = d_dropped.to(x_dtype)
-        d_x = d_dropped if d_x is None else d_x + d_dropped
+    for start, end in chunks:
+        d_x_chunk = None
+        for index in indices:
+            slot = layout[index]
+            a, b, _ = _adapter(tensors, index)
+            d_intermediate = (grad[start:end].to(b.dtype) * slot.scaling) @ b
+            if len(chunks) == 1:
+                d_intermediates[index] = d_intermediate
+            else:
+                whole = d_intermediates.get(index)
+                if whole is None:
+                    whole = d_intermediates[index] = d_intermediate.new_empty(grad.shape[0], d_intermediate.shape[1])
+                whole[start:end] = d_intermediate
+            d_dropped = d_intermediate @ a
+            del d_intermediate
+            if rngs[index] is not None:
+                rng = _shifted(rngs[index], (row_offset + start) * a.shape[1])
+                d_dropped = ops_for("dropout", backend).philox_dropout(d_dropped.contiguous(), rng, slot.dropout_p)
+            d_dropped = d_dropped.to(x_dtype)
+            d_x_chunk = d_dropped if d_x_chunk is None else d_x_chunk + d_dropped
+            del d_dropped
+        if len(chunks) == 1:
+            return d_x_chunk, d_intermediates
+        if d_x is None:
+            d_x = d_x_chunk.new_empty(grad.shape[0], d_x_chunk.shape[1])
+        d_x[start:end] = d_x_chunk
     return d_x, d_intermediates
 
 
-def branch_weight_grads(grad, x, d_intermediates, layout, tensors, rngs, needs, backend):
+def branch_weight_grads(grad, x, d_intermediates, layout, tensors, rngs, needs, backend, row_offset=0):
     """The adapters' gradients {flat tensor index: gradient} for the adapters in
     ``d_intermediates`` (from :func:`branch_input_grad`), x ``[rows, in]`` their projection's input
     (kept or recomputed by the caller). The dropped input and the rank-r intermediate are
     recomputed here; ``needs`` holds the needs_input_grad flags of the flat tensors."""
     grads = {}
-    for index, d_intermediate in d_intermediates.items():
-        slot = layout[index]
-        a, b, bias = _adapter(tensors, index)
-        first = TENSORS_PER_ADAPTER * index
-        dropped = _dropped(x.to(a.dtype), slot, rngs[index], backend)
-        if needs[first]:
-            grads[first] = d_intermediate.t() @ dropped
-        d_branch = grad.to(b.dtype) * slot.scaling
-        if needs[first + 1]:
-            grads[first + 1] = d_branch.t() @ F.linear(dropped, a)
-        if bias is not None and needs[first + 2]:
-            grads[first + 2] = d_branch.sum(0)
+    if not d_intermediates:
+        return grads
+    chunks = _row_chunks(x.shape[0], max(x.shape[1], grad.shape[1]))
+    for start, end in chunks:
+        for index, d_intermediate in d_intermediates.items():
+            slot = layout[index]
+            a, b, bias = _adapter(tensors, index)
+            first = TENSORS_PER_ADAPTER * index
+            dropped = _dropped(x[start:end].to(a.dtype), slot, rngs[index], backend, row_offset + start)
+            d_branch = grad[start:end].to(b.dtype) * slot.scaling
+            parts = {}
+            if needs[first]:
+                parts[first] = d_intermediate[start:end].t() @ dropped
+            if needs[first + 1]:
+                parts[first + 1] = d_branch.t() @ F.linear(dropped, a)
+            if bias is not None and needs[first + 2]:
+                parts[first + 2] = d_branch.sum(0)
+            del dropped, d_branch
+            for key, part in parts.items():
+                if len(chunks) == 1:
+                    grads[key] = part
+                elif key in grads:
+                    grads[key] += part.float()
+                else:
+                    grads[key] = part.float()
+    if len(chunks) > 1:
+        dtypes = {TENSORS_PER_ADAPTER * i + j: t.dtype for i in d_intermediates for j, t in
+                  enumerate(_adapter(tensors, i)) if t is not None}
+        grads = {key: grad_.to(dtypes[key]) for key, grad_ in grads.items()}
     return grads
 
 
-def branch_grads(grad, x, target, layout, tensors, rngs, needs, backend):
+def branch_grads(grad, x, target, layout, tensors, rngs, needs, backend, row_offset=0):
     """Both parts of the backward of projection ``target``'s branches: (d x or None, {flat tensor
     index: gradient})."""
-    d_x, d_intermediates = branch_input_grad(grad, x.dtype, target, layout, tensors, rngs, backend)
-    return d_x, branch_weight_grads(grad, x, d_intermediates, layout, tensors, rngs, needs, backend)
+    d_x, d_intermediates = branch_input_grad(grad, x.dtype, target, layout, tensors, rngs, backend, row_offset)
+    return d_x, branch_weight_grads(grad, x, d_intermediates, layout, tensors, rngs, needs, backend, row_offset)
 
 
 def grads_tuple(grads, count):

@@ -152,11 +152,19 @@ class NormGatedMLPFunction(torch.autograd.Function):
     LoRA adapters of gate/up/down (remat.autograd.lora; layout, then flat tensors, last) join their
     projections: gate and up with theirs are kept or recomputed as above, down's branch is
     applied to h, which backward recomputes anyway; no rank-r intermediate or dropout mask is
-    kept (16 bytes of Philox state per adapter with dropout)."""
+    kept (16 bytes of Philox state per adapter with dropout).
+
+    Sequence tiling (``tile`` rows, 0 = none): forward and backward run over tiles of ``tile``
+    rows, so no [rows, intermediate] tensor (gate, up, h, their gradients, the normalized input's
+    share) exists beyond one tile; y and dx are written tile by tile into whole-size outputs.
+    What is kept is unchanged (the statistics and, with "activation", gate and up, written per tile
+    into whole-size tensors). Weight gradients are summed over the tiles in fp32 and rounded once.
+    Adapters with dropout draw the untiled call's masks: a tile's mask starts at its first row's
+    place in the Philox stream (tiles are then a multiple of 4 rows; the caller checks)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                norm, eps, activation, recompute, backend, lora_layout=(), *lora_tensors):
+                norm, eps, activation, recompute, backend, tile=0, lora_layout=(), *lora_tensors):
         ops = ops_for("mlp", backend)
         lora_rngs = lora.draw_rngs(lora_layout, x.device)
         adapters = (lora_layout, lora_tensors, lora_rngs, backend)
@@ -164,26 +172,31 @@ class NormGatedMLPFunction(torch.autograd.Function):
         # it has no LoRA branches.
         fused = (_fused_gate_up(ops, "block", b_gate, b_up) and recompute == "block" and norm in ("rms", "layer")
                  and not lora_layout)
-        gate = up = None
-        if fused:
-            # Statistics only, then the normalized input is computed per tile in the matmul's
-            # prologue: it is never written to memory.
-            mean, rstd = ops.norm_stats(x, eps, norm == "rms")
-            h, _, _ = ops.glu_matmul(x, w_gate, w_up, activation, False, norm, mean, rstd, norm_weight, norm_bias)
+        rows = x.shape[0]
+        tiles = _tiles(rows, tile)
+        if len(tiles) == 1:
+            y, mean, rstd, gate, up = _norm_mlp_rows(ops, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate,
+                                                     b_up, b_down, norm, eps, activation, recompute, fused, adapters)
         else:
-            normed, mean, rstd = norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
-            gate, up = _gate_up(normed, w_gate, w_up, b_gate, b_up, adapters)
-            del normed
-            h = ops.glu_fwd(gate, up, activation)
-            if recompute == "block":
-                gate = up = None
-        y = lora.add_branches(F.linear(h, w_down, b_down), h, 2, *adapters)
+            y = x.new_empty(rows, w_down.shape[0])
+            gate = up = mean = rstd = None
+            for start, end in tiles:
+                y_t, mean_t, rstd_t, gate_t, up_t = _norm_mlp_rows(
+                    ops, x[start:end], norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down, norm, eps,
+                    activation, recompute, fused, adapters, start)
+                y[start:end] = y_t
+                del y_t
+                mean, rstd, gate, up = (_into(whole, part, start, rows) for whole, part in
+                                        ((mean, mean_t), (rstd, rstd_t), (gate, gate_t), (up, up_t)))
         if mean is not None and mean.numel() == 0:
             mean = None
         ctx.save_for_backward(x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up,
                               *lora_tensors, *lora_rngs)
         ctx.norm, ctx.eps, ctx.activation, ctx.backend, ctx.fused = norm, eps, activation, backend, fused
-        ctx.lora_layout = lora_layout
+        ctx.lora_layout, ctx.tile = lora_layout, tile
+        # The dtypes of the tiled backward's summed gradients (every tensor input after x).
+        ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (
+            norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down, *(None,) * 7, *lora_tensors))
         ctx.has_bias = (norm_bias is not None, b_gate is not None, b_up is not None, b_down is not None)
         return y
 
@@ -193,51 +206,123 @@ class NormGatedMLPFunction(torch.autograd.Function):
         x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up, *lora_saved = \
             ctx.saved_tensors
         need = ctx.needs_input_grad
-        ops = ops_for("mlp", ctx.backend)
-        lora_count = lora.TENSORS_PER_ADAPTER * len(ctx.lora_layout)
-        adapters = (ctx.lora_layout, lora_saved[:lora_count], lora_saved[lora_count:], ctx.backend)
-        lora_needs = need[15:]
-        # The normalized input, recomputed into a temporary for the gate/up weight gradients and
-        # freed below.
-        normed, _, _ = norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
         dy = dy.contiguous()
-        dh = dy @ w_down
-        # down's LoRA branches: their share of dh needs no h; their weight gradients wait for h.
-        dh_lora, down_intermediates = lora.branch_input_grad(dy, dh.dtype, 2, *adapters[:3], adapters[3])
-        if dh_lora is not None:
-            dh = dh + dh_lora
-        if ctx.fused:
-            dgate, dup, h = ops.glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[5], ctx.norm, mean, rstd,
-                                                  norm_weight, norm_bias)
-        else:
-            if gate is None:
-                gate, up = _gate_up(normed, w_gate, w_up, b_gate, b_up, adapters)
-            dgate, dup, h = ops.glu_bwd(dh, gate, up, ctx.activation, need[5] or bool(down_intermediates))
-            del gate, up
-        _, d_w_down, d_b_down = linear_grads(dy, h, w_down, False, need[5], need[8] and ctx.has_bias[3])
-        lora_grads = lora.branch_weight_grads(dy, h, down_intermediates, *adapters[:3], lora_needs, adapters[3])
-        del h
-        d_normed_gate, d_w_gate, d_b_gate = linear_grads(dgate, normed, w_gate, True, need[3],
-                                                          need[6] and ctx.has_bias[1])
-        d_normed_up, d_w_up, d_b_up = linear_grads(dup, normed, w_up, True, need[4], need[7] and ctx.has_bias[2])
-        for target, grad in ((0, dgate), (1, dup)):
-            d_lora, target_grads = lora.branch_grads(grad, normed, target, *adapters[:3], lora_needs, adapters[3])
-            if d_lora is not None:
-                d_normed_gate = d_normed_gate + d_lora
-            lora_grads.update(target_grads)
+        saved = (x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up, lora_saved)
+        tiles = _tiles(x.shape[0], ctx.tile)
+        if len(tiles) == 1:
+            return _norm_mlp_rows_backward(ctx, saved, dy, need)
+        dx = torch.empty_like(x) if need[0] else None
+        sums = None
+        for start, end in tiles:
+            rows = slice(start, end)
+            tile_saved = (x[rows], *saved[1:8], *(t[rows] if t is not None else None for t in saved[8:12]), lora_saved)
+            grads = _norm_mlp_rows_backward(ctx, tile_saved, dy[rows], need, start)
+            if dx is not None:
+                dx[rows] = grads[0]
+            # Weight gradients: summed in fp32 over the tiles, rounded once at the end.
+            tile_sums = [None if g is None else g.float() for g in grads[1:]]
+            del grads
+            sums = tile_sums if sums is None else [a if b is None else a.add_(b) for a, b in zip(sums, tile_sums,
+                                                                                                 strict=True)]
+            del tile_sums
+        return (dx, *(None if grad is None else grad.to(dtype) for grad, dtype in zip(sums, ctx.grad_dtypes,
+                                                                                       strict=True)))
+
+
+def _tiles(rows, tile):
+    """[(start, end)] of the row tiles: one whole tile for tile 0 (untiled) or tile >= rows."""
+    if not tile or tile >= rows:
+        return [(0, rows)]
+    return [(start, min(start + tile, rows)) for start in range(0, rows, tile)]
+
+
+def _into(whole, part, start, rows):
+    """Writes a tile's rows of a kept tensor into its whole-size tensor (made at the first tile)."""
+    if part is None:
+        return None
+    if whole is None:
+        whole = part.new_empty(rows, *part.shape[1:]) if part.numel() else part
+    if part.numel():
+        whole[start:start + part.shape[0]] = part
+    return whole
+
+
+def _norm_mlp_rows(ops, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down, norm, eps,
+                   activation, recompute, fused, adapters, row_offset=0):
+    """The forward of rows x (from row ``row_offset`` of the call): (y, mean, rstd, gate or None,
+    up or None), gate/up kept with recompute="activation" only."""
+    gate = up = None
+    if fused:
+        # Statistics only, then the normalized input is computed per tile in the matmul's
+        # prologue: it is never written to memory.
+        mean, rstd = ops.norm_stats(x, eps, norm == "rms")
+        h, _, _ = ops.glu_matmul(x, w_gate, w_up, activation, False, norm, mean, rstd, norm_weight, norm_bias)
+    else:
+        normed, mean, rstd = norm_forward(x, norm_weight, norm_bias, norm, eps, adapters[3])
+        gate, up = _gate_up(normed, w_gate, w_up, b_gate, b_up, adapters, row_offset)
         del normed
-        d_normed = (d_normed_gate + d_normed_up).contiguous()
-        dx, d_norm_weight, d_norm_bias = norm_backward(d_normed, x, norm_weight, mean, rstd, ctx.norm,
-                                                         ctx.has_bias[0], ctx.backend)
-        return (dx, d_norm_weight if need[1] else None, d_norm_bias if need[2] else None, d_w_gate, d_w_up,
-                d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None, None, None, None,
-                *lora.grads_tuple(lora_grads, lora_count))
+        h = ops.glu_fwd(gate, up, activation)
+        if recompute == "block":
+            gate = up = None
+    y = lora.add_branches(F.linear(h, w_down, b_down), h, 2, *adapters, row_offset=row_offset)
+    return y, mean, rstd, gate, up
 
 
-def _gate_up(normed, w_gate, w_up, b_gate, b_up, adapters):
+def _norm_mlp_rows_backward(ctx, saved, dy, need, row_offset=0):
+    """NormGatedMLPFunction's gradients for rows (from row ``row_offset`` of the call): ``saved``
+    holds those rows of x, mean, rstd, gate and up (and the parameters); returns the Function's
+    gradient tuple."""
+    x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up, lora_saved = saved
+    ops = ops_for("mlp", ctx.backend)
+    lora_count = lora.TENSORS_PER_ADAPTER * len(ctx.lora_layout)
+    adapters = (ctx.lora_layout, lora_saved[:lora_count], lora_saved[lora_count:], ctx.backend)
+    lora_needs = need[16:]
+    # The normalized input, recomputed into a temporary for the gate/up weight gradients and
+    # freed below.
+    normed, _, _ = norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
+    dh = dy @ w_down
+    # down's LoRA branches: their share of dh needs no h; their weight gradients wait for h.
+    dh_lora, down_intermediates = lora.branch_input_grad(dy, dh.dtype, 2, *adapters[:3], adapters[3], row_offset)
+    if dh_lora is not None:
+        dh = dh + dh_lora
+    del dh_lora
+    if ctx.fused:
+        dgate, dup, h = ops.glu_matmul_bwd(x, w_gate, w_up, dh, ctx.activation, need[5], ctx.norm, mean, rstd,
+                                              norm_weight, norm_bias)
+    else:
+        if gate is None:
+            gate, up = _gate_up(normed, w_gate, w_up, b_gate, b_up, adapters, row_offset)
+        dgate, dup, h = ops.glu_bwd(dh, gate, up, ctx.activation, need[5] or bool(down_intermediates))
+        del gate, up
+    del dh
+    _, d_w_down, d_b_down = linear_grads(dy, h, w_down, False, need[5], need[8] and ctx.has_bias[3])
+    lora_grads = lora.branch_weight_grads(dy, h, down_intermediates, *adapters[:3], lora_needs, adapters[3],
+                                          row_offset)
+    del h, down_intermediates
+    d_normed_gate, d_w_gate, d_b_gate = linear_grads(dgate, normed, w_gate, True, need[3],
+                                                      need[6] and ctx.has_bias[1])
+    d_normed_up, d_w_up, d_b_up = linear_grads(dup, normed, w_up, True, need[4], need[7] and ctx.has_bias[2])
+    for target in (0, 1):
+        d_lora, target_grads = lora.branch_grads(dgate if target == 0 else dup, normed, target, *adapters[:3],
+                                                 lora_needs, adapters[3], row_offset)
+        if d_lora is not None:
+            d_normed_gate = d_normed_gate + d_lora
+        del d_lora
+        lora_grads.update(target_grads)
+    del normed, dgate, dup
+    d_normed = (d_normed_gate + d_normed_up).contiguous()
+    del d_normed_gate, d_normed_up
+    dx, d_norm_weight, d_norm_bias = norm_backward(d_normed, x, norm_weight, mean, rstd, ctx.norm,
+                                                     ctx.has_bias[0], ctx.backend)
+    return (dx, d_norm_weight if need[1] else None, d_norm_bias if need[2] else None, d_w_gate, d_w_up,
+            d_w_down, d_b_gate, d_b_up, d_b_down, None, None, None, None, None, None, None,
+            *lora.grads_tuple(lora_grads, lora_count))
+
+
+def _gate_up(normed, w_gate, w_up, b_gate, b_up, adapters, row_offset=0):
     """gate and up of the normalized input, each with its LoRA branches (targets 0 and 1)."""
-    gate = lora.add_branches(F.linear(normed, w_gate, b_gate), normed, 0, *adapters)
-    up = lora.add_branches(F.linear(normed, w_up, b_up), normed, 1, *adapters)
+    gate = lora.add_branches(F.linear(normed, w_gate, b_gate), normed, 0, *adapters, row_offset=row_offset)
+    up = lora.add_branches(F.linear(normed, w_up, b_up), normed, 1, *adapters, row_offset=row_offset)
     return gate, up
 
 

@@ -85,7 +85,7 @@ def gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, *, approximate="none", recompute="bl
 
 
 def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms", eps=None, activation="silu",
-             b_gate=None, b_up=None, b_down=None, recompute="block", lora=None, backend=None):
+             b_gate=None, b_up=None, b_down=None, recompute="block", lora=None, backend=None, tile_tokens=None):
     """Pre-norm gated MLP sub-block: ``gated_mlp(norm(x))``, keeping only x and the fp32 norm
     statistics for backward (the normalized input is recomputed in backward and never stored).
     ``recompute="activation"`` also keeps gate and up, so no GEMM is recomputed.
@@ -104,6 +104,11 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
             (gate and up read the normalized input, down reads h). Nothing of them is kept per
             token: their rank-r intermediates and dropout masks are recomputed in backward.
         backend: as for :func:`rms_norm`.
+        tile_tokens: None (default) or an int >= 1: forward and backward run over tiles of that
+            many tokens, so no ``[tokens, intermediate]`` tensor exists beyond one tile (the
+            result equals the untiled call up to rounding: weight gradients are summed over the
+            tiles in fp32; what is kept is unchanged). With LoRA dropout, a multiple of 4 (the masks
+            are the untiled call's).
 
     Returns:
         ``[..., H]`` (the MLP output; add the residual outside).
@@ -111,18 +116,23 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
     checks.check_input(x)
     checks.check_choice(recompute, "recompute", ("block", "activation"))
     checks.check_choice(activation, "activation", ACTIVATIONS)
+    tile = checks.check_tile_tokens(tile_tokens)
     eps = checks.check_norm(norm, norm_weight, norm_bias, eps, x)
     hidden = checks.check_gated_weights(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     inter = w_gate.shape[0]
     lora_layout, lora_tensors = check_lora(lora, (hidden, hidden, inter), (inter, inter, hidden), x,
                                            ("gate", "up", "down"))
+    if tile % 4 and any(slot.dropout_p > 0 for slot in lora_layout):
+        raise ValueError(f"with LoRA dropout, tile_tokens must be a multiple of 4 (a tile's dropout mask starts on "
+                         f"a Philox call of four elements), got {tile}")
     name = resolve_backend(backend, x)
     (_, *lora_tensors), _ = checks.autocast_cast(x, *lora_tensors)
     (x_rows, *params), autocast_off = checks.autocast_cast(checks.as_rows(x), norm_weight, norm_bias, w_gate, w_up,
                                                            w_down,
                                                      b_gate, b_up, b_down)
     with autocast_off:
-        y = NormGatedMLPFunction.apply(x_rows, *params, norm, float(eps), activation, recompute, name, lora_layout,
+        y = NormGatedMLPFunction.apply(x_rows, *params, norm, float(eps), activation, recompute, name, tile,
+                                       lora_layout,
                                        *lora_tensors)
     return y.view(*x.shape[:-1], hidden)
 

@@ -287,7 +287,8 @@ class GemmaLayer(PreNormDecoderLayer):
         m = functional.norm_mlp(
             h, checks.vector_like(norm.weight, h), *weights, norm="gemma", eps=norm.eps, activation=mlp.activation,
             b_gate=checks.cast_like(biases[0], h), b_up=checks.cast_like(biases[1], h),
-            b_down=checks.cast_like(biases[2], h), recompute=self.mlp_recompute, lora=lora, backend=self.backend)
+            b_down=checks.cast_like(biases[2], h), recompute=self.mlp_recompute, lora=lora, backend=self.backend,
+            tile_tokens=self.tile_tokens)
         # With adapters under the memory policy, the post-norm keeps its input (one [h] per token).
         return post(m)
 

@@ -154,7 +154,7 @@ class LlamaLayer(PreNormDecoderLayer):
         return functional.norm_mlp(
             h, checks.vector_like(norm.weight, h), w_gate, w_up, w_down, norm="rms", eps=norm.eps_for(h),
             activation=mlp.activation, b_gate=b_gate, b_up=b_up, b_down=b_down, recompute=self.mlp_recompute,
-            lora=adapters.lora_argument(projections), backend=self.backend)
+            lora=adapters.lora_argument(projections), backend=self.backend, tile_tokens=self.tile_tokens)
 
 
 class HFLlamaLayer(LlamaLayer):

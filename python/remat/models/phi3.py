@@ -238,7 +238,8 @@ class Phi3Layer(PreNormDecoderLayer):
         return functional.norm_mlp(
             h, checks.vector_like(norm.weight, h), w_gate, w_up, checks.cast_like(down.weight, h), norm="rms",
             eps=norm.eps_for(h), activation=mlp.activation, b_gate=b_gate, b_up=b_up,
-            b_down=checks.cast_like(down.bias, h), recompute=self.mlp_recompute, lora=lora, backend=self.backend)
+            b_down=checks.cast_like(down.bias, h), recompute=self.mlp_recompute, lora=lora, backend=self.backend,
+            tile_tokens=self.tile_tokens)
 
 
 def _unfused_attention(norm, attn, x, rope, layout):

@@ -22,6 +22,7 @@ from torch import nn
 
 from remat import checks, functional
 from remat.hf import given_cache, refuse_static_cache, run_stock_layer
+from remat.offload import offload_scope
 from remat.sequences import OFFSET_ARGUMENTS, pack_sequences, sequence_layout, unpack_sequences
 
 LAYER_POLICIES = ("speed", "balanced", "memory")
@@ -66,7 +67,16 @@ class PreNormDecoderLayer(nn.Module):
     ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which restores the RNG state, so
     dropout masks and gradients are bitwise those of the run without it). Hugging Face's
     ``every_n_layers`` counts remat's layers once remat.patch has replaced them (see there).
+
+    Host offload: ``remat.patch(model, offload=True)`` sets ``_offload`` (a shared
+    remat.offload.HostOffload) and ``_offload_index`` (the layer's place in forward order); the
+    layer's forward then saves to host memory (see remat.offload).
     """
+
+    _offload = None
+    _offload_index = 0
+    # remat.patch(tile_tokens=T): the gated MLP sub-block runs over tiles of T tokens (remat.norm_mlp).
+    tile_tokens = None
 
     resid_dropout = 0.0
     # Gradient checkpointing of the whole layer (Hugging Face's attribute names, so that
@@ -158,10 +168,14 @@ class PreNormDecoderLayer(nn.Module):
         checks.check_input(x)
         batch, n, hidden = x.shape
         layout = sequence_layout(batch, n, attention_mask, position_ids, **{k: kwargs.get(k) for k in OFFSET_ARGUMENTS})
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            # Positional arguments only: a reentrant checkpoint function sees only those as inputs.
-            return self._gradient_checkpointing_func(self._fused_forward, x, position_ids, position_embeddings, layout)
-        return self._fused_forward(x, position_ids, position_embeddings, layout)
+        # With host offload (remat.patch(offload=True)) what the layer saves, its input alone under
+        # checkpointing (saved outside the checkpointed function), goes to host memory.
+        with offload_scope(self._offload, self._offload_index):
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                # Positional arguments only: a reentrant checkpoint function sees only those as inputs.
+                return self._gradient_checkpointing_func(self._fused_forward, x, position_ids, position_embeddings,
+                                                         layout)
+            return self._fused_forward(x, position_ids, position_embeddings, layout)
 
     def _fused_forward(self, x, position_ids, position_embeddings, layout=None):
         """x ``[B, N, hidden]`` -> ``[B, N, hidden]``: the attention sub-block over ``layout`` (packed

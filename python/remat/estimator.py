@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from remat.autograd.common import refuse_double_backward
 from remat.backend import simulated_gpu
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
@@ -70,6 +71,8 @@ class Estimate:
             of trainable parameters, optimizer states, tensors saved for backward, other:
             activations in flight, the backward's working set, the loss).
         peak_phase: the phase in which the peak happened.
+        after_forward_bytes: device bytes alive when the forward has returned (parameters, what
+            is kept for backward, the loss): what the backward starts from.
         device: the target device.
         tokens: batch_size * seq_len of the step.
     """
@@ -81,12 +84,17 @@ class Estimate:
     peak_phase: str
     device: torch.device
     tokens: int
+    after_forward_bytes: int = 0
 
     def __str__(self):
-        gib = 2**30
-        parts = ", ".join(f"{kind} {self.breakdown.get(kind, 0) / gib:.2f}" for kind in KINDS)
-        return (f"peak {self.peak_bytes / gib:.2f} GiB on {self.device} in the {self.peak_phase} ({parts}); "
-                f"host {self.host_bytes / gib:.2f} GiB; {self.tokens} tokens")
+        parts = ", ".join(f"{kind} {_size(self.breakdown.get(kind, 0))}" for kind in KINDS)
+        return (f"peak {_size(self.peak_bytes)} on {self.device} in the {self.peak_phase} ({parts}); "
+                f"host {_size(self.host_bytes)}; {self.tokens} tokens")
+
+
+def _size(nbytes):
+    """``nbytes`` in GiB from 1 GiB up, else in MiB."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 class LiveBytes(TorchDispatchMode):
@@ -215,8 +223,9 @@ class GraphWalk:
     runs; saved tensors packed by an inner hook (checkpointing) are released by that hook's owner,
     as with the engine.
 
-    Not supported (raise): hooks registered on graph nodes or on non-leaf tensors (the engine runs
-    them; this walk cannot list them), ``create_graph``.
+    Leaf gradients follow AccumulateGrad's rule (:meth:`_accumulate`), with the leaf's tensor hooks
+    and post-accumulate hooks. Not run: hooks registered on graph nodes or on non-leaf tensors
+    (PyTorch keeps them where Python cannot list them); no backward of the backward (create_graph).
     """
 
     def __init__(self, on_pack=None):
@@ -242,47 +251,107 @@ class GraphWalk:
 
     def backward(self, root, grad=None):
         """Computes the gradients of ``root`` (a scalar unless ``grad`` is given) into the
-        ``.grad`` of the leaves that require it, as ``root.backward(grad)`` would."""
+        ``.grad`` of the leaves that require it, as ``root.backward(grad)`` would.
+
+        As the engine without ``retain_graph``, the graph is used up: nodes are let go as soon as
+        they have run, so that (with nothing else holding them) they free what they saved, and the
+        root is detached in place (unless it is a view) so that it does not hold the graph."""
         if root.grad_fn is None:
             raise RuntimeError("the root does not require grad and has no grad_fn")
         if grad is None:
             if root.numel() != 1:
                 raise RuntimeError("grad can be implicitly created only for scalar outputs")
             grad = torch.ones_like(root)
-        start = root.grad_fn
+        start, output_nr = root.grad_fn, root.output_nr
+        if root._base is None:
+            root.detach_()
         dependencies = self._dependencies(start)
-        buffers = {start: [None] * self._input_count(start)}
-        buffers[start][root.output_nr] = grad
-        ready = [(self._priority(start), 0, start)]
-        counter = 1
+        slots = [None] * self._input_count(start)
+        slots[output_nr] = grad
+        grad = None
+        buffers = {self._key(start): slots}
+        ready = [(self._priority(start), 0, self._key(start), start)]
+        start = None
         self._walking = True
+        # Non-reentrant checkpointing keys its recomputation by the engine's graph task id, which
+        # is -1 outside the engine (a new recomputation per unpack); a GraphExecGroup is its key
+        # for backwards run outside the engine: each region recomputes once.
+        group = torch.utils.checkpoint.GraphExecGroup() if torch._C._get_graph_exec_group() is None else None
         try:
-            with torch.no_grad():  # as the engine without create_graph: no graph of the backward
-                self._run(ready, buffers, dependencies, counter)
+            with torch.no_grad(), group or contextlib.nullcontext():  # no_grad: no graph of the backward
+                self._run(ready, buffers, dependencies)
         finally:
             self._walking = False
             self._unpacked.clear()
 
-    def _run(self, ready, buffers, dependencies, counter):
+    def _run(self, ready, buffers, dependencies):
+        counter = 1
         while ready:
-            _, _, node = heapq.heappop(ready)
-            inputs = buffers.pop(node)
+            _, _, key, node = heapq.heappop(ready)
+            inputs = buffers.pop(key)
             outputs = self._call(node, inputs)
             inputs = None
             for holder in self._unpacked:
                 holder.tensor = None
             self._unpacked.clear()
             for (next_node, index), grad_out in self._routes(node, outputs):
-                slots = buffers.setdefault(next_node, [None] * self._input_count(next_node))
+                next_key = self._key(next_node)
+                slots = buffers.setdefault(next_key, [None] * self._input_count(next_node))
                 if grad_out is not None:
                     grad_out = self._validated(grad_out, next_node._input_metadata[index])
                     slots[index] = grad_out if slots[index] is None else slots[index] + grad_out
                 grad_out = None
-                dependencies[next_node] -= 1
-                if dependencies[next_node] == 0:
-                    heapq.heappush(ready, (self._priority(next_node), counter, next_node))
+                dependencies[next_key] -= 1
+                if dependencies[next_key] == 0:
+                    del dependencies[next_key]
+                    heapq.heappush(ready, (self._priority(next_node), counter, next_key, next_node))
                     counter += 1
-            outputs = None
+                next_node = None
+            # Let the node go: unless something else holds it, it is destroyed with what it saved
+            # (the engine's release_variables after a node runs).
+            outputs = node = None
+
+    # The sequence number of a gradient accumulator (AccumulateGrad): UINT64_MAX.
+    _ACCUMULATOR = 2**64 - 1
+
+    @classmethod
+    def _key(cls, node):
+        """A key for a node that does not hold it (a Python wrapper of a C++ node keeps the node
+        alive): its sequence number, unique among the nodes one thread records, or for a gradient
+        accumulator the id of its leaf."""
+        number = node._sequence_nr()
+        return ("leaf", id(node.variable)) if number == cls._ACCUMULATOR else number
+
+    @classmethod
+    def _priority(cls, node):
+        # heapq pops the smallest: accumulators (sequence number UINT64_MAX) first, then the
+        # highest sequence number.
+        return -node._sequence_nr()
+
+    @staticmethod
+    def _input_count(node):
+        return len(node._input_metadata)
+
+    @classmethod
+    def _dependencies(cls, start):
+        """{key: number of edges into the node} over the graph from ``start``."""
+        dependencies = {}
+        seen = {cls._key(start): start}  # holds the wrappers while counting (identity checks)
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            for next_node, _ in node.next_functions:
+                if next_node is None:
+                    continue
+                key = cls._key(next_node)
+                dependencies[key] = dependencies.get(key, 0) + 1
+                if key not in seen:
+                    seen[key] = next_node
+                    stack.append(next_node)
+                elif seen[key] is not next_node:
+                    raise RuntimeError(f"two autograd nodes share sequence number {key} ({seen[key].name()}, "
+                                       f"{next_node.name()}): the graph was not recorded on one thread")
+        return dependencies
 
     @staticmethod
     def _validated(grad, metadata):
@@ -294,34 +363,11 @@ class GraphWalk:
             grad = grad.to(metadata.dtype)
         return grad
 
-    @staticmethod
-    def _priority(node):
-        # heapq pops the smallest: accumulators (sequence number UINT64_MAX) first, then the
-        # highest sequence number.
-        return -node._sequence_nr()
-
-    @staticmethod
-    def _input_count(node):
-        return len(node._input_metadata)
-
-    @staticmethod
-    def _dependencies(start):
-        dependencies = {}
-        seen = {start}
-        stack = [start]
-        while stack:
-            node = stack.pop()
-            for next_node, _ in node.next_functions:
-                if next_node is None:
-                    continue
-                dependencies[next_node] = dependencies.get(next_node, 0) + 1
-                if next_node not in seen:
-                    seen.add(next_node)
-                    stack.append(next_node)
-        return dependencies
-
-    @staticmethod
-    def _call(node, inputs):
+    @classmethod
+    def _call(cls, node, inputs):
+        if node._sequence_nr() == cls._ACCUMULATOR and hasattr(node, "variable"):
+            cls._accumulate(node.variable, inputs[0])
+            return ()
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             # A custom Function's backward gets zeros for outputs without a gradient (the default
             # materialize_grads=True; remat's Functions keep it).
@@ -335,6 +381,31 @@ class GraphWalk:
         if not isinstance(outputs, tuple):
             outputs = (outputs,)
         return outputs
+
+    @staticmethod
+    def _accumulate(leaf, grad):
+        """AccumulateGrad's rule (accumulate_grad.h) for a gradient the engine holds alone: the
+        leaf's tensor hooks run on it; a first gradient is taken as it is where its layout matches
+        the leaf's (else copied into the leaf's layout), a later one added in place; then the
+        post-accumulate hooks run. Called from Python the node itself would always copy (Python
+        holds a second reference to the gradient), which the engine does only for a gradient
+        another tensor shares."""
+        for hook in (getattr(leaf, "_backward_hooks", None) or {}).values():
+            result = hook(grad)
+            if result is not None:
+                grad = result
+        if grad is None:
+            return
+        if leaf.grad is None:
+            if grad.stride() == leaf.stride() and grad.dtype == leaf.dtype:
+                leaf.grad = grad.detach()
+            else:
+                leaf.grad = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype,
+                                                device=leaf.device).copy_(grad)
+        else:
+            leaf.grad += grad
+        for hook in (getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(leaf)
 
     @staticmethod
     def _routes(node, outputs):
@@ -370,6 +441,7 @@ class _FlashAttentionOnTarget(torch.autograd.Function):
         return out
 
     @staticmethod
+    @refuse_double_backward("remat.estimate's SDPA stand-in")
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         batch, heads, n, dim = q.shape
@@ -441,7 +513,7 @@ def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=
     ``ids`` of shape [batch_size, seq_len] (a Hugging Face causal LM, patched or not), or
     ``model(**inputs)`` with a loss as the output's ``loss`` or the output itself when ``inputs``
     is given (tensors in it are made fake). It runs on fake tensors: for a model on the CPU with real
-    weights the parameters are stood in for by fake copies (``torch.func.functional_call``; the
+    weights the parameters are stood in for by fake copies for the step's duration (the
     model and its gradients are not touched), and a model built on fake tensors (for example on
     fake CUDA tensors by ``remat.fit``, with no GPU present) is used as it is.
 
@@ -479,31 +551,59 @@ def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=
         walk = device.type == "cuda"
     tracker = LiveBytes(device, CUDA_BLOCK_BYTES if device.type == "cuda" else 1)
     graph_walk = GraphWalk(on_pack=lambda t: tracker.mark(t, "saved"))
+    if inputs is not None:
+        inputs = {key: mode.from_tensor(value) if isinstance(value, torch.Tensor) and not is_fake(value) else value
+                  for key, value in inputs.items()}
     try:
-        fakes = None
-        named_fake = named
-        if swap:
-            fakes = {}
-            by_storage = {}  # tied weights stay one tensor
-            for name, t in [*named.items(), *buffers.items()]:
-                key = t.untyped_storage()._cdata if t.numel() else id(t)
-                if key not in by_storage:
-                    fake = mode.from_tensor(t.detach())
-                    with mode:
-                        by_storage[key] = fake.detach().requires_grad_(t.requires_grad)
-                fakes[name] = by_storage[key]
-            named_fake = {name: fakes[name] for name in named}
-        with mode, simulated_gpu(cuda_capability) if device.type == "cuda" else contextlib.nullcontext():
-            result = _run_step(model, fakes, named_fake, tracker, graph_walk, device, seq_len, batch_size,
-                               optimizer, inputs, walk)
+        stand_ins = _fake_copies(model, mode) if swap else None
+        with mode, simulated_gpu(cuda_capability) if device.type == "cuda" else contextlib.nullcontext(), \
+                _standing_in(model, stand_ins):
+            result = _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer, inputs, walk)
     finally:
         tracker.close()
     return result
 
 
-def _run_step(model, fakes, params, tracker, graph_walk, device, seq_len, batch_size, optimizer, inputs, walk):
-    trainable = {id(p): p for p in params.values() if p.requires_grad}
-    for t in (fakes.values() if fakes is not None else (*params.values(), *model.buffers())):
+def _fake_copies(model, mode):
+    """{id(tensor): fake copy} for the model's parameters (fake Parameters keeping requires_grad)
+    and buffers; tensors sharing a storage (tied weights) share one copy."""
+    copies, by_storage = {}, {}
+    for t in (*model.parameters(), *model.buffers()):
+        key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape)) if t.numel() else id(t)
+        if key not in by_storage:
+            fake = mode.from_tensor(t.detach())
+            if isinstance(t, torch.nn.Parameter):
+                fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+            by_storage[key] = fake
+        copies[id(t)] = by_storage[key]
+    return copies
+
+
+@contextlib.contextmanager
+def _standing_in(model, stand_ins):
+    """Puts the fake copies in place of the model's parameters and buffers for the step (forward
+    and backward: a checkpointed layer re-runs its forward in backward) and puts the real ones back
+    after, whatever happens."""
+    if stand_ins is None:
+        yield
+        return
+    swapped = []
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in list(table.items()):
+                    if t is not None and id(t) in stand_ins:
+                        swapped.append((table, name, t))
+                        table[name] = stand_ins[id(t)]
+        yield
+    finally:
+        for table, name, t in reversed(swapped):
+            table[name] = t
+
+
+def _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer, inputs, walk):
+    trainable = {id(p): p for p in model.parameters() if p.requires_grad}
+    for t in (*model.parameters(), *model.buffers()):
         if t.numel():
             tracker.track(t, "parameters")
     hooks = [p.register_post_accumulate_grad_hook(_mark_gradient(tracker)) for p in trainable.values()]
@@ -524,15 +624,15 @@ def _run_step(model, fakes, params, tracker, graph_walk, device, seq_len, batch_
         kwargs = dict(inputs)
     try:
         with tracker, _SdpaAsOnTarget(), graph_walk.saving(), _dense_rows_in_hugging_face():
-            output = (torch.func.functional_call(model, fakes, (), kwargs, tie_weights=True, strict=False)
-                      if fakes is not None else model(**kwargs))
+            output = model(**kwargs)
             loss = output if isinstance(output, torch.Tensor) else output["loss"]
             if loss is None:
                 raise ValueError("the model computed no loss: give labels (or inputs whose forward returns one)")
             output = None
+            after_forward = tracker.current
             tracker.set_phase("backward")
             if walk:
-                graph_walk.backward(loss)
+                graph_walk.backward(loss)  # detaches loss: the walk lets the graph go as it runs
             else:
                 loss.backward()
             loss = None
@@ -543,7 +643,7 @@ def _run_step(model, fakes, params, tracker, graph_walk, device, seq_len, batch_
         p.grad = None
     return Estimate(peak_bytes=tracker.peak, host_bytes=tracker.host_peak, phases=dict(tracker.phase_peaks),
                     breakdown=dict(tracker.at_peak), peak_phase=tracker.peak_phase, device=device,
-                    tokens=batch_size * seq_len)
+                    tokens=batch_size * seq_len, after_forward_bytes=after_forward)
 
 
 def _mark_gradient(tracker):
@@ -576,3 +676,44 @@ def _dense_rows_in_hugging_face():
         yield
     finally:
         masking_utils.find_packed_sequence_indices = detect
+
+
+def on_fake_device(model, device="cuda", mode=None):
+    """Gives a model built on the meta device fake tensors on ``device`` (in place; returns it), so
+    that :func:`estimate` can run it: each meta parameter and buffer becomes a ``FakeTensor`` of
+    its shape and dtype on ``device`` (tied tensors stay one tensor; ``requires_grad`` is kept).
+
+    Build on meta, then apply what changes modules (PEFT adapters, which cannot be added to fake
+    parameters: module ``_apply`` refuses to swap them), then call this, then ``remat.patch``.
+
+    Args:
+        model: an ``nn.Module`` whose parameters and buffers are all on the meta device.
+        device: the device the fake tensors report (default ``"cuda"``, i.e. ``cuda:0``).
+        mode: the ``FakeTensorMode`` they belong to (default: a new one).
+
+    Returns:
+        ``model``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    not_meta = sorted({str(t.device) for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"})
+    if not_meta:
+        raise ValueError(f"on_fake_device takes a model on the meta device; it has tensors on {not_meta}")
+    mode = mode if mode is not None else FakeTensorMode()
+    made = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(FakeTensor(mode, param.data, device),
+                                                         requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                if id(buffer) not in made:
+                    made[id(buffer)] = FakeTensor(mode, buffer, device)
+                module._buffers[name] = made[id(buffer)]
+    return model

@@ -1,0 +1,243 @@
+"""``python -m remat fit CONFIG.json --gpu-memory 80GB``: the longest sequence (or the largest
+batch) whose training step fits a GPU, per setup, estimated on this machine without a GPU.
+
+The model is built from a Hugging Face config on the meta device, given LoRA adapters with PEFT if
+asked, moved onto fake CUDA tensors (``remat.estimator.on_fake_device``), set up (stock, Hugging
+Face gradient checkpointing, or ``remat.patch`` with a policy) and estimated
+(``remat.estimator.estimate``) at lengths found by doubling, then bisection.
+"""
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+
+import torch
+
+from remat.estimator import estimate, on_fake_device
+
+SETUPS = ("stock", "stock+checkpointing", "remat:speed", "remat:balanced", "remat:memory", "remat:auto")
+# What a GPU's memory holds besides the tensors the estimate counts: the CUDA context (~0.5 GiB),
+# cuBLAS/cuDNN workspaces, the caching allocator's fragmentation.
+DEFAULT_RESERVE = 3 * 2**30
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+
+
+def parse_bytes(text):
+    """Bytes in ``text`` such as ``"80GB"``, ``"141 GiB"``, ``"512MB"`` or ``"1e9"``. GPU memory
+    is quoted in binary units (an "80 GB" H100 holds 80 GiB of HBM), so GB and GiB both mean 2**30
+    here, MB 2**20 and so on."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if match is None or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read a size from {text!r} (expected e.g. 80GB, 141GiB, 512MB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+@dataclasses.dataclass
+class FitRow:
+    """One setup's answer: the longest ``max_seq_len`` (at ``batch_size``) or, when a sequence
+    length was fixed, the largest ``max_batch_size``; the estimate's device peak and host bytes
+    there. ``note`` says why a setup could not be estimated (then the numbers are None)."""
+
+    setup: str
+    max_seq_len: int | None
+    max_batch_size: int | None
+    peak_bytes: int | None
+    host_bytes: int | None
+    note: str = ""
+
+
+def build_model(config, *, lora_rank=0, dtype=torch.bfloat16):
+    """A causal LM from a Hugging Face config on fake CUDA tensors (no GPU needed), with PEFT LoRA
+    adapters of rank ``lora_rank`` on every linear layer (alpha = rank, no dropout) when > 0."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if lora_rank:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=lora_rank, lora_dropout=0.0,
+                                                           target_modules="all-linear"))
+    return on_fake_device(model)
+
+
+def set_up(model, setup, budget_bytes, offload=False, tile_tokens=None):
+    """Applies ``setup`` (one of :data:`SETUPS`) to a freshly built model, remat's with host offload
+    of what its layers keep when ``offload`` and MLPs tiled by ``tile_tokens``; returns the model."""
+    import remat
+
+    if setup == "stock":
+        return model
+    if setup == "stock+checkpointing":
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    policy = setup.removeprefix("remat:")
+    if policy == "auto":
+        remat.patch(model, policy="auto", budget_bytes=budget_bytes)
+    else:
+        remat.patch(model, policy=policy, offload=offload, tile_tokens=tile_tokens)
+    return model
+
+
+def _largest(fits, start, limit):
+    """The largest n in [1, limit] with fits(n) not None (fits is monotone: larger n fit less),
+    by halving or doubling from ``start``, then bisection to within 1/64 (at least 1).
+    Returns (n, fits(n)), or (0, None) when not even 1 fits."""
+    n = min(start, limit)
+    result = fits(n)
+    if result is None:
+        high = n
+        while True:
+            n //= 2
+            if n < 1:
+                return 0, None
+            result = fits(n)
+            if result is not None:
+                break
+            high = n
+        low, low_result = n, result
+    else:
+        low, low_result, high = n, result, None
+        while high is None:
+            if low >= limit:
+                return low, low_result
+            n = min(2 * low, limit)
+            result = fits(n)
+            if result is None:
+                high = n
+            else:
+                low, low_result = n, result
+    while high - low > max(1, low // 64):
+        middle = (low + high) // 2
+        result = fits(middle)
+        if result is None:
+            high = middle
+        else:
+            low, low_result = middle, result
+    return low, low_result
+
+
+def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=1, seq_len=None,
+        setups=SETUPS, max_tokens=2**25, optimizer=None, offload=False, tile_tokens=None):
+    """For each setup, the longest sequence (or, with ``seq_len`` given, the largest batch) whose
+    training step's estimated device peak fits ``gpu_memory - reserve`` bytes.
+
+    Args:
+        config: a Hugging Face ``PretrainedConfig`` of a causal LM.
+        gpu_memory: the GPU's total memory in bytes.
+        reserve: bytes kept free for what the estimate does not count (default 3 GiB).
+        lora_rank: PEFT LoRA rank on every linear layer; 0 (default) trains every parameter.
+        batch_size: sequences per step when searching the length (default 1).
+        seq_len: fix the length and search the batch size instead (default None).
+        setups: names from :data:`SETUPS` (default all).
+        max_tokens: the search stops there (default 2**25).
+        optimizer: passed to ``estimate`` (None or "adam").
+        offload: remat's setups offload what their layers keep to host memory
+            (``remat.patch(offload=True)``); the rows' ``host_bytes`` are then the host peak.
+        tile_tokens: remat's setups run their MLPs over tiles of that many tokens
+            (``remat.patch(tile_tokens=...)``); default None.
+
+    Returns:
+        a list of :class:`FitRow`, one per setup.
+    """
+    usable = gpu_memory - reserve
+    if usable <= 0:
+        raise ValueError(f"gpu_memory ({gpu_memory}) must exceed the reserve ({reserve})")
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        raise ValueError(f"unknown setups {unknown}; choose from {list(SETUPS)}")
+    rows = []
+    for setup in setups:
+        if setup == "remat:auto":
+            # remat.plan_model bounds the bytes saved for backward, measured on example inputs of
+            # one length; a plan that bounds the device peak at each searched length is issue 27's
+            # planner work, not built yet.
+            rows.append(FitRow(setup, None, None, None, None, "not estimated: policy='auto' plans saved bytes "
+                                                              "for one example length, not the device peak"))
+            continue
+        try:
+            model = set_up(build_model(config, lora_rank=lora_rank), setup, usable, offload, tile_tokens)
+        except Exception as error:  # a setup that cannot be built is reported, not fatal
+            rows.append(FitRow(setup, None, None, None, None, f"{type(error).__name__}: {error}"))
+            continue
+
+        def fits(n, model=model):
+            shape = (n, seq_len) if seq_len is not None else (batch_size, n)
+            result = estimate(model, batch_size=shape[0], seq_len=shape[1], optimizer=optimizer)
+            return result if result.peak_bytes <= usable else None
+
+        limit = max_tokens // (seq_len if seq_len is not None else batch_size)
+        n, result = _largest(fits, 1 if seq_len is not None else 1024, max(limit, 1))
+        peak = result.peak_bytes if result is not None else None
+        host = result.host_bytes if result is not None else None
+        if seq_len is not None:
+            rows.append(FitRow(setup, seq_len if n else None, n, peak, host))
+        else:
+            rows.append(FitRow(setup, n, batch_size if n else None, peak, host))
+    return rows
+
+
+def _size(nbytes):
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _table(rows, gpu_memory, reserve, searching_batch):
+    gib = 2**30
+    lines = [f"GPU memory {_size(gpu_memory)}, reserve {_size(reserve)} kept free "
+             f"(CUDA context, workspaces, fragmentation): {_size(gpu_memory - reserve)} usable",
+             f"{'setup':<22}{'max batch' if searching_batch else 'max seq len':>14}{'peak GiB':>11}{'host GiB':>11}"]
+    for row in rows:
+        value = row.max_batch_size if searching_batch else row.max_seq_len
+        if row.note:
+            lines.append(f"{row.setup:<22}{'-':>14}{'':>11}{'':>11}  {row.note}")
+        elif not value:
+            lines.append(f"{row.setup:<22}{'none fits':>14}")
+        else:
+            lines.append(f"{row.setup:<22}{value:>14,}{row.peak_bytes / gib:>11.2f}{row.host_bytes / gib:>11.2f}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    """The ``fit`` command (see the module docstring); returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m remat fit",
+                                     description="Longest sequence (or largest batch) whose training step fits a GPU, "
+                                                 "per setup, estimated without a GPU.")
+    parser.add_argument("config", help="a Hugging Face config.json of a causal LM")
+    parser.add_argument("--gpu-memory", required=True, help="the GPU's total memory, e.g. 80GB or 141GB")
+    parser.add_argument("--reserve", default="3GiB", help="memory kept free for what is not counted (default 3GiB)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="PEFT LoRA rank on all linear layers (0: full)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=None, help="fix the length and search the batch size")
+    parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated, from " + ", ".join(SETUPS))
+    parser.add_argument("--adam", action="store_true", help="count fp32 Adam states of the trainable parameters")
+    parser.add_argument("--offload", action="store_true", help="remat's layers offload what they keep to the host")
+    parser.add_argument("--tile-tokens", type=int, default=None, help="remat's MLPs run over tiles of this many tokens")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    args = parser.parse_args(argv)
+    import transformers
+
+    with open(args.config) as file:
+        config = transformers.AutoConfig.for_model(**json.load(file))
+    try:
+        gpu_memory, reserve = parse_bytes(args.gpu_memory), parse_bytes(args.reserve)
+        rows = fit(config, gpu_memory=gpu_memory, reserve=reserve, lora_rank=args.lora_rank,
+                   batch_size=args.batch_size, seq_len=args.seq_len,
+                   setups=[s.strip() for s in args.setups.split(",") if s.strip()],
+                   optimizer="adam" if args.adam else None, offload=args.offload, tile_tokens=args.tile_tokens)
+    except ValueError as error:
+        print(f"python -m remat fit: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([{"setup": r.setup, "max_seq_len": r.max_seq_len, "max_batch_size": r.max_batch_size,
+                           "peak_bytes": r.peak_bytes, "host_bytes": r.host_bytes, "note": r.note} for r in rows]))
+    else:
+        print(_table(rows, gpu_memory, reserve, args.seq_len is not None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,105 @@
+"""python -m remat fit: the longest sequence (or largest batch) that fits, per setup, from a
+Hugging Face config on fake CUDA tensors (no GPU here)."""
+
+import json
+
+import pytest
+
+from remat import fit as fit_module
+from remat.__main__ import main as remat_main
+from remat.fit import FitRow, build_model, fit, parse_bytes, set_up
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+TINY = dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def tiny_config():
+    return transformers.AutoConfig.for_model(**TINY)
+
+
+def test_parse_bytes_reads_gpu_sizes_in_binary_units():
+    assert parse_bytes("80GB") == 80 * 2**30
+    assert parse_bytes("141 GiB") == 141 * 2**30
+    assert parse_bytes("512MB") == 512 * 2**20
+    assert parse_bytes("1.5G") == int(1.5 * 2**30)
+    assert parse_bytes("4096") == 4096
+    for bad in ("", "eighty", "80 XB", "-1GB"):
+        with pytest.raises(ValueError, match="cannot read a size"):
+            parse_bytes(bad)
+
+
+def test_each_setup_gets_the_longest_length_that_fits():
+    from remat.estimator import estimate
+
+    gpu, reserve = 64 * 2**20, 4 * 2**20
+    rows = {r.setup: r for r in fit(tiny_config(), gpu_memory=gpu, reserve=reserve, lora_rank=8,
+                                    setups=("stock", "stock+checkpointing", "remat:memory"))}
+    for setup, row in rows.items():
+        assert row.max_seq_len and row.peak_bytes <= gpu - reserve, row
+        # Maximal to the search's resolution (1/64): 2% more does not fit.
+        longer = int(row.max_seq_len * 1.02) + 1
+        model = set_up(build_model(tiny_config(), lora_rank=8), setup, gpu - reserve)
+        assert estimate(model, seq_len=longer).peak_bytes > gpu - reserve, setup
+    assert rows["stock"].max_seq_len < rows["stock+checkpointing"].max_seq_len
+    assert rows["stock"].max_seq_len < rows["remat:memory"].max_seq_len
+
+
+def test_a_fixed_length_searches_the_batch_size():
+    rows = fit(tiny_config(), gpu_memory=64 * 2**20, reserve=4 * 2**20, seq_len=256, setups=("remat:memory",))
+    assert rows[0].max_seq_len == 256 and rows[0].max_batch_size >= 1
+
+
+def test_nothing_fits_is_reported_not_raised():
+    rows = fit(tiny_config(), gpu_memory=2 * 2**20, reserve=2**20, setups=("stock",))
+    assert rows == [FitRow("stock", 0, None, None, None)]
+
+
+def test_the_command_prints_json_rows_with_every_setup(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    assert remat_main(["fit", str(config), "--gpu-memory", "64MB", "--reserve", "4MB", "--lora-rank", "8",
+                       "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["setup"] for r in rows] == list(fit_module.SETUPS)
+    for row in rows:
+        assert set(row) >= {"setup", "max_seq_len", "peak_bytes", "host_bytes"}
+        if row["setup"] == "remat:auto":
+            assert row["max_seq_len"] is None and "not estimated" in row["note"]
+        else:
+            assert row["max_seq_len"] > 0 and row["peak_bytes"] <= 60 * 2**20 and row["host_bytes"] == 0
+
+
+def test_the_table_states_the_reserve(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    assert remat_main(["fit", str(config), "--gpu-memory", "64MB", "--reserve", "4MB",
+                       "--setups", "stock,remat:memory"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("GPU memory 64.0 MiB, reserve 4.0 MiB kept free (CUDA context, workspaces, fragmentation): "
+                        "60.0 MiB usable")
+    assert [line.split()[0] for line in lines[2:]] == ["stock", "remat:memory"]
+    # The default reserve (3 GiB) exceeds 64 MB: a clear error, no traceback.
+    assert remat_main(["fit", str(config), "--gpu-memory", "64MB"]) == 2
+    assert "must exceed the reserve" in capsys.readouterr().err
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="must exceed the reserve"):
+        fit(tiny_config(), gpu_memory=2**20, reserve=2**20)
+    with pytest.raises(ValueError, match="unknown setups"):
+        fit(tiny_config(), gpu_memory=2**33, setups=("remat:fast",))
+    assert remat_main(["nonsense"]) == 2
+
+
+def test_offload_lets_remat_fit_longer_and_reports_host_bytes():
+    # Six layers: at the peak (the last layer's backward) two layers' kept tensors are on the
+    # device (that layer's and the one prefetched), not six.
+    config = transformers.AutoConfig.for_model(**{**TINY, "num_hidden_layers": 6})
+    kwargs = dict(gpu_memory=64 * 2**20, reserve=4 * 2**20, setups=("remat:memory",))
+    kept = fit(config, **kwargs)[0]
+    offloaded = fit(config, offload=True, **kwargs)[0]
+    assert kept.host_bytes == 0 and offloaded.host_bytes > 0
+    assert offloaded.max_seq_len > kept.max_seq_len

@@ -1,0 +1,199 @@
+"""Host offload of what patched decoder layers keep (remat.patch(offload=True), remat.offload):
+bitwise the same gradients, host bytes accounted, device bytes after the forward reduced by what
+went to the host (fake CUDA, the estimator), nothing kept once backward ran."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import remat
+from remat.estimator import estimate, on_fake_device
+from remat.offload import MIN_BYTES, HostOffload
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=256, hidden_size=256, intermediate_size=640, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096)
+# Long enough that a layer's saved [tokens, hidden] tensors pass MIN_BYTES (2 x 1024 x 256 x 4 = 2 MiB).
+SHAPE = (2, 1024)
+
+
+def llama(seed=0):
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+
+
+def step(model, ids, position_ids=None, report=None):
+    """(loss, {name: grad}, host bytes after the forward)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, position_ids=position_ids).loss
+    host = report.offload.host_bytes if report is not None and report.offload is not None else None
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, host
+
+
+def ids(seed=1):
+    return torch.randint(0, 256, SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same(a, b):
+    (loss_a, grads_a, _), (loss_b, grads_b, _) = a, b
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
+def test_offload_gives_bitwise_the_same_gradients(policy):
+    plain, offloaded = llama(), llama()
+    remat.patch(plain, policy=policy)
+    report = remat.patch(offloaded, policy=policy, offload=True)
+    batch = ids()
+    reference = step(plain, batch)
+    result = step(offloaded, batch, report=report)
+    assert_same(reference, result)
+    # What went to the host during the forward came back (and was freed) in the backward.
+    assert result[2] > 0
+    assert report.offload.host_bytes == 0
+    assert report.offload.copied_bytes >= result[2]
+
+
+def test_offload_of_packed_rows_and_under_gradient_checkpointing():
+    positions = torch.cat([torch.arange(600), torch.arange(424)])[None].expand(2, -1)
+    for checkpointing in (False, True):
+        plain, offloaded = llama(), llama()
+        remat.patch(plain, policy="memory")
+        report = remat.patch(offloaded, policy="memory", offload=True)
+        if checkpointing:
+            for model in (plain, offloaded):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                model.train()
+        batch = ids()
+        reference = step(plain, batch, positions)
+        result = step(offloaded, batch, positions, report)
+        assert_same(reference, result)
+        assert result[2] > 0
+
+
+def test_offload_with_peft_lora():
+    peft = pytest.importorskip("peft")
+    models = []
+    for offload in (False, True):
+        model = peft.get_peft_model(llama(), peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                             lora_dropout=0.1))
+        model.train()
+        report = remat.patch(model, policy="memory", offload=offload)
+        models.append((model, report))
+    batch = ids()
+    torch.manual_seed(5)
+    reference = step(models[0][0], batch)
+    torch.manual_seed(5)
+    result = step(models[1][0], batch, report=models[1][1])
+    assert_same(reference, result)
+    assert result[2] > 0
+
+
+def test_host_bytes_are_what_the_layers_save_from_min_bytes_up():
+    # What each layer saves, recorded without offload by a pack hook around each layer's forward:
+    # the offload copies the storage spans of the non-parameter views of MIN_BYTES or more, each
+    # span once per layer (a tensor and its reshape share one copy).
+    plain = llama()
+    remat.patch(plain, policy="memory")
+    spans, small = [], []
+
+    def pack(t):
+        nbytes = t.numel() * t.element_size()
+        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
+            (spans if nbytes >= MIN_BYTES else small)[-1].add(
+                (t.untyped_storage()._cdata, t.storage_offset() * t.element_size(), nbytes))
+        return t
+
+    hooks = []
+
+    def enter(module, args):
+        spans.append(set())
+        small.append(set())
+        hooks.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        hooks[-1].__enter__()
+
+    def leave(module, args, output):
+        hooks.pop().__exit__(None, None, None)
+
+    handles = [layer.register_forward_pre_hook(enter) for layer in plain.model.layers]
+    handles += [layer.register_forward_hook(leave) for layer in plain.model.layers]
+    batch = ids()
+    plain(input_ids=batch, labels=batch).loss.backward()
+    for handle in handles:
+        handle.remove()
+    # Distinct (storage, offset, size) spans per layer; the memory policy's views of one storage
+    # cover the same span (a reshape) or disjoint ones.
+    expected = sum(nbytes for layer in spans for _, _, nbytes in layer)
+    assert expected > 0 and any(small)  # both kinds occur
+
+    offloaded = llama()
+    report = remat.patch(offloaded, policy="memory", offload=True)
+    loss = offloaded(input_ids=batch, labels=batch).loss
+    assert report.offload.host_bytes == expected
+    assert report.offload.peak_host_bytes == expected
+    loss.backward()
+    assert report.offload.host_bytes == 0
+    with torch.no_grad():
+        offloaded(input_ids=batch)
+    assert report.offload.copied_bytes == expected  # no graph: nothing saved, nothing copied
+
+
+def test_an_abandoned_graph_frees_its_host_copies():
+    model = llama()
+    report = remat.patch(model, policy="memory", offload=True)
+    batch = ids()
+    loss = model(input_ids=batch, labels=batch).loss
+    assert report.offload.host_bytes > 0
+    del loss
+    import gc
+
+    gc.collect()
+    assert report.offload.host_bytes == 0
+
+
+def test_on_fake_cuda_the_host_takes_what_the_device_kept():
+    config = transformers.LlamaConfig(**CONFIG)
+    with torch.device("meta"):
+        plain, offloaded = (transformers.LlamaForCausalLM(config).to(torch.bfloat16) for _ in range(2))
+    for model in (plain, offloaded):
+        on_fake_device(model)
+    remat.patch(plain, policy="memory")
+    report = remat.patch(offloaded, policy="memory", offload=True)
+    without = estimate(plain, seq_len=8192)
+    with_offload = estimate(offloaded, seq_len=8192)
+    assert without.host_bytes == 0 and with_offload.host_bytes > 0
+    # After the forward the device holds less by at least what went to the host, less the last
+    # layer's (its backward comes first: it is fetched back at once) and a prefetched layer.
+    per_layer = with_offload.host_bytes / CONFIG["num_hidden_layers"]
+    saved_on_device = without.after_forward_bytes - with_offload.after_forward_bytes
+    assert saved_on_device >= with_offload.host_bytes - 2 * per_layer
+    assert with_offload.breakdown["saved"] < without.breakdown["saved"]
+    assert report.offload.host_bytes == 0  # fake copies are accounted and gone after the estimate
+
+
+def test_a_patched_model_with_offload_pickles_and_copies():
+    model = llama()
+    remat.patch(model, policy="memory", offload=True)
+    batch = ids()
+    reference = step(model, batch)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert_same(reference, step(clone, batch))
+
+
+def test_bad_offload_arguments():
+    with pytest.raises(TypeError, match="offload must be a bool"):
+        remat.patch(llama(), offload="yes")
+    with pytest.raises(ValueError, match="policy='auto'"):
+        remat.patch(llama(), policy="auto", offload=True, budget_bytes=10**6,
+                    example_inputs={"input_ids": ids(), "labels": ids()})
+    with pytest.raises(ValueError, match="min_bytes"):
+        HostOffload(min_bytes=-1)
+    assert MIN_BYTES == 1 << 20
