@@ -29,7 +29,9 @@ Hugging Face config). Two parts of PyTorch need the device itself and are stood 
   fp32 logsumexp; backward: fp32 dq accumulator) where flash applies (no mask, head dim <= 256,
   16-bit dtype) and as the memory-efficient kernel otherwise.
 
-Not counted: memory a kernel allocates and frees inside one call (cuBLAS workspaces, the
+Not counted: tensors made outside PyTorch's dispatcher, such as the CPU RNG state (5,056 bytes)
+``torch.utils.checkpoint`` stashes per checkpointed region (host memory for a GPU target), memory
+a kernel allocates and frees inside one call (cuBLAS workspaces, the
 allocator's fragmentation and cache), the CUDA context (about 0.5 GiB, part of the reserve the
 budget leaves), and anything outside tensor storages.
 """

@@ -15,7 +15,9 @@ import sys
 
 import torch
 
+from remat import peak_plan
 from remat.estimator import estimate, on_fake_device
+from remat.replacement import MODULE_KINDS
 
 SETUPS = ("stock", "stock+checkpointing", "remat:speed", "remat:balanced", "remat:memory", "remat:auto")
 # What a GPU's memory holds besides the tensors the estimate counts: the CUDA context (~0.5 GiB),
@@ -64,9 +66,10 @@ def build_model(config, *, lora_rank=0, dtype=torch.bfloat16):
     return on_fake_device(model)
 
 
-def set_up(model, setup, budget_bytes, offload=False, tile_tokens=None):
-    """Applies ``setup`` (one of :data:`SETUPS`) to a freshly built model, remat's with host offload
-    of what its layers keep when ``offload`` and MLPs tiled by ``tile_tokens``; returns the model."""
+def set_up(model, setup, offload=False, tile_tokens=None):
+    """Applies ``setup`` (one of :data:`SETUPS` but ``remat:auto``, which :func:`fit` searches per
+    candidate) to a freshly built model, remat's with host offload of what its layers keep when
+    ``offload`` and MLPs tiled by ``tile_tokens``; returns the model."""
     import remat
 
     if setup == "stock":
@@ -75,11 +78,7 @@ def set_up(model, setup, budget_bytes, offload=False, tile_tokens=None):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         return model
-    policy = setup.removeprefix("remat:")
-    if policy == "auto":
-        remat.patch(model, policy="auto", budget_bytes=budget_bytes)
-    else:
-        remat.patch(model, policy=policy, offload=offload, tile_tokens=tile_tokens)
+    remat.patch(model, policy=setup.removeprefix("remat:"), offload=offload, tile_tokens=tile_tokens)
     return model
 
 
@@ -150,34 +149,43 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         raise ValueError(f"unknown setups {unknown}; choose from {list(SETUPS)}")
-    rows = []
-    for setup in setups:
-        if setup == "remat:auto":
-            # remat.plan_model bounds the bytes saved for backward, measured on example inputs of
-            # one length; a plan that bounds the device peak at each searched length is issue 27's
-            # planner work, not built yet.
-            rows.append(FitRow(setup, None, None, None, None, "not estimated: policy='auto' plans saved bytes "
-                                                              "for one example length, not the device peak"))
-            continue
-        try:
-            model = set_up(build_model(config, lora_rank=lora_rank), setup, usable, offload, tile_tokens)
-        except Exception as error:  # a setup that cannot be built is reported, not fatal
-            rows.append(FitRow(setup, None, None, None, None, f"{type(error).__name__}: {error}"))
-            continue
+    limit = max(max_tokens // (seq_len if seq_len is not None else batch_size), 1)
+    start = 1 if seq_len is not None else 1024
 
-        def fits(n, model=model):
+    def search(model):
+        def fits(n):
             shape = (n, seq_len) if seq_len is not None else (batch_size, n)
             result = estimate(model, batch_size=shape[0], seq_len=shape[1], optimizer=optimizer)
             return result if result.peak_bytes <= usable else None
+        return _largest(fits, start, limit)
 
-        limit = max_tokens // (seq_len if seq_len is not None else batch_size)
-        n, result = _largest(fits, 1 if seq_len is not None else 1024, max(limit, 1))
+    rows = []
+    for setup in setups:
+        note = ""
+        if setup == "remat:auto":
+            # policy="auto" with seq_len takes the cheapest of remat.peak_plan's candidates that
+            # fits, so the longest step it can plan is the longest any candidate fits: each is
+            # searched, and the row names the one that reaches furthest.
+            n, result = 0, None
+            for candidate in peak_plan.CANDIDATES:
+                model = build_model(config, lora_rank=lora_rank)
+                peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS)
+                found, found_result = search(model)
+                if found > n:
+                    n, result, note = found, found_result, f"at the limit auto plans {candidate[0]}"
+        else:
+            try:
+                model = set_up(build_model(config, lora_rank=lora_rank), setup, offload, tile_tokens)
+            except Exception as error:  # a setup that cannot be built is reported, not fatal
+                rows.append(FitRow(setup, None, None, None, None, f"{type(error).__name__}: {error}"))
+                continue
+            n, result = search(model)
         peak = result.peak_bytes if result is not None else None
         host = result.host_bytes if result is not None else None
         if seq_len is not None:
-            rows.append(FitRow(setup, seq_len if n else None, n, peak, host))
+            rows.append(FitRow(setup, seq_len if n else None, n, peak, host, note))
         else:
-            rows.append(FitRow(setup, n, batch_size if n else None, peak, host))
+            rows.append(FitRow(setup, n, batch_size if n else None, peak, host, note))
     return rows
 
 

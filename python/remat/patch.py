@@ -8,10 +8,8 @@ all-or-nothing guarantee, masks, tuples, saving and generation are documented th
 read top-down: patch -> model_plan -> replacement -> models -> nn.
 """
 
-from remat import checks, model_plan
+from remat import checks, model_plan, peak_plan
 from remat.models import registry
-from remat.nn.layers import PreNormDecoderLayer
-from remat.offload import HostOffload
 from remat.replacement import (
     MODULE_KINDS,
     STOCK,
@@ -20,6 +18,7 @@ from remat.replacement import (
     check_patchable,
     check_policy,
     replace_modules,
+    set_layer_options,
     unpatch,
 )
 
@@ -28,7 +27,7 @@ __all__ = ["MODULE_KINDS", "STOCK", "PatchReport", "patch", "unpatch"]
 
 def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budget_bytes=None,
           budget_bytes_per_token=None, example_inputs=None, cost="flops", max_span=None, offload=False,
-          tile_tokens=None):
+          tile_tokens=None, seq_len=None, batch_size=1):
     """Replaces, in place, the submodules of ``model`` that remat has fused versions of (see
     remat.replacement), keeping their parameters, and returns a :class:`PatchReport`.
 
@@ -56,6 +55,13 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
         max_span: with ``policy="auto"``: the most layers one checkpointed span may hold (default:
             any); ``max_span=1`` under FSDP2 with ``fully_shard`` on each decoder layer (see
             remat.plan_model).
+        seq_len, batch_size: with ``policy="auto"`` and ``budget_bytes``, instead of example inputs:
+            plan so that the predicted device peak of a training step of ``batch_size`` sequences
+            of ``seq_len`` tokens (parameters, gradients, what is kept, the largest backward working
+            set, the loss; ``remat.estimate``) stays within ``budget_bytes``, choosing the cheapest of
+            remat.peak_plan's configurations (policies, MLP tiling, host offload, checkpointing);
+            ``budget_bytes="auto"`` on a CUDA model: the GPU's total memory less 3 GiB.
+            ``report.plan.explain()`` prints each candidate's predicted peak and host bytes.
 
         offload: move what every fused decoder layer keeps for backward (its policy's saved
             tensors, or its input under Hugging Face gradient checkpointing) to host memory after
@@ -85,11 +91,19 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
         finish = None
         if offload or tile_tokens:
             def finish(report):
-                _set_layer_options(model, report, offload, tile_tokens)
+                set_layer_options(model, report, offload=offload, tile_tokens=tile_tokens)
         return replace_modules(model, policy, modules, backend, finish=finish)
     check_patchable(model)
     if not set(registry.PART_KINDS) <= set(modules):
         raise ValueError(f"policy='auto' plans whole decoder layers: modules must include {registry.PART_KINDS}")
+    if seq_len is not None:
+        if example_inputs is not None or budget_bytes_per_token is not None or max_span is not None or tile_tokens:
+            raise ValueError("policy='auto' with seq_len plans the device peak from budget_bytes alone: "
+                             "example_inputs, budget_bytes_per_token, max_span and tile_tokens are not taken")
+        budget = _device_budget(model, budget_bytes)
+        peak = peak_plan.plan_peak(model, seq_len=seq_len, batch_size=batch_size, budget_bytes=budget,
+                                   modules=modules, backend=backend)
+        return peak_plan.install(model, peak, modules, backend)
     # The planner measures configurations through remat.replacement and leaves the model unpatched.
     plan = model_plan.plan_model(model, example_inputs, budget_bytes=budget_bytes,
                                  budget_bytes_per_token=budget_bytes_per_token, cost=cost, backend=backend,
@@ -102,20 +116,24 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
         named = dict(model.named_modules())
         model_plan.install(plan, [named[layer.name] for layer in plan.costs.layers])
         if tile_tokens:
-            _set_layer_options(model, report, False, tile_tokens)
+            set_layer_options(model, report, tile_tokens=tile_tokens)
 
     return replace_modules(model, layer_policies, modules, backend, finish=install)
 
 
-def _set_layer_options(model, report, offload, tile_tokens):
-    """Gives every fused decoder layer the report names, in model order, the MLP tile size and one
-    shared HostOffload (on ``report.offload``)."""
-    named = dict(model.named_modules())
-    layers = [named[name] for name, _, _ in report.replaced if isinstance(named.get(name), PreNormDecoderLayer)]
-    if offload:
-        report.offload = HostOffload()
-    for index, layer in enumerate(layers):
-        layer.tile_tokens = tile_tokens
-        if offload:
-            layer._offload = report.offload
-            layer._offload_index = index
+# What a GPU's memory holds besides tensors (the CUDA context, workspaces, fragmentation).
+GPU_RESERVE_BYTES = 3 * 2**30
+
+
+def _device_budget(model, budget_bytes):
+    """budget_bytes as given, or for "auto" the total memory of the CUDA device the model is on less
+    GPU_RESERVE_BYTES."""
+    if budget_bytes != "auto":
+        return budget_bytes
+    device = next(model.parameters()).device
+    if device.type != "cuda" or checks.values_unknown(next(model.parameters())):
+        raise ValueError(f"budget_bytes='auto' reads the memory of the model's CUDA device; the model is on "
+                         f"{device}{' (fake tensors)' if device.type == 'cuda' else ''}: give budget_bytes in bytes")
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory - GPU_RESERVE_BYTES

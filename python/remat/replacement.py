@@ -80,6 +80,7 @@ from remat.hf import (
 from remat.models import causal_lm, outputs, registry
 from remat.nn.adapters import carry_wrappers
 from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, check_runnable
+from remat.offload import HostOffload
 
 # "loss": a causal LM's training loss through remat.linear_cross_entropy (remat.models.causal_lm).
 MODULE_KINDS = (*registry.PART_KINDS, "loss")
@@ -116,6 +117,23 @@ class PatchReport:
         lines += [f"  {name}: {old} -> {new}" for name, old, new in self.replaced]
         lines += [f"  {name}: {kind} left alone ({why})" for name, kind, why in self.left_alone]
         return "\n".join(lines)
+
+
+def set_layer_options(model, report, *, offload=False, tile_tokens=None, checkpointing=False):
+    """Sets options on every fused decoder layer ``report`` names, in model order: the gated MLP's
+    tile (``tile_tokens``), one shared HostOffload (``offload``; on ``report.offload``) and
+    whole-layer checkpointing (``checkpointing``: the layer keeps its input, re-run in backward)."""
+    named = dict(model.named_modules())
+    layers = [named[name] for name, _, _ in report.replaced if isinstance(named.get(name), PreNormDecoderLayer)]
+    if offload:
+        report.offload = HostOffload()
+    for index, layer in enumerate(layers):
+        layer.tile_tokens = tile_tokens
+        if offload:
+            layer._offload = report.offload
+            layer._offload_index = index
+        if checkpointing:
+            layer.gradient_checkpointing = True
 
 
 def replace_modules(model, policy, modules=MODULE_KINDS, backend=None, finish=None):

@@ -1,0 +1,135 @@
+"""A plan that bounds the device peak of a training step: ``remat.patch(model, policy="auto",
+budget_bytes=B, seq_len=N)``.
+
+The candidates are whole-model configurations in the order of their expected step time, the
+cheapest first, and the plan is the first whose peak, predicted by ``remat.estimate`` for a step
+of ``batch_size`` sequences of ``seq_len`` tokens (parameters, trainable gradients, what is kept,
+the largest backward working set, the loss), is within the budget:
+
+1. ``speed``: no GEMM recomputed;
+2. ``balanced``: the MLP's gate/up GEMMs recomputed;
+3. ``memory``: the q/k/v projections too;
+4. ``memory`` with the gated MLP tiled along the sequence (no FLOPs added);
+5. the same with what each layer keeps offloaded to host memory (copies that a GPU overlaps with
+   compute: not measured yet);
+6. the same with each layer checkpointed (it keeps its input, offloaded, and re-runs its forward
+   in backward: one more forward's FLOPs).
+
+Every layer gets the same configuration: a per-layer mix (some layers offloaded or checkpointed,
+others not) is not searched yet. A budget below the last candidate's peak raises ValueError naming
+that floor.
+"""
+
+import dataclasses
+
+from remat.estimator import estimate
+from remat.replacement import replace_modules, set_layer_options, unpatch
+
+# (name, policy, tile the MLP, offload, checkpoint), cheapest first.
+CANDIDATES = (
+    ("speed", "speed", False, False, False),
+    ("balanced", "balanced", False, False, False),
+    ("memory", "memory", False, False, False),
+    ("memory+tiled", "memory", True, False, False),
+    ("memory+tiled+offload", "memory", True, True, False),
+    ("memory+tiled+offload+checkpointed", "memory", True, True, True),
+)
+# Tokens per MLP tile: [8192, 14336] bf16 temporaries are 224 MiB each, GEMMs that still fill a GPU.
+DEFAULT_TILE_TOKENS = 8192
+
+
+@dataclasses.dataclass
+class PeakPlan:
+    """The configuration chosen and what was predicted.
+
+    Attributes:
+        choice: the candidate's name (see the module docstring).
+        policy, tile_tokens, offload, checkpointing: what it sets on the layers.
+        peak_bytes, host_bytes: the estimate of the chosen configuration's step.
+        budget_bytes: the device budget.
+        tried: (name, peak_bytes, host_bytes) of every candidate estimated, in order.
+    """
+
+    choice: str
+    policy: str
+    tile_tokens: int | None
+    offload: bool
+    checkpointing: bool
+    peak_bytes: int
+    host_bytes: int
+    budget_bytes: int
+    seq_len: int
+    batch_size: int
+    tried: list
+
+    def explain(self):
+        """The plan in words: the predicted device peak and host bytes per candidate and why this
+        one (the cheapest that fits)."""
+        gib = 2**30
+        lines = [f"remat peak plan for {self.batch_size} x {self.seq_len} tokens, device budget "
+                 f"{self.budget_bytes / gib:.2f} GiB: {self.choice} (the cheapest candidate within it)"]
+        for name, peak, host in self.tried:
+            mark = "<- chosen" if name == self.choice else ("over budget" if peak > self.budget_bytes else "")
+            lines.append(f"  {name:<36} device peak {peak / gib:8.2f} GiB  host {host / gib:8.2f} GiB  {mark}")
+        lines.append("  cost order: recompute grows down the list (speed: none; balanced: MLP gate/up GEMMs; memory: "
+                     "+ q/k/v; checkpointed: + the layer's forward); tiling adds none; offload adds host copies "
+                     "(overlapped on a GPU, not measured)")
+        return "\n".join(lines)
+
+
+def configure(model, candidate, modules, backend, tile_tokens):
+    """Patches ``model`` with one of :data:`CANDIDATES`; returns the PatchReport."""
+    _, policy, tiled, offload, checkpointing = candidate
+    tile = tile_tokens if tiled else None
+
+    def finish(report):
+        set_layer_options(model, report, offload=offload, tile_tokens=tile, checkpointing=checkpointing)
+
+    return replace_modules(model, policy, modules, backend, finish=finish)
+
+
+def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=None, tile_tokens=None,
+              optimizer=None):
+    """Estimates the candidates on ``model`` (patched and unpatched in turn; left unpatched) and
+    returns the :class:`PeakPlan` of the first within ``budget_bytes``.
+
+    Args:
+        model: the model to patch (real weights on the CPU, or fake tensors: remat.estimator).
+        seq_len, batch_size: the step's shape (ints >= 1).
+        budget_bytes: the device budget (int > 0).
+        modules, backend: as for remat.patch.
+        tile_tokens: the MLP tile (default :data:`DEFAULT_TILE_TOKENS`, at most the step's tokens).
+        optimizer: passed to remat.estimate (None or "adam").
+
+    Returns:
+        :class:`PeakPlan`; ValueError when no candidate fits, naming the smallest peak (the floor).
+    """
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("budget_bytes", budget_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    tile = min(tile_tokens or DEFAULT_TILE_TOKENS, seq_len * batch_size)
+    tried = []
+    for candidate in CANDIDATES:
+        configure(model, candidate, modules, backend, tile)
+        try:
+            result = estimate(model, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer)
+        finally:
+            unpatch(model)
+        tried.append((candidate[0], result.peak_bytes, result.host_bytes))
+        if result.peak_bytes <= budget_bytes:
+            name, policy, tiled, offload, checkpointing = candidate
+            return PeakPlan(name, policy, tile if tiled else None, offload, checkpointing, result.peak_bytes,
+                            result.host_bytes, budget_bytes, seq_len, batch_size, tried)
+    floor = min(peak for _, peak, _ in tried)
+    raise ValueError(f"no configuration fits {budget_bytes} bytes for {batch_size} x {seq_len} tokens: the smallest "
+                     f"predicted peak is {floor} bytes ({tried[-1][0]}); raise the budget to at least that or "
+                     "shorten the sequence")
+
+
+def install(model, plan, modules, backend):
+    """Patches ``model`` with the plan's configuration; returns the PatchReport (plan on
+    ``report.plan``)."""
+    candidate = next(c for c in CANDIDATES if c[0] == plan.choice)
+    report = configure(model, candidate, modules, backend, plan.tile_tokens)
+    report.plan = plan
+    return report
