@@ -24,6 +24,7 @@ from benchmarks import (
     bench_cross_entropy,
     bench_frontier,
     bench_layers,
+    bench_long_context,
     bench_mlp,
     bench_norm,
     bench_packing,
@@ -75,7 +76,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help=f"output folder (default {RESULTS_DIR})")
     parser.add_argument("--no-plots", action="store_true", help="write CSVs only")
     parser.add_argument("--only", choices=["norm", "mlp", "attention", "layers", "checkpoint", "cross_entropy",
-                                           "frontier", "packing"],
+                                           "frontier", "packing", "long_context"],
                         default=None, help="run one benchmark")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -97,6 +98,15 @@ def main(argv=None):
             path = write_csv(rows, f"{name}-{tag}.csv", args.out)
             print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
             failures.extend(getattr(bench, "CHECK_FAILURES", []))
+    if args.only in (None, "long_context"):
+        # Estimated for a GPU (remat.fit on fake CUDA tensors): the same numbers on any machine. The
+        # whole table (four cases, every setup) takes about an hour on one core: `make bench` runs
+        # the short version, `--only long_context` the whole.
+        quick = args.quick or args.only != "long_context"
+        rows = bench_long_context.run(device, quick=quick)
+        print_table(rows, bench_long_context.summary_columns)
+        path = write_csv(rows, "long_context" + ("-quick" if quick else "") + ".csv", args.out)
+        print(f"\nwrote {path}; {rows[0]['device']}; commit {rows[0]['commit']}\n")
     for name, bench in (("checkpoint", bench_checkpoint), ("frontier", bench_frontier)):
         if args.only in (None, name):
             rows = bench.run(device, quick=args.quick)

@@ -87,3 +87,22 @@ def test_peak_planning_arguments():
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match="seq_len"):
             remat.patch(model, policy="auto", budget_bytes=10**9, seq_len=bad)
+
+
+def test_a_fake_cuda_model_is_planned_without_a_gpu_and_offloads_when_it_must():
+    from remat.estimator import on_fake_device
+
+    config = transformers.LlamaConfig(**{**CONFIG, "num_hidden_layers": 6})
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    on_fake_device(model)
+    tight = None
+    for candidate in peak_plan.CANDIDATES:
+        peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS)
+        result = remat.estimate(model, seq_len=8192)
+        remat.unpatch(model)
+        if candidate[0] == "memory+tiled+offload":
+            tight = result.peak_bytes
+    report = remat.patch(model, policy="auto", budget_bytes=tight, seq_len=8192)
+    assert report.plan.offload and report.plan.host_bytes > 0
+    assert report.plan.peak_bytes <= tight
