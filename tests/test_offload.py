@@ -197,3 +197,31 @@ def test_bad_offload_arguments():
     with pytest.raises(ValueError, match="min_bytes"):
         HostOffload(min_bytes=-1)
     assert MIN_BYTES == 1 << 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gpu_offload_gives_bitwise_the_same_gradients_and_moves_bytes_off_the_device(checkpointing):
+    # The CUDA path: side stream, pinned host memory, events, record_stream.
+    results = []
+    for offload in (False, True):
+        model = llama().to("cuda", torch.bfloat16)
+        report = remat.patch(model, policy="memory", offload=offload)
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        batch = ids().cuda()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(input_ids=batch, labels=batch).loss
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - before
+        loss.backward()
+        torch.cuda.synchronize()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, kept,
+                        report.offload.host_bytes if offload else 0))
+    (loss_a, grads_a, kept_a, _), (loss_b, grads_b, kept_b, host_after) = results
+    assert torch.equal(loss_a, loss_b)
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+    assert kept_b < kept_a and host_after == 0
