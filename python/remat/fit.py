@@ -164,15 +164,22 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
         note = ""
         if setup == "remat:auto":
             # policy="auto" with seq_len takes the cheapest of remat.peak_plan's candidates that
-            # fits, so the longest step it can plan is the longest any candidate fits: each is
-            # searched, and the row names the one that reaches furthest.
+            # fits, so the longest step it can plan is the longest any candidate fits. The most
+            # frugal candidate (the last) is searched first; another is searched only if it fits
+            # one step (1/64) past that length, since a peak grows with the length.
             n, result = 0, None
-            for candidate in peak_plan.CANDIDATES:
+            for candidate in reversed(peak_plan.CANDIDATES):
                 model = build_model(config, lora_rank=lora_rank)
                 peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS)
+                if n:
+                    beyond = min(n + max(1, n // 64), limit)
+                    shape = (beyond, seq_len) if seq_len is not None else (batch_size, beyond)
+                    if beyond == n or estimate(model, batch_size=shape[0], seq_len=shape[1],
+                                               optimizer=optimizer).peak_bytes > usable:
+                        continue
                 found, found_result = search(model)
                 if found > n:
-                    n, result, note = found, found_result, f"at the limit auto plans {candidate[0]}"
+                    n, result, note = found, found_result, f"reached with {candidate[0]}"
         else:
             try:
                 model = set_up(build_model(config, lora_rank=lora_rank), setup, offload, tile_tokens)
