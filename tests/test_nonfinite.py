@@ -10,7 +10,7 @@ math and flash backends on the same inputs, test_stock_kernels_disagree_where_do
 
 - A row with a +inf logit (from a +inf in q or k): the math backend's softmax is NaN for the whole row
   (exp(t - max) with max = +inf is NaN at the +inf logit, so the row's sum is), so dv = P^T dout is NaN
-  at every key; the flash kernel, at some shapes, keeps lse = +inf, so its P = exp(t - lse) is NaN
+  at every key; the flash kernel, at some shapes and on some CPUs, keeps lse = +inf, so its P = exp(t - lse) is NaN
   only at the +inf logits and 0 elsewhere, and only those keys' dv rows turn NaN. remat follows math:
   its lse is NaN for such a row (csrc/common/attention_math.h, OnlineSoftmax).
 - A key or query a mask hides from a row: math adds the -inf mask to the logits (NaN + -inf = NaN), so
@@ -327,8 +327,8 @@ def test_reference_is_stock_math(spec):
 
 def test_stock_kernels_disagree_where_documented():
     """The two disagreements of the module docstring (B 1, N = M = 8, one head of 16; the flash
-    kernel's answer to the first depends on the shape: with N = 6 it is math's), and the side remat's
-    kernels take on each (Triton's: the property tests above)."""
+    kernel's answer to the first depends on the shape, with N = 6 it is math's, and on the CPU),
+    and the side remat's kernels take on each (Triton's: the property tests above)."""
     g = torch.Generator().manual_seed(1)
     q, k, v, dout = (torch.randn(1, 8, 1, 16, generator=g) for _ in range(4))
     plain, causal = dict(n=8, m=8, hq=1, hkv=1, d=16), dict(n=8, m=8, hq=1, hkv=1, d=16, causal=True)
@@ -341,7 +341,11 @@ def test_stock_kernels_disagree_where_documented():
     q_inf[0, 0, 0, 5] = float("inf")
     math, flash = (stock(q_inf, k, v, plain, kernel) for kernel in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION))
     assert not torch.isfinite(math[3]).any()
-    assert torch.equal(torch.isfinite(flash[3]).all(dim=-1)[0, :, 0], k[0, :, 0, 5] < 0)
+    # PyTorch's CPU flash kernel gives one answer or the other depending on the shape and on the
+    # CPU it runs on (the build machine's AMD EPYC of 2026-12-03 gives math's at this shape):
+    # either way remat's kernels give math's.
+    flash_rows = torch.isfinite(flash[3]).all(dim=-1)[0, :, 0]
+    assert torch.equal(flash_rows, k[0, :, 0, 5] < 0) or not torch.isfinite(flash[3]).any()
     for backend in NATIVE:
         got = _remat(q_inf, k, v, dout, plain, backend)
         assert torch.equal(torch.isfinite(got[3]), torch.isfinite(math[3])), backend
