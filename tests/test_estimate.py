@@ -45,11 +45,22 @@ def measured_peak(model, batch_size, seq_len):
     a measurement independent of the estimator's dispatch-mode count."""
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
     model.zero_grad(set_to_none=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
-                                record_shapes=True, with_stack=True) as prof:
+
+    def step():
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
-        del loss
+
+    peak = profiled_peak(step)
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def profiled_peak(step):
+    """The most CPU tensor bytes alive at once while ``step()`` runs, from the profiler's allocator
+    records (tensors existing before it included)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=True) as prof:
+        step()
     current = peak = 0
     for _, action, _, nbytes in MemoryProfile(prof.profiler.kineto_results).timeline:
         if action in (Action.PREEXISTING, Action.CREATE):
@@ -57,7 +68,6 @@ def measured_peak(model, batch_size, seq_len):
         elif action == Action.DESTROY:
             current -= nbytes
         peak = max(peak, current)
-    model.zero_grad(set_to_none=True)
     return peak
 
 
@@ -209,16 +219,7 @@ def test_any_module_with_given_inputs_is_estimated_as_measured():
     x = torch.randn(512, 64)
     predicted = estimate(model, seq_len=1, inputs={"x": x})
     assert x.grad is None and all(p.grad is None for p in model.parameters())  # the model is not touched
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
-                                record_shapes=True, with_stack=True) as prof:
-        model(x).backward()
-    current = peak = 0
-    for _, action, _, nbytes in MemoryProfile(prof.profiler.kineto_results).timeline:
-        if action in (Action.PREEXISTING, Action.CREATE):
-            current += nbytes
-        elif action == Action.DESTROY:
-            current -= nbytes
-        peak = max(peak, current)
+    peak = profiled_peak(lambda: model(x).backward())
     # The input existed before the step in the real run (the profiler sees it as preexisting); the
     # estimate counts the parameters and what the step makes, the fake copy of x included as made.
     assert abs(predicted.peak_bytes - peak) <= 0.01 * peak
