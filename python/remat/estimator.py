@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat.autograd.common import refuse_double_backward
 from remat.backend import simulated_gpu
+from remat.memory import _storage_of
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 CUDA_BLOCK_BYTES = 512
@@ -193,13 +194,6 @@ class LiveBytes(TorchDispatchMode):
         for finalizer in self._finalizers:
             finalizer.detach()
         self._finalizers.clear()
-
-
-def _storage_of(t):
-    try:
-        return t.untyped_storage()
-    except (NotImplementedError, RuntimeError, TypeError):
-        return None
 
 
 class _SavedHolder:
