@@ -38,7 +38,8 @@ class NormAttentionOptions(NamedTuple):
     PyTorch cores, "aten" or "cudnn" (attention only). qk_norm: None, or the per-head norm of q
     and k over D after the projections and before rope ("rms": Qwen3; "gemma": Gemma 3); qk_eps:
     its epsilon. max_seqlen: with packed sequences (cu_seqlens), the upper bound of their
-    lengths; None for a dense call.
+    lengths; None for a dense call. tile_tokens: None, or the tokens per tile of the sequence-tiled
+    path (remat.autograd.norm_attention_tiled: causal, dense, no dropout).
     """
 
     shape: tuple
@@ -50,3 +51,4 @@ class NormAttentionOptions(NamedTuple):
     qk_norm: str | None = None
     qk_eps: float = 0.0
     max_seqlen: int | None = None
+    tile_tokens: int | None = None

@@ -27,7 +27,7 @@ and each adapter with dropout keeps only its 16-byte Philox (seed, offset).
 import torch
 import torch.nn.functional as F
 
-from remat.autograd import lora
+from remat.autograd import lora, norm_attention_tiled
 from remat.autograd.attention import attention_ops, attention_rng_state, varlen_rope_tables
 from remat.autograd.common import (
     kernel_rope_tables,
@@ -113,12 +113,16 @@ class NormAttentionFunction(torch.autograd.Function):
         shape, attention = options.shape, options.attention
         batch, n, hq, hkv, head_dim = shape
         rows = x.reshape(batch * n, x.shape[-1])
-        normed, mean, rstd = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps,
-                                          options.norm_backend)
         lora_rngs = lora.draw_rngs(lora_layout, x.device)
         adapters = (lora_layout, lora_tensors, lora_rngs, options.norm_backend)
-        q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape, adapters)
-        del normed
+        if options.tile_tokens:
+            q, k, v, mean, rstd = norm_attention_tiled.project_tiled(rows, norm_weight, norm_bias, (w_q, w_k, w_v),
+                                                                     (b_q, b_k, b_v), shape, adapters, options)
+        else:
+            normed, mean, rstd = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps,
+                                              options.norm_backend)
+            q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape, adapters)
+            del normed
         q_in, k_in = q, k
         if options.qk_norm is not None:
             q_in, _ = _head_norm(q, q_norm_weight, options)
@@ -139,6 +143,9 @@ class NormAttentionFunction(torch.autograd.Function):
     @staticmethod
     @refuse_double_backward("remat.norm_attention")
     def backward(ctx, dout):
+        if ctx.options.tile_tokens:
+            return norm_attention_tiled.backward_tiled(ctx, ctx.saved_tensors, dout, _head_norm, _head_norm_backward,
+                                                       _FIRST_LORA_INPUT)
         (x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight, mean, rstd, q, k, v, o,
          lse, rng, cos, sin, cu_seqlens, empty, *lora_saved) = ctx.saved_tensors
         options, backend, lora_layout = ctx.options, ctx.backend, ctx.lora_layout

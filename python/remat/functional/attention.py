@@ -182,7 +182,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
                    b_k=None, b_v=None, norm="rms", eps=None, qk_norm=None, q_norm_weight=None, k_norm_weight=None,
                    qk_eps=None, causal=True, scale=None, rope=None, window=None, softcap=None, dropout_p=0.0,
                    deterministic=None, keep_qkv=True, lora=None, backend=None, cu_seqlens=None, max_seqlen=None,
-                   empty_queries=None):
+                   empty_queries=None, tile_tokens=None):
     """The pre-norm attention sub-block of a transformer layer in one fused Function: the norm, the
     q/k/v projections, rotary embedding and flash attention, up to the attention output (the
     output projection and residual add are the caller's).
@@ -229,6 +229,12 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         empty_queries: None (default), or bool ``[B, N]`` of x's tokens (``[1, T]`` packed): queries
             whose attention output is 0 and from which no gradient flows (pads), as for
             :func:`attention`.
+        tile_tokens: None (default) or an int >= 1: the norm and projections run over tiles of that
+            many tokens in forward, and the whole backward over query tiles, so that nothing of q's
+            width exists beyond one tile in backward (remat.autograd.norm_attention_tiled). Needs
+            causal attention without a sliding window, dense rows (no cu_seqlens) and no attention
+            dropout (ValueError otherwise); with LoRA dropout, a multiple of 4. The results equal
+            the untiled call's up to rounding (fp32 sums over tiles); what is saved is unchanged.
 
     Returns:
         o ``[B, N, Hq, D]`` in x's dtype (the autocast dtype under autocast); ``[1, T, Hq, D]``
@@ -276,6 +282,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         raise TypeError("keep_qkv must be a bool")
     empty = checks.check_empty_queries(empty_queries, (batch, n), x.device)
     attention_options = _attention_options(head_dim, causal, scale, softcap, window, dropout_p, deterministic)
+    tile = _check_attention_tile(tile_tokens, attention_options, cu_seqlens, lora_layout)
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = rope if rope is not None else (None, None)
@@ -289,10 +296,36 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     # The PyTorch cores are attention only: the norm kernels then take the device's default backend.
     norm_name = default_backend(x.device) if core.name in ("aten", "cudnn") else core.name
     options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
-                                   core.options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen)
+                                   core.options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen, tile or None)
     with autocast_off:
         return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, empty, options, core.name,
                                            core.rotate_once, lora_layout, *lora_tensors)
+
+
+def attention_tile_unsupported_reason(options, packed):
+    """Why norm_attention cannot run over query tiles with these :class:`AttentionOptions` (and
+    packed rows when ``packed``), or None."""
+    if packed:
+        return "packed rows (cu_seqlens) are not tiled"
+    if options.window_right != 0 or options.window_left >= 0:
+        return "only causal attention without a sliding window is tiled"
+    if options.dropout_p > 0:
+        return "attention dropout is not tiled"
+    return None
+
+
+def _check_attention_tile(tile_tokens, options, cu_seqlens, lora_layout):
+    """tile_tokens of norm_attention: 0 (none) or the checked tile."""
+    tile = checks.check_tile_tokens(tile_tokens)
+    if not tile:
+        return 0
+    reason = attention_tile_unsupported_reason(options, cu_seqlens is not None)
+    if reason is not None:
+        raise ValueError(f"tile_tokens: {reason}")
+    if tile % 4 and any(slot.dropout_p > 0 for slot in lora_layout):
+        raise ValueError(f"with LoRA dropout, tile_tokens must be a multiple of 4 (a tile's dropout mask starts on "
+                         f"a Philox call of four elements), got {tile}")
+    return tile
 
 
 def _check_qk_norm(qk_norm, q_norm_weight, k_norm_weight, qk_eps, head_dim, x):

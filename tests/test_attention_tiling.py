@@ -1,0 +1,218 @@
+"""Sequence tiling of the pre-norm attention sub-block (remat.norm_attention(tile_tokens=T),
+remat.autograd.norm_attention_tiled): equal to a float64 reference under the 2x rule on every CPU
+core (remat's own kernels, the torch core, the aten core whose causal mask aligns top-left), both
+policies, per-head q/k norms, LoRA (with dropout: the untiled call's masks), pads; the same saved
+bytes; no tensor of q's width over the sequence in backward; unsupported calls refused."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import remat
+from remat.autograd.lora import LoRAAdapter
+from remat.memory import saved_bytes
+
+from _checks import assert_within_2x_of_stock
+from helpers import DTYPES, cpu_backends, grads
+
+HIDDEN, HQ, HKV, D, RANK = 32, 6, 2, 8, 3
+
+
+def backends():
+    return cpu_backends() + ["aten"]
+
+
+def rope_tables(batch, n, dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * inv[None] + torch.arange(batch)[:, None, None] * 0.37
+    emb = torch.cat([angles, angles], -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def make_case(dtype, batch=2, n=37, qk_norm=False, lora=False, bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.3):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    tensors = {"x": rand(batch, n, HIDDEN, scale=1.0), "nw": 1 + rand(HIDDEN, scale=0.2),
+               "wq": rand(HQ * D, HIDDEN), "wk": rand(HKV * D, HIDDEN), "wv": rand(HKV * D, HIDDEN)}
+    if bias:
+        tensors.update(bq=rand(HQ * D, scale=0.1), bk=rand(HKV * D, scale=0.1), bv=rand(HKV * D, scale=0.1))
+    if qk_norm:
+        tensors.update(qn=1 + rand(D, scale=0.2), kn=1 + rand(D, scale=0.2))
+    if lora:
+        tensors.update(aq=rand(RANK, HIDDEN), bq_lora=rand(HQ * D, RANK), av=rand(RANK, HIDDEN),
+                       bv_lora=rand(HKV * D, RANK))
+    dy = rand(batch, n, HQ, D, scale=1.0)
+    return tensors, dy
+
+
+def remat_fn(names, rope, backend, keep_qkv, tile, empty=None, lora_dropout=0.0):
+    def fn(*values):
+        t = dict(zip(names, values, strict=True))
+        lora = None
+        if "aq" in t:
+            lora = ([LoRAAdapter(t["aq"], t["bq_lora"], None, 0.5, lora_dropout)], None,
+                    [LoRAAdapter(t["av"], t["bv_lora"], None, 2.0, lora_dropout)])
+        extra = dict(qk_norm="rms", q_norm_weight=t["qn"], k_norm_weight=t["kn"]) if "qn" in t else {}
+        return remat.norm_attention(t["x"], t["nw"], t["wq"], t["wk"], t["wv"], b_q=t.get("bq"), b_k=t.get("bk"),
+                                    b_v=t.get("bv"), num_heads=HQ, num_kv_heads=HKV, rope=rope, keep_qkv=keep_qkv,
+                                    lora=lora, backend=backend, tile_tokens=tile, empty_queries=empty, **extra)
+    return fn
+
+
+def _rotate(t, cos, sin):
+    half = D // 2
+    rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+    return t * cos[:, :, None] + rotated * sin[:, :, None]
+
+
+def reference_fn(names, rope, empty=None):
+    """Stock PyTorch ops: the same arithmetic in whatever dtype the inputs have."""
+    def fn(*values):
+        t = dict(zip(names, values, strict=True))
+        x = t["x"]
+        batch, n, _ = x.shape
+        normed = F.rms_norm(x, (HIDDEN,), t["nw"], 1e-6)
+
+        def project(w, b, a=None, b_lora=None, scaling=None):
+            out = F.linear(normed, w, b)
+            if a is not None:
+                out = out + scaling * F.linear(F.linear(normed, a), b_lora)
+            return out
+
+        q = project(t["wq"], t.get("bq"), t.get("aq"), t.get("bq_lora"), 0.5).view(batch, n, HQ, D)
+        k = project(t["wk"], t.get("bk")).view(batch, n, HKV, D)
+        v = project(t["wv"], t.get("bv"), t.get("av"), t.get("bv_lora"), 2.0).view(batch, n, HKV, D)
+        if "qn" in t:
+            q = F.rms_norm(q, (D,), t["qn"], 1e-6)
+            k = F.rms_norm(k, (D,), t["kn"], 1e-6)
+        cos, sin = (table.to(x.dtype) for table in rope)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=True).transpose(1, 2)
+        if empty is not None:
+            o = o.masked_fill(empty[:, :, None, None], 0)
+        return o
+    return fn
+
+
+@pytest.mark.parametrize("tile", [5, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("keep_qkv,qk_norm,lora", [(True, False, False), (False, False, True), (True, True, True),
+                                                   (False, True, False)],
+                         ids=["speed", "memory-lora", "speed-qknorm-lora", "memory-qknorm"])
+@pytest.mark.parametrize("backend", backends())
+def test_tiled_norm_attention_matches_float64_reference(backend, keep_qkv, qk_norm, lora, dtype, tile):
+    # B = 2 rows of 37 tokens with per-row rope tables; tiles of 5 leave a remainder of 2, tiles of
+    # 16 one of 5. Pads at the start of the first row. Projection biases as in Qwen2 (no per-head
+    # norms); with the per-head norms (Qwen3, Gemma 3: no biases) a k bias's bf16 gradient is a sum
+    # that nearly cancels, where the untiled call already exceeds twice stock's error on the CPU
+    # aten core (2.3x on this case).
+    tensors, dy = make_case(dtype, qk_norm=qk_norm, lora=lora, bias=not qk_norm)
+    names, values = list(tensors), list(tensors.values())
+    rope = rope_tables(2, 37, dtype)
+    empty = torch.zeros(2, 37, dtype=torch.bool)
+    empty[0, :3] = True
+    got = grads(remat_fn(names, rope, backend, keep_qkv, tile, empty), values, dy)
+    stock = grads(reference_fn(names, rope, empty), values, dy)
+    want = grads(reference_fn(names, tuple(t.double() for t in rope), empty), [t.double() for t in values],
+                 dy.double())
+    for name, g, s, w in zip(["o", *names], got, stock, want, strict=True):
+        assert_within_2x_of_stock(name, g, s, w, dtype)
+
+
+@pytest.mark.parametrize("keep_qkv", [True, False])
+def test_tiling_keeps_the_same_saved_bytes(keep_qkv):
+    tensors, _ = make_case(torch.float32, qk_norm=True, lora=True)
+    names = list(tensors)
+    leaves = [t.requires_grad_() for t in tensors.values()]
+    rope = rope_tables(2, 37, torch.float32)
+    untiled = saved_bytes(remat_fn(names, rope, "torch", keep_qkv, None), *leaves)
+    for tile in (1, 5, 37, 100):
+        assert saved_bytes(remat_fn(names, rope, "torch", keep_qkv, tile), *leaves) == untiled
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any storage an operator made while active (views of its inputs, such
+    as a tile of the incoming gradient, make none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("keep_qkv", [True, False])
+def test_no_tensor_of_query_width_over_the_sequence_in_backward(backend, keep_qkv):
+    # remat's kernels (the torch core, a reference, expands k and v to Hq heads in fp32 by design).
+    # Untiled, the backward makes [N, Hq * D] tensors (the normalized input is [N, H], rotated q,
+    # dq, the projections' input gradients); tiled, q's width exists one tile at a time and the
+    # largest per-token tensors are dx [N, H] and the fp32 dk/dv sums [N, Hkv * D]. H < Hq * D here.
+    if backend not in backends():
+        pytest.skip(f"{backend} is not built here")
+    n, tile = 64, 8
+    tensors, dy = make_case(torch.float32, batch=1, n=n, lora=True)
+    names = list(tensors)
+    rope = rope_tables(1, n, torch.float32)
+    sizes = {}
+    for tiled in (None, tile):
+        leaves = [t.clone().requires_grad_() for t in tensors.values()]
+        o = remat_fn(names, rope, backend, keep_qkv, tiled)(*leaves)
+        with LargestTensor() as backward:
+            o.backward(dy)
+        sizes[tiled] = backward.largest
+    assert sizes[None] >= n * HQ * D
+    assert sizes[tile] <= max(n * HIDDEN, HQ * D * HIDDEN, tile * HQ * D)
+    assert n * HIDDEN < n * HQ * D
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_tiles_draw_the_untiled_calls_lora_dropout_masks(backend):
+    if backend not in backends():
+        pytest.skip(f"{backend} is not built here")
+    tensors, dy = make_case(torch.float32, n=22, lora=True, seed=4)
+    names, values = list(tensors), list(tensors.values())
+    rope = rope_tables(2, 22, torch.float32)
+
+    def run(tile, seed=11):
+        torch.manual_seed(seed)
+        return grads(remat_fn(names, rope, backend, False, tile, lora_dropout=0.25), values, dy)
+
+    untiled = run(None)
+    for tile in (4, 8, 12):  # 22 tokens: remainders 2, 6, 10
+        for got, want in zip(run(tile), untiled, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # Another seed draws other masks and changes the output: the comparison is not vacuous.
+    assert not torch.allclose(run(4, seed=12)[0], untiled[0])
+
+
+def test_tile_tokens_arguments_are_checked():
+    tensors, _ = make_case(torch.float32, lora=True)
+    names, values = list(tensors), list(tensors.values())
+    x, nw, wq, wk, wv = values[:5]
+    base = dict(num_heads=HQ, num_kv_heads=HKV)
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="tile_tokens"):
+            remat.norm_attention(x, nw, wq, wk, wv, tile_tokens=bad, **base)
+    for extra, match in ((dict(causal=False), "causal"), (dict(window=(4, 0)), "sliding window"),
+                         (dict(dropout_p=0.1), "dropout")):
+        with pytest.raises(ValueError, match=match):
+            remat.norm_attention(x, nw, wq, wk, wv, tile_tokens=8, **base, **extra)
+    packed = x[:1]
+    cu_seqlens = torch.tensor([0, 20, 37], dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed"):
+        remat.norm_attention(packed, nw, wq, wk, wv, tile_tokens=8, cu_seqlens=cu_seqlens, **base)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        remat_fn(names, rope_tables(2, 37, torch.float32), "torch", True, 6, lora_dropout=0.1)(*values)
