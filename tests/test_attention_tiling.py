@@ -11,11 +11,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import remat
+from remat.autograd import norm_attention_tiled
 from remat.autograd.lora import LoRAAdapter
 from remat.memory import saved_bytes
+from remat.nn import layers
 
 from _checks import assert_within_2x_of_stock
-from helpers import DTYPES, cpu_backends, grads
+from helpers import DTYPES, batch, causal_lm, cpu_backends, gpt2_model, grads, logits_and_grads
 
 HIDDEN, HQ, HKV, D, RANK = 32, 6, 2, 8, 3
 
@@ -24,29 +26,30 @@ def backends():
     return cpu_backends() + ["aten"]
 
 
-def rope_tables(batch, n, dtype):
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+def rope_tables(batch, n, dtype, head_dim=D):
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     angles = torch.arange(n, dtype=torch.float64)[:, None] * inv[None] + torch.arange(batch)[:, None, None] * 0.37
     emb = torch.cat([angles, angles], -1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def make_case(dtype, batch=2, n=37, qk_norm=False, lora=False, bias=False, seed=0):
+def make_case(dtype, batch=2, n=37, qk_norm=False, lora=False, bias=False, seed=0, head_dim=D):
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=0.3):
         return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
 
+    d = head_dim
     tensors = {"x": rand(batch, n, HIDDEN, scale=1.0), "nw": 1 + rand(HIDDEN, scale=0.2),
-               "wq": rand(HQ * D, HIDDEN), "wk": rand(HKV * D, HIDDEN), "wv": rand(HKV * D, HIDDEN)}
+               "wq": rand(HQ * d, HIDDEN), "wk": rand(HKV * d, HIDDEN), "wv": rand(HKV * d, HIDDEN)}
     if bias:
-        tensors.update(bq=rand(HQ * D, scale=0.1), bk=rand(HKV * D, scale=0.1), bv=rand(HKV * D, scale=0.1))
+        tensors.update(bq=rand(HQ * d, scale=0.1), bk=rand(HKV * d, scale=0.1), bv=rand(HKV * d, scale=0.1))
     if qk_norm:
-        tensors.update(qn=1 + rand(D, scale=0.2), kn=1 + rand(D, scale=0.2))
+        tensors.update(qn=1 + rand(d, scale=0.2), kn=1 + rand(d, scale=0.2))
     if lora:
-        tensors.update(aq=rand(RANK, HIDDEN), bq_lora=rand(HQ * D, RANK), av=rand(RANK, HIDDEN),
-                       bv_lora=rand(HKV * D, RANK))
-    dy = rand(batch, n, HQ, D, scale=1.0)
+        tensors.update(aq=rand(RANK, HIDDEN), bq_lora=rand(HQ * d, RANK), av=rand(RANK, HIDDEN),
+                       bv_lora=rand(HKV * d, RANK))
+    dy = rand(batch, n, HQ, d, scale=1.0)
     return tensors, dy
 
 
@@ -65,7 +68,7 @@ def remat_fn(names, rope, backend, keep_qkv, tile, empty=None, lora_dropout=0.0)
 
 
 def _rotate(t, cos, sin):
-    half = D // 2
+    half = t.shape[-1] // 2
     rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
     return t * cos[:, :, None] + rotated * sin[:, :, None]
 
@@ -84,12 +87,13 @@ def reference_fn(names, rope, empty=None):
                 out = out + scaling * F.linear(F.linear(normed, a), b_lora)
             return out
 
-        q = project(t["wq"], t.get("bq"), t.get("aq"), t.get("bq_lora"), 0.5).view(batch, n, HQ, D)
-        k = project(t["wk"], t.get("bk")).view(batch, n, HKV, D)
-        v = project(t["wv"], t.get("bv"), t.get("av"), t.get("bv_lora"), 2.0).view(batch, n, HKV, D)
+        d = t["wq"].shape[0] // HQ
+        q = project(t["wq"], t.get("bq"), t.get("aq"), t.get("bq_lora"), 0.5).view(batch, n, HQ, d)
+        k = project(t["wk"], t.get("bk")).view(batch, n, HKV, d)
+        v = project(t["wv"], t.get("bv"), t.get("av"), t.get("bv_lora"), 2.0).view(batch, n, HKV, d)
         if "qn" in t:
-            q = F.rms_norm(q, (D,), t["qn"], 1e-6)
-            k = F.rms_norm(k, (D,), t["kn"], 1e-6)
+            q = F.rms_norm(q, (d,), t["qn"], 1e-6)
+            k = F.rms_norm(k, (d,), t["kn"], 1e-6)
         cos, sin = (table.to(x.dtype) for table in rope)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
@@ -198,6 +202,31 @@ def test_tiles_draw_the_untiled_calls_lora_dropout_masks(backend):
     assert not torch.allclose(run(4, seed=12)[0], untiled[0])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "aten", "triton", "cuda"])
+@pytest.mark.parametrize("keep_qkv", [True, False])
+def test_gpu_tiled_norm_attention_matches_float64_reference(backend, keep_qkv):
+    # cuDNN aligns causal masks top-left (two calls per tile); the aten core on CUDA is
+    # FlashAttention-2 (one bottom-right call). 300 tokens, D 64, tiles of 128: remainder 44.
+    from remat import backend as backend_mod
+
+    reason = backend_mod.unavailable_reason(backend, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    tensors, dy = make_case(torch.bfloat16, n=300, lora=True, bias=True, head_dim=64)
+    names = list(tensors)
+    values = [t.cuda() for t in tensors.values()]
+    dy = dy.cuda()
+    rope = tuple(t.cuda() for t in rope_tables(2, 300, torch.bfloat16, head_dim=64))
+    got = grads(remat_fn(names, rope, backend, keep_qkv, 128), values, dy)
+    untiled = grads(remat_fn(names, rope, backend, keep_qkv, None), values, dy)
+    stock = grads(reference_fn(names, rope), values, dy)
+    want = grads(reference_fn(names, tuple(t.double() for t in rope)), [t.double() for t in values], dy.double())
+    for name, g, u, s, w in zip(["o", *names], got, untiled, stock, want, strict=True):
+        assert_within_2x_of_stock(name, g, s, w, torch.bfloat16)
+        assert_within_2x_of_stock(f"{name} (untiled)", u, s, w, torch.bfloat16)
+
+
 def test_tile_tokens_arguments_are_checked():
     tensors, _ = make_case(torch.float32, lora=True)
     names, values = list(tensors), list(tensors.values())
@@ -216,3 +245,58 @@ def test_tile_tokens_arguments_are_checked():
         remat.norm_attention(packed, nw, wq, wk, wv, tile_tokens=8, cu_seqlens=cu_seqlens, **base)
     with pytest.raises(ValueError, match="multiple of 4"):
         remat_fn(names, rope_tables(2, 37, torch.float32), "torch", True, 6, lora_dropout=0.1)(*values)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("policy", ["speed", "memory"])
+def test_patched_models_tile_their_attention_and_match_stock(kind, policy, monkeypatch):
+    calls = []
+    original = norm_attention_tiled.backward_tiled
+    monkeypatch.setattr(norm_attention_tiled, "backward_tiled", lambda *a, **k: calls.append(1) or original(*a, **k))
+
+    def build():
+        return gpt2_model() if kind == "gpt2" else causal_lm(kind)
+
+    ids = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(3))
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    stock_loss, stock_grads = step(build())
+    model = build()
+    remat.patch(model, policy=policy, tile_tokens=4)
+    loss, got = step(model)
+    layers = model.config.num_hidden_layers if kind != "gpt2" else model.config.n_layer
+    assert len(calls) == layers  # every layer's attention backward ran over query tiles
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)
+    assert got.keys() == stock_grads.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, stock_grads[name], rtol=1e-4, atol=2e-6, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_padded_rows_run_tiled_and_a_sliding_window_warns_and_runs_untiled(kind, monkeypatch):
+    calls = []
+    original = norm_attention_tiled.backward_tiled
+    monkeypatch.setattr(norm_attention_tiled, "backward_tiled", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ids, mask, labels = batch()  # right padding: pads are empty queries of dense rows
+    _, stock_loss, stock_grads = logits_and_grads(causal_lm(kind), ids, mask, labels)
+    model = causal_lm(kind)
+    remat.patch(model, policy="memory", tile_tokens=4)
+    layers._UNTILED_ATTENTION_WARNED.clear()
+    if kind == "mistral":  # a window of 4 tokens: not tiled, said once
+        with pytest.warns(UserWarning, match="attention sub-block of .* runs untiled .*sliding window"):
+            _, loss, got = logits_and_grads(model, ids, mask, labels)
+        assert not calls
+    else:
+        _, loss, got = logits_and_grads(model, ids, mask, labels)
+        assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, stock_grads[name], rtol=1e-4, atol=2e-6, msg=name)

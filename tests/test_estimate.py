@@ -249,3 +249,33 @@ def test_gpu_estimate_of_a_fake_cuda_model_against_the_real_peak(setup):
     # Less the ids: the estimate counts what the step makes, not its inputs.
     actual = torch.cuda.max_memory_allocated() - 4096 * 8
     assert abs(predicted.peak_bytes - actual) <= 0.05 * actual, (predicted.peak_bytes, actual)
+
+
+def test_cuda_attention_backward_scratch_is_counted_for_the_call():
+    from remat.estimator import CUDA_BLOCK_BYTES, LiveBytes, kernel_scratch_bytes
+
+    batch, n, heads, kv_heads, dim = 1, 300, 4, 2, 64
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(batch, n, heads, dim, dtype=torch.bfloat16, device="cuda")
+        k, v = (torch.empty(batch, n, kv_heads, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        o, dout = torch.empty_like(q), torch.empty_like(q)
+        lse = torch.empty(batch, heads, n, dtype=torch.float32, device="cuda")
+        empty = torch.empty(0, dtype=torch.int64, device="cuda")
+        flash = (torch.ops.aten._flash_attention_backward.default,
+                 (dout, q, k, v, o, lse, empty, empty, n, n, 0.0, True, empty, empty))
+        as_heads = [t.transpose(1, 2) for t in (dout, q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2), o)]
+        cudnn = (torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default,
+                 (*as_heads, lse.unsqueeze(-1), empty, empty, None, None, None, n, n, 0.0, True))
+        # FlashAttention-2: fp32 dq accumulator over 384 rows (300 rounded to 128) and D 64, fp32
+        # softmax_d, bf16 dk and dv expanded to the 4 query heads (GQA).
+        assert kernel_scratch_bytes(*flash) == 4 * 384 * heads * 64 + 4 * 384 * heads + 2 * n * heads * dim * 2
+        assert kernel_scratch_bytes(*cudnn) == 4 * n * heads * (dim + 1)
+        assert kernel_scratch_bytes(torch.ops.aten.mm.default, (q, k)) == 0
+        for func, args in (flash, cudnn):
+            tracker = LiveBytes("cuda", CUDA_BLOCK_BYTES)
+            with tracker:
+                grads = func(*args)
+            outputs = sum(-(-g.untyped_storage().nbytes() // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES for g in grads)
+            scratch = -(-kernel_scratch_bytes(func, args) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+            assert tracker.current == outputs and tracker.peak == outputs + scratch
+            tracker.close()

@@ -23,6 +23,9 @@ Hugging Face config). Two parts of PyTorch need the device itself and are stood 
   dense rows never makes (and that keeps SDPA off its fused kernels). The rows of an estimate are
   dense by construction, so for its duration that function answers "not packed" for fake position
   ids (:func:`_dense_rows_in_hugging_face`; real tensors still get the real function).
+- The CUDA attention backward kernels allocate scratch inside the call (FlashAttention-2's fp32
+  dq accumulator and, with GQA, Hq-head dk/dv; cuDNN's workspace), which a fake kernel does not:
+  :func:`kernel_scratch_bytes` adds it for the call's duration.
 - ``F.scaled_dot_product_attention`` picks its kernel from the device's properties; on a fake CUDA
   tensor that query falls back to the math kernel, which materialises the [B, H, N, M] scores no
   real GPU run would. The estimate runs SDPA as the flash kernel does on an sm_80+ GPU (output,
@@ -93,6 +96,45 @@ class Estimate:
         parts = ", ".join(f"{kind} {_size(self.breakdown.get(kind, 0))}" for kind in KINDS)
         return (f"peak {_size(self.peak_bytes)} on {self.device} in the {self.peak_phase} ({parts}); "
                 f"host {_size(self.host_bytes)}; {self.tokens} tokens")
+
+
+def _round_up(value, multiple):
+    return -(-value // multiple) * multiple
+
+
+def kernel_scratch_bytes(func, args):
+    """The device memory one of PyTorch's CUDA attention backward kernels takes from the caching
+    allocator for the length of the call (a fake tensor's kernel allocates none), 0 for any other
+    operator:
+
+    - ``aten._flash_attention_backward`` (FlashAttention-2's mha_bwd / mha_varlen_bwd): the fp32 dq
+      accumulator ``[B, N rounded to 128, Hq, D rounded to 32]`` (varlen: ``[T + 128 B, Hq, D]``),
+      the fp32 softmax_d ``[B, Hq, N rounded]``, and with GQA the Hq-head dk and dv ``[B, M, Hq,
+      D]`` it sums over each group afterwards.
+    - ``aten._scaled_dot_product_cudnn_attention_backward``: cuDNN sizes its workspace at run
+      time; it is counted as the same fp32 dq accumulator and softmax sum ``[B, Hq, N, D + 1]``
+      (cuDNN's flash backward accumulates dQ in fp32), an assumption until a GPU run measures it
+      (the gpu-marked estimate test compares with a real peak).
+    """
+    if func is torch.ops.aten._flash_attention_backward.default:
+        query, key = args[1], args[2]
+        varlen = query.dim() == 3
+        if varlen:
+            (total, heads, dim), batch = query.shape, args[6].numel() - 1
+            rows = total + 128 * batch
+            keys = key.shape[0]
+        else:
+            batch, n, heads, dim = query.shape
+            rows, keys = batch * _round_up(n, 128), batch * key.shape[1]
+        accumulator = 4 * rows * heads * _round_up(dim, 32)
+        softmax_d = 4 * rows * heads
+        kv_heads = key.shape[-2]
+        expanded = 2 * keys * heads * dim * key.element_size() if kv_heads != heads else 0
+        return accumulator + softmax_d + expanded
+    if func is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default:
+        batch, heads, n, dim = args[1].shape
+        return 4 * batch * heads * n * (dim + 1)
+    return 0
 
 
 def _size(nbytes):
@@ -188,7 +230,20 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
+        scratch = kernel_scratch_bytes(func, args) if self.device.type == "cuda" else 0
+        if scratch:
+            self.transient(self._rounded(scratch))
         return out
+
+    def transient(self, nbytes):
+        """Counts ``nbytes`` on the device for the duration of one kernel (its scratch): a peak
+        that includes it is recorded as "other"."""
+        if self.current + nbytes > self.peak:
+            self.peak = self.current + nbytes
+            self.peak_phase = self.phase
+            self.at_peak = self._by_kind()
+            self.at_peak["other"] += nbytes
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.current + nbytes)
 
     def close(self):
         for finalizer in self._finalizers:

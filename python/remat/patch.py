@@ -70,9 +70,12 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             ``policy="auto"`` yet (its checkpointed spans run in remat's own executor).
         tile_tokens: None (default) or an int >= 1: every fused decoder layer's gated MLP runs
             over tiles of that many tokens in forward and backward (remat.norm_mlp), so no
-            ``[tokens, intermediate]`` tensor exists beyond one tile; the same saved bytes, the
-            untiled results up to rounding. With LoRA dropout, a multiple of 4 (the call raises
-            ValueError otherwise; the masks are the untiled call's).
+            ``[tokens, intermediate]`` tensor exists beyond one tile, and so does its attention
+            sub-block (remat.norm_attention: backward over query tiles) where the call is causal
+            without a sliding window, dense and without attention dropout (otherwise it runs
+            untiled and the layer warns once); the same saved bytes, the untiled results up to
+            rounding. With LoRA dropout, a multiple of 4 (the call raises ValueError otherwise; the
+            masks are the untiled call's).
 
     All or nothing: when anything inside patch raises (the plan included), the model is left as it
     was and the exception propagates.

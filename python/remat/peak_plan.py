@@ -9,7 +9,8 @@ the largest backward working set, the loss), is within the budget:
 1. ``speed``: no GEMM recomputed;
 2. ``balanced``: the MLP's gate/up GEMMs recomputed;
 3. ``memory``: the q/k/v projections too;
-4. ``memory`` with the gated MLP tiled along the sequence (no FLOPs added);
+4. ``memory`` with the gated MLP and the attention sub-block tiled along the sequence (no FLOPs
+   added: the attention backward runs per query tile, each tile recomputing its own q);
 5. the same with what each layer keeps offloaded to host memory (copies that a GPU overlaps with
    compute: not measured yet);
 6. the same with each layer checkpointed (it keeps its input, offloaded, and re-runs its forward
@@ -34,7 +35,8 @@ CANDIDATES = (
     ("memory+tiled+offload", "memory", True, True, False),
     ("memory+tiled+offload+checkpointed", "memory", True, True, True),
 )
-# Tokens per MLP tile: [8192, 14336] bf16 temporaries are 224 MiB each, GEMMs that still fill a GPU.
+# Tokens per tile: [8192, 14336] bf16 MLP temporaries are 224 MiB each, GEMMs that still fill a GPU,
+# and a query tile of 8192 keeps the attention backward's calls large.
 DEFAULT_TILE_TOKENS = 8192
 
 
@@ -98,7 +100,8 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
         seq_len, batch_size: the step's shape (ints >= 1).
         budget_bytes: the device budget (int > 0).
         modules, backend: as for remat.patch.
-        tile_tokens: the MLP tile (default :data:`DEFAULT_TILE_TOKENS`, at most the step's tokens).
+        tile_tokens: the tile of the tiled candidates (default :data:`DEFAULT_TILE_TOKENS`, at most
+            the step's tokens).
         optimizer: passed to remat.estimate (None or "adam").
 
     Returns:

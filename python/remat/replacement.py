@@ -121,7 +121,7 @@ class PatchReport:
 
 def set_layer_options(model, report, *, offload=False, tile_tokens=None, checkpointing=False):
     """Sets options on every fused decoder layer ``report`` names, in model order: the gated MLP's
-    tile (``tile_tokens``), one shared HostOffload (``offload``; on ``report.offload``) and
+    and attention sub-block's tile (``tile_tokens``), one shared HostOffload (``offload``; on ``report.offload``) and
     whole-layer checkpointing (``checkpointing``: the layer keeps its input, re-run in backward)."""
     named = dict(model.named_modules())
     layers = [named[name] for name, _, _ in report.replaced if isinstance(named.get(name), PreNormDecoderLayer)]

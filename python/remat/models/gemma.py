@@ -247,7 +247,8 @@ class GemmaLayer(PreNormDecoderLayer):
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="gemma", eps=norm.eps, **qk,
             causal=attn.causal, scale=attn.scale, rope=rope, window=attn.window, softcap=attn.softcap,
             dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv,
-            lora=adapters.lora_argument(projections), backend=attn.backend, **varlen_arguments(layout))
+            lora=adapters.lora_argument(projections), backend=attn.backend, **varlen_arguments(layout),
+            **self.attention_tile_arguments(layout, attn.causal, attn.window, attn.dropout if attn.training else 0.0))
 
     def out_proj(self, o):
         """o_proj, then the sandwich post-norm ``post_attention_layernorm`` (before the residual

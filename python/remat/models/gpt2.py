@@ -130,7 +130,8 @@ class GPT2Layer(PreNormDecoderLayer):
             x, checks.vector_like(self.ln_1.weight, x), *weights, norm_bias=checks.vector_like(self.ln_1.bias, x),
             b_q=biases[0], b_k=biases[1], b_v=biases[2], num_heads=self.num_heads, norm="layer",
             eps=float(self.ln_1.eps), causal=True, dropout_p=self.attention_dropout if self.training else 0.0,
-            keep_qkv=self.keeps_qkv, backend=self.backend, **varlen_arguments(layout))
+            keep_qkv=self.keeps_qkv, backend=self.backend, **varlen_arguments(layout),
+            **self.attention_tile_arguments(layout, True, None, self.attention_dropout if self.training else 0.0))
 
     def _unfused_attention_output(self, x, layout):
         """The attention sub-block through the modules' own forwards (a c_attn with LoRA or another

@@ -135,7 +135,8 @@ class LlamaLayer(PreNormDecoderLayer):
             causal=attn.causal, scale=attn.scale, rope=rope, window=attn.window, softcap=attn.softcap,
             dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv,
             lora=adapters.lora_argument(projections), backend=attn.backend, **self.extra_attention_arguments(x),
-            **varlen_arguments(layout))
+            **varlen_arguments(layout),
+            **self.attention_tile_arguments(layout, attn.causal, attn.window, attn.dropout if attn.training else 0.0))
 
     def extra_attention_arguments(self, x):
         """Further keyword arguments of functional.norm_attention for input x (none here; Qwen3 adds

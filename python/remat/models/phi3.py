@@ -221,7 +221,8 @@ class Phi3Layer(PreNormDecoderLayer):
             x, checks.vector_like(norm.weight, x), *weights, b_q=biases[0], b_k=biases[1], b_v=biases[2],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="rms", eps=norm.eps_for(x), causal=True,
             scale=attn.scale, rope=rope, window=attn.window, dropout_p=attn.dropout if attn.training else 0.0,
-            keep_qkv=self.keeps_qkv, lora=lora, backend=attn.backend, **varlen_arguments(layout))
+            keep_qkv=self.keeps_qkv, lora=lora, backend=attn.backend, **varlen_arguments(layout),
+            **self.attention_tile_arguments(layout, True, attn.window, attn.dropout if attn.training else 0.0))
 
     def out_proj(self, o):
         return adapters.linear_projection(adapters.read_projection(self.self_attn.o_proj), o, self.backend)

@@ -15,6 +15,7 @@ sub-blocks end in a norm before the residual add (Gemma's "sandwich" post-norms)
 """
 
 import functools
+import warnings
 
 import torch
 import torch.utils.checkpoint
@@ -47,6 +48,10 @@ def check_runnable(module):
                              f"dims 1..{checks.MAX_HEAD_DIM}")
 
 
+# The reasons a tiled layer's attention ran untiled that have been warned about (once each).
+_UNTILED_ATTENTION_WARNED = set()
+
+
 class PreNormDecoderLayer(nn.Module):
     """Base of the fused decoder layers. Subclasses set ``policy`` (one of :data:`LAYER_POLICIES`),
     ``backend`` and ``resid_dropout`` (a probability applied in training, default 0) and implement
@@ -75,7 +80,8 @@ class PreNormDecoderLayer(nn.Module):
 
     _offload = None
     _offload_index = 0
-    # remat.patch(tile_tokens=T): the gated MLP sub-block runs over tiles of T tokens (remat.norm_mlp).
+    # remat.patch(tile_tokens=T): the gated MLP sub-block runs over tiles of T tokens (remat.norm_mlp),
+    # and so does the attention sub-block where it can (attention_tile_arguments).
     tile_tokens = None
 
     resid_dropout = 0.0
@@ -115,6 +121,27 @@ class PreNormDecoderLayer(nn.Module):
         then one packed row ``[1, T, hidden]``, or ``[B, N, hidden]`` with pads); pass it on as
         norm_attention's keyword arguments, remat.sequences.varlen_arguments(layout)."""
         raise NotImplementedError
+
+    def attention_tile_arguments(self, layout, causal, window, dropout_p):
+        """functional.norm_attention's ``tile_tokens`` keyword for this call: ``{"tile_tokens": T}``
+        when the layer is tiled and the call can run over query tiles (causal, no sliding window, no
+        attention dropout, dense rows), else ``{}``; a tiled layer whose attention cannot be tiled
+        warns once per reason (its MLP stays tiled)."""
+        if not self.tile_tokens:
+            return {}
+        from remat.functional.attention import attention_tile_unsupported_reason
+        from remat.options import AttentionOptions
+
+        left, right = checks.window_bounds(window, causal)
+        reason = attention_tile_unsupported_reason(AttentionOptions(1.0, 0.0, left, right, float(dropout_p)),
+                                                   layout is not None and layout.cu_seqlens is not None)
+        if reason is None:
+            return {"tile_tokens": self.tile_tokens}
+        if reason not in _UNTILED_ATTENTION_WARNED:
+            _UNTILED_ATTENTION_WARNED.add(reason)
+            warnings.warn(f"remat: tile_tokens={self.tile_tokens}: the attention sub-block of {type(self).__name__} "
+                          f"runs untiled ({reason}); its MLP is tiled", stacklevel=3)
+        return {}
 
     def out_proj(self, o):
         """The attention output projection of o ``[B, N, Hq * D]``: what is added to the residual
