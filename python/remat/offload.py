@@ -11,9 +11,13 @@ backward:
   step to step); the device tensor's block is held for the side stream (``record_stream``) and
   returns to the allocator when the copy is done, so compute never waits for it.
 - Back: the first time backward unpacks a tensor of layer i, layer i's tensors are brought back
-  (on the side stream, waited on by the compute stream) unless they already are, and layer i - 1's
-  copies (the next layer backward reaches) start on the side stream, each with an event the
-  compute stream waits on before its first use.
+  (on the side stream, waited on by the compute stream) unless they already are, and, with
+  ``prefetch`` (the default), layer i - 1's copies (the next layer backward reaches) start on the
+  side stream, each with an event the compute stream waits on before its first use. Without
+  prefetch a layer's tensors come back only when its backward first needs them: the device holds
+  one layer's kept tensors instead of two, and compute waits for that copy (at long context a
+  small part of the layer's attention time: 8 GiB over a ~25 GB/s host link is ~0.3 s against
+  seconds of attention at a million tokens; not measured on a GPU).
 
 What stays on the device: parameters and views of them, and tensors below :data:`MIN_BYTES` (RNG
 states, per-row statistics of short sequences). Views of one storage saved in one layer (a tensor
@@ -105,16 +109,22 @@ class HostOffload:
     """Moves what the layers of one model save for backward to host memory and back (module
     docstring). One object per patched model; each layer's forward runs in :meth:`layer`.
 
+    Args:
+        min_bytes: saved tensors smaller than this stay on the device (default :data:`MIN_BYTES`).
+        prefetch: bring layer i - 1's tensors back when layer i's backward starts (default True).
+
     Attributes:
         host_bytes: bytes now held on the host by this object's copies.
         peak_host_bytes: the most held at once since creation.
         copied_bytes: bytes copied to the host so far (each copy once).
     """
 
-    def __init__(self, min_bytes=MIN_BYTES):
+    def __init__(self, min_bytes=MIN_BYTES, prefetch=True):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
-        self.min_bytes = min_bytes
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
+        self.min_bytes, self.prefetch = min_bytes, prefetch
         self._records = {}  # layer index -> _LayerRecord of the current step
         self._streams = {}  # CUDA device index -> side stream
         self._lock = threading.Lock()
@@ -124,10 +134,10 @@ class HostOffload:
 
     def __getstate__(self):
         # Streams, events and host copies belong to a running step, not to a saved model.
-        return {"min_bytes": self.min_bytes}
+        return {"min_bytes": self.min_bytes, "prefetch": self.prefetch}
 
     def __setstate__(self, state):
-        self.__init__(state["min_bytes"])
+        self.__init__(state["min_bytes"], state.get("prefetch", True))
 
     @contextlib.contextmanager
     def layer(self, index):
@@ -206,7 +216,7 @@ class HostOffload:
         record = block.layer
         if not record.fetching:
             self._fetch(record)
-        previous = self._records.get(record.index - 1)
+        previous = self._records.get(record.index - 1) if self.prefetch else None
         if previous is not None and not previous.fetching:
             self._fetch(previous)  # one layer ahead: the next one backward reaches
         if block.ready is not None:

@@ -14,7 +14,9 @@ the largest backward working set, the loss), is within the budget:
 5. the same with what each layer keeps offloaded to host memory (copies that a GPU overlaps with
    compute: not measured yet);
 6. the same with each layer checkpointed (it keeps its input, offloaded, and re-runs its forward
-   in backward: one more forward's FLOPs).
+   in backward: one more forward's FLOPs);
+7. the same without prefetch: a layer's input comes back when its backward starts, not one layer
+   ahead (one layer's input on the device instead of two; compute waits for that copy).
 
 Every layer gets the same configuration: a per-layer mix (some layers offloaded or checkpointed,
 others not) is not searched yet. A budget below the last candidate's peak raises ValueError naming
@@ -26,14 +28,15 @@ import dataclasses
 from remat.estimator import estimate
 from remat.replacement import replace_modules, set_layer_options, unpatch
 
-# (name, policy, tile the MLP, offload, checkpoint), cheapest first.
+# (name, policy, tile the MLP and attention, offload, checkpoint, prefetch), cheapest first.
 CANDIDATES = (
-    ("speed", "speed", False, False, False),
-    ("balanced", "balanced", False, False, False),
-    ("memory", "memory", False, False, False),
-    ("memory+tiled", "memory", True, False, False),
-    ("memory+tiled+offload", "memory", True, True, False),
-    ("memory+tiled+offload+checkpointed", "memory", True, True, True),
+    ("speed", "speed", False, False, False, True),
+    ("balanced", "balanced", False, False, False, True),
+    ("memory", "memory", False, False, False, True),
+    ("memory+tiled", "memory", True, False, False, True),
+    ("memory+tiled+offload", "memory", True, True, False, True),
+    ("memory+tiled+offload+checkpointed", "memory", True, True, True, True),
+    ("memory+tiled+offload+checkpointed, no prefetch", "memory", True, True, True, False),
 )
 # Tokens per tile: [8192, 14336] bf16 MLP temporaries are 224 MiB each, GEMMs that still fill a GPU,
 # and a query tile of 8192 keeps the attention backward's calls large.
@@ -46,7 +49,7 @@ class PeakPlan:
 
     Attributes:
         choice: the candidate's name (see the module docstring).
-        policy, tile_tokens, offload, checkpointing: what it sets on the layers.
+        policy, tile_tokens, offload, checkpointing, prefetch: what it sets on the layers.
         peak_bytes, host_bytes: the estimate of the chosen configuration's step.
         budget_bytes: the device budget.
         tried: (name, peak_bytes, host_bytes) of every candidate estimated, in order.
@@ -57,6 +60,7 @@ class PeakPlan:
     tile_tokens: int | None
     offload: bool
     checkpointing: bool
+    prefetch: bool
     peak_bytes: int
     host_bytes: int
     budget_bytes: int
@@ -72,20 +76,21 @@ class PeakPlan:
                  f"{self.budget_bytes / gib:.2f} GiB: {self.choice} (the cheapest candidate within it)"]
         for name, peak, host in self.tried:
             mark = "<- chosen" if name == self.choice else ("over budget" if peak > self.budget_bytes else "")
-            lines.append(f"  {name:<36} device peak {peak / gib:8.2f} GiB  host {host / gib:8.2f} GiB  {mark}")
+            lines.append(f"  {name:<48} device peak {peak / gib:8.2f} GiB  host {host / gib:8.2f} GiB  {mark}")
         lines.append("  cost order: recompute grows down the list (speed: none; balanced: MLP gate/up GEMMs; memory: "
                      "+ q/k/v; checkpointed: + the layer's forward); tiling adds none; offload adds host copies "
-                     "(overlapped on a GPU, not measured)")
+                     "(overlapped on a GPU, not measured; without prefetch compute waits for each layer's copy)")
         return "\n".join(lines)
 
 
 def configure(model, candidate, modules, backend, tile_tokens):
     """Patches ``model`` with one of :data:`CANDIDATES`; returns the PatchReport."""
-    _, policy, tiled, offload, checkpointing = candidate
+    _, policy, tiled, offload, checkpointing, prefetch = candidate
     tile = tile_tokens if tiled else None
 
     def finish(report):
-        set_layer_options(model, report, offload=offload, tile_tokens=tile, checkpointing=checkpointing)
+        set_layer_options(model, report, offload=offload, tile_tokens=tile, checkpointing=checkpointing,
+                          prefetch=prefetch)
 
     return replace_modules(model, policy, modules, backend, finish=finish)
 
@@ -120,9 +125,9 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
             unpatch(model)
         tried.append((candidate[0], result.peak_bytes, result.host_bytes))
         if result.peak_bytes <= budget_bytes:
-            name, policy, tiled, offload, checkpointing = candidate
-            return PeakPlan(name, policy, tile if tiled else None, offload, checkpointing, result.peak_bytes,
-                            result.host_bytes, budget_bytes, seq_len, batch_size, tried)
+            name, policy, tiled, offload, checkpointing, prefetch = candidate
+            return PeakPlan(name, policy, tile if tiled else None, offload, checkpointing, prefetch,
+                            result.peak_bytes, result.host_bytes, budget_bytes, seq_len, batch_size, tried)
     floor = min(peak for _, peak, _ in tried)
     raise ValueError(f"no configuration fits {budget_bytes} bytes for {batch_size} x {seq_len} tokens: the smallest "
                      f"predicted peak is {floor} bytes ({tried[-1][0]}); raise the budget to at least that or "
