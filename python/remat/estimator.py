@@ -17,7 +17,9 @@ Hugging Face config). Two parts of PyTorch need the device itself and are stood 
   accumulators first) that calls each node, accumulates incoming gradients as the engine does for
   tensor subclasses (out of place) and frees a node's saved tensors right after it runs (as the
   engine's ``release_variables``). On fake CPU tensors the walk and the engine reach the same
-  peak (tested).
+  peak (tested). A real run's engine adds a second gradient into a plain tensor it holds alone in
+  place (input_buffer.cpp, can_accumulate_inplace), so where such a sum falls on the peak the
+  estimate counts one gradient more than a GPU would hold (an over-count, never an under-count).
 - Hugging Face's mask preparation (``masking_utils.find_packed_sequence_indices``) cannot read
   fake position ids and assumes packed rows, which builds a [B, 1, N, N] mask that a real run over
   dense rows never makes (and that keeps SDPA off its fused kernels). The rows of an estimate are
