@@ -225,7 +225,7 @@ def varlen_attention(backend):
     return Case(f"varlen_attention-{backend}", build, "remat.attention (packed sequences)")
 
 
-def norm_attention(backend, keep_qkv, qk_norm):
+def norm_attention(backend, keep_qkv, qk_norm, tile_tokens=None):
     def build(stock):
         x, nw, wq, wk, wv, qn, kn = _leaves(stock, _values(12, (1, 5, 16), (16,), (16, 16), (8, 16), (8, 16), (8,),
                                                            (8,), scale=(1, 1, .3, .3, .3, 1, 1)))
@@ -240,8 +240,10 @@ def norm_attention(backend, keep_qkv, qk_norm):
             return run, leaves
         qk = dict(qk_norm="rms", q_norm_weight=qn, k_norm_weight=kn) if qk_norm else {}
         return (lambda: remat.norm_attention(x, nw, wq, wk, wv, num_heads=2, num_kv_heads=1, eps=1e-6,
-                                             keep_qkv=keep_qkv, backend=backend, **qk)), leaves
-    return Case(f"norm_attention-{backend}-keep_qkv={keep_qkv}{'-qk_norm' * qk_norm}", build,
+                                             keep_qkv=keep_qkv, backend=backend, tile_tokens=tile_tokens,
+                                             **qk)), leaves
+    tiled = f"-tile={tile_tokens}" if tile_tokens else ""
+    return Case(f"norm_attention-{backend}-keep_qkv={keep_qkv}{'-qk_norm' * qk_norm}{tiled}", build,
                 "remat.norm_attention")
 
 
@@ -363,7 +365,8 @@ def entry_cases():
                   dropout(backend), moe(backend)]
         cases += [gated_mlp(backend, recompute, biases=False) for recompute in ("none", "activation", "block")]
     cases += [gated_mlp("torch", "none", biases=True), gelu_mlp("torch", "activation"),
-              norm_mlp("torch", "activation", True), norm_attention("torch", False, True), attention("aten"),
+              norm_mlp("torch", "activation", True), norm_attention("torch", False, True),
+              norm_attention("cpp" if "cpp" in BACKENDS else "torch", False, True, tile_tokens=2), attention("aten"),
               attention("aten", rope=True), under_checkpoint(norm_mlp("torch", "activation", True)),
               under_checkpoint(rms_norm("cpp", True)),
               checkpoint_sequential()]
