@@ -96,13 +96,27 @@ def test_a_fake_cuda_model_is_planned_without_a_gpu_and_offloads_when_it_must():
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     on_fake_device(model)
-    tight = None
+    results = {}
     for candidate in peak_plan.CANDIDATES:
         peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS)
-        result = remat.estimate(model, seq_len=8192)
+        results[candidate[0]] = remat.estimate(model, seq_len=8192)
         remat.unpatch(model)
-        if candidate[0] == "memory+tiled+offload":
-            tight = result.peak_bytes
+    tight = results["memory+tiled+offload"].peak_bytes
     report = remat.patch(model, policy="auto", budget_bytes=tight, seq_len=8192)
     assert report.plan.offload and report.plan.host_bytes > 0
     assert report.plan.peak_bytes <= tight
+    remat.unpatch(model)
+    # A host budget: candidates holding more on the host do not fit either.
+    host = results["memory+tiled+offload"].host_bytes
+    assert all(r.host_bytes == 0 for name, r in results.items() if "offload" not in name)
+    report = remat.patch(model, policy="auto", budget_bytes=tight, seq_len=8192, host_budget_bytes=host)
+    assert report.plan.host_bytes <= host and report.plan.peak_bytes <= tight
+    remat.unpatch(model)
+    # Every candidate that keeps all on the device is over the device budget (offload was chosen).
+    assert all(r.peak_bytes > tight for name, r in results.items() if "offload" not in name)
+    with pytest.raises(ValueError, match="and 0 host bytes"):
+        remat.patch(model, policy="auto", budget_bytes=tight, seq_len=8192, host_budget_bytes=0)
+    with pytest.raises(ValueError, match="host_budget_bytes"):
+        remat.patch(model, policy="auto", budget_bytes=tight, seq_len=8192, host_budget_bytes=-1)
+    with pytest.raises(ValueError, match="host_budget_bytes is for"):
+        remat.patch(model, policy="memory", host_budget_bytes=10**9)

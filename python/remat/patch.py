@@ -27,7 +27,7 @@ __all__ = ["MODULE_KINDS", "STOCK", "PatchReport", "patch", "unpatch"]
 
 def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budget_bytes=None,
           budget_bytes_per_token=None, example_inputs=None, cost="flops", max_span=None, offload=False,
-          tile_tokens=None, seq_len=None, batch_size=1):
+          tile_tokens=None, seq_len=None, batch_size=1, host_budget_bytes=None):
     """Replaces, in place, the submodules of ``model`` that remat has fused versions of (see
     remat.replacement), keeping their parameters, and returns a :class:`PatchReport`.
 
@@ -62,6 +62,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             remat.peak_plan's configurations (policies, MLP tiling, host offload, checkpointing);
             ``budget_bytes="auto"`` on a CUDA model: the GPU's total memory less 3 GiB.
             ``report.plan.explain()`` prints each candidate's predicted peak and host bytes.
+        host_budget_bytes: with ``seq_len``: None (default: any), or the most host memory the
+            offloading candidates may hold (their predicted host peak); a candidate over it is
+            skipped like one over ``budget_bytes``.
 
         offload: move what every fused decoder layer keeps for backward (its policy's saved
             tensors, or its input under Hugging Face gradient checkpointing) to host memory after
@@ -86,6 +89,8 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     if offload and policy == "auto":
         raise ValueError("offload=True is not supported with policy='auto' yet: choose a policy")
     tile_tokens = checks.check_tile_tokens(tile_tokens) or None
+    if host_budget_bytes is not None and (policy != "auto" or seq_len is None):
+        raise ValueError("host_budget_bytes is for policy='auto' with seq_len")
     if policy != "auto" and not (budget_bytes is None and budget_bytes_per_token is None and example_inputs is None
                                  and max_span is None):
         raise ValueError("budget_bytes, budget_bytes_per_token, example_inputs and max_span are for policy='auto'")
@@ -105,7 +110,7 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
                              "example_inputs, budget_bytes_per_token, max_span and tile_tokens are not taken")
         budget = _device_budget(model, budget_bytes)
         peak = peak_plan.plan_peak(model, seq_len=seq_len, batch_size=batch_size, budget_bytes=budget,
-                                   modules=modules, backend=backend)
+                                   modules=modules, backend=backend, host_budget_bytes=host_budget_bytes)
         return peak_plan.install(model, peak, modules, backend)
     # The planner measures configurations through remat.replacement and leaves the model unpatched.
     plan = model_plan.plan_model(model, example_inputs, budget_bytes=budget_bytes,

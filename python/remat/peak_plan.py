@@ -51,7 +51,7 @@ class PeakPlan:
         choice: the candidate's name (see the module docstring).
         policy, tile_tokens, offload, checkpointing, prefetch: what it sets on the layers.
         peak_bytes, host_bytes: the estimate of the chosen configuration's step.
-        budget_bytes: the device budget.
+        budget_bytes: the device budget; host_budget_bytes: the host budget (None: any).
         tried: (name, peak_bytes, host_bytes) of every candidate estimated, in order.
     """
 
@@ -67,6 +67,7 @@ class PeakPlan:
     seq_len: int
     batch_size: int
     tried: list
+    host_budget_bytes: int | None = None
 
     def explain(self):
         """The plan in words: the predicted device peak and host bytes per candidate and why this
@@ -75,7 +76,8 @@ class PeakPlan:
         lines = [f"remat peak plan for {self.batch_size} x {self.seq_len} tokens, device budget "
                  f"{self.budget_bytes / gib:.2f} GiB: {self.choice} (the cheapest candidate within it)"]
         for name, peak, host in self.tried:
-            mark = "<- chosen" if name == self.choice else ("over budget" if peak > self.budget_bytes else "")
+            over = peak > self.budget_bytes or (self.host_budget_bytes is not None and host > self.host_budget_bytes)
+            mark = "<- chosen" if name == self.choice else ("over budget" if over else "")
             lines.append(f"  {name:<48} device peak {peak / gib:8.2f} GiB  host {host / gib:8.2f} GiB  {mark}")
         lines.append("  cost order: recompute grows down the list (speed: none; balanced: MLP gate/up GEMMs; memory: "
                      "+ q/k/v; checkpointed: + the layer's forward); tiling adds none; offload adds host copies "
@@ -96,7 +98,7 @@ def configure(model, candidate, modules, backend, tile_tokens):
 
 
 def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=None, tile_tokens=None,
-              optimizer=None):
+              optimizer=None, host_budget_bytes=None):
     """Estimates the candidates on ``model`` (patched and unpatched in turn; left unpatched) and
     returns the :class:`PeakPlan` of the first within ``budget_bytes``.
 
@@ -108,6 +110,8 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
         tile_tokens: the tile of the tiled candidates (default :data:`DEFAULT_TILE_TOKENS`, at most
             the step's tokens).
         optimizer: passed to remat.estimate (None or "adam").
+        host_budget_bytes: None (any), or the most host bytes a candidate may hold (its estimated
+            host peak); a candidate over it does not fit.
 
     Returns:
         :class:`PeakPlan`; ValueError when no candidate fits, naming the smallest peak (the floor).
@@ -115,6 +119,9 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("budget_bytes", budget_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if host_budget_bytes is not None and (isinstance(host_budget_bytes, bool) or not isinstance(host_budget_bytes, int)
+                                          or host_budget_bytes < 0):
+        raise ValueError(f"host_budget_bytes must be None or an int >= 0, got {host_budget_bytes!r}")
     tile = min(tile_tokens or DEFAULT_TILE_TOKENS, seq_len * batch_size)
     tried = []
     for candidate in CANDIDATES:
@@ -124,14 +131,16 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
         finally:
             unpatch(model)
         tried.append((candidate[0], result.peak_bytes, result.host_bytes))
-        if result.peak_bytes <= budget_bytes:
+        if result.peak_bytes <= budget_bytes and (host_budget_bytes is None or result.host_bytes <= host_budget_bytes):
             name, policy, tiled, offload, checkpointing, prefetch = candidate
             return PeakPlan(name, policy, tile if tiled else None, offload, checkpointing, prefetch,
-                            result.peak_bytes, result.host_bytes, budget_bytes, seq_len, batch_size, tried)
+                            result.peak_bytes, result.host_bytes, budget_bytes, seq_len, batch_size, tried,
+                            host_budget_bytes)
     floor = min(peak for _, peak, _ in tried)
-    raise ValueError(f"no configuration fits {budget_bytes} bytes for {batch_size} x {seq_len} tokens: the smallest "
-                     f"predicted peak is {floor} bytes ({tried[-1][0]}); raise the budget to at least that or "
-                     "shorten the sequence")
+    host = "" if host_budget_bytes is None else f" and {host_budget_bytes} host bytes"
+    raise ValueError(f"no configuration fits {budget_bytes} bytes{host} for {batch_size} x {seq_len} tokens: the "
+                     f"smallest predicted peak is {floor} bytes ({tried[-1][0]}, {tried[-1][2]} host bytes); raise "
+                     "the budget to at least that or shorten the sequence")
 
 
 def install(model, plan, modules, backend):
