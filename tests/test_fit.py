@@ -106,3 +106,14 @@ def test_offload_lets_remat_fit_longer_and_reports_host_bytes():
     offloaded = fit(config, offload=True, **kwargs)[0]
     assert kept.host_bytes == 0 and offloaded.host_bytes > 0
     assert offloaded.max_seq_len > kept.max_seq_len
+
+
+def test_a_host_memory_limit_bounds_the_offloaded_length():
+    config = transformers.AutoConfig.for_model(**{**TINY, "num_hidden_layers": 6})
+    kwargs = dict(gpu_memory=64 * 2**20, reserve=4 * 2**20, setups=("remat:memory",), offload=True)
+    free = fit(config, **kwargs)[0]
+    limit = free.host_bytes // 2
+    bounded = fit(config, host_memory=limit, **kwargs)[0]
+    assert 0 < bounded.host_bytes <= limit and bounded.max_seq_len < free.max_seq_len
+    with pytest.raises(ValueError, match="host_memory"):
+        fit(config, host_memory=-1, **kwargs)

@@ -121,7 +121,7 @@ def _largest(fits, start, limit):
 
 
 def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=1, seq_len=None,
-        setups=SETUPS, max_tokens=2**25, optimizer=None, offload=False, tile_tokens=None):
+        setups=SETUPS, max_tokens=2**25, optimizer=None, offload=False, tile_tokens=None, host_memory=None):
     """For each setup, the longest sequence (or, with ``seq_len`` given, the largest batch) whose
     training step's estimated device peak fits ``gpu_memory - reserve`` bytes.
 
@@ -137,13 +137,22 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
         optimizer: passed to ``estimate`` (None or "adam").
         offload: remat's setups offload what their layers keep to host memory
             (``remat.patch(offload=True)``); the rows' ``host_bytes`` are then the host peak.
-        tile_tokens: remat's setups run their MLPs over tiles of that many tokens
-            (``remat.patch(tile_tokens=...)``); default None.
+        tile_tokens: remat's setups run their MLPs and attention sub-blocks over tiles of that
+            many tokens (``remat.patch(tile_tokens=...)``); default None.
+        host_memory: None (default: any), or the host bytes a step may hold (offloaded tensors):
+            a length whose estimated host peak exceeds it does not fit.
 
     Returns:
         a list of :class:`FitRow`, one per setup.
     """
     usable = gpu_memory - reserve
+    if host_memory is not None and host_memory < 0:
+        raise ValueError(f"host_memory must be None or >= 0, got {host_memory}")
+    host_limit = float("inf") if host_memory is None else host_memory
+
+    def within(result):
+        return result.peak_bytes <= usable and result.host_bytes <= host_limit
+
     if usable <= 0:
         raise ValueError(f"gpu_memory ({gpu_memory}) must exceed the reserve ({reserve})")
     unknown = [s for s in setups if s not in SETUPS]
@@ -156,7 +165,7 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
         def fits(n):
             shape = (n, seq_len) if seq_len is not None else (batch_size, n)
             result = estimate(model, batch_size=shape[0], seq_len=shape[1], optimizer=optimizer)
-            return result if result.peak_bytes <= usable else None
+            return result if within(result) else None
         return _largest(fits, start, limit)
 
     rows = []
@@ -174,8 +183,8 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
                 if n:
                     beyond = min(n + max(1, n // 64), limit)
                     shape = (beyond, seq_len) if seq_len is not None else (batch_size, beyond)
-                    if beyond == n or estimate(model, batch_size=shape[0], seq_len=shape[1],
-                                               optimizer=optimizer).peak_bytes > usable:
+                    if beyond == n or not within(estimate(model, batch_size=shape[0], seq_len=shape[1],
+                                                          optimizer=optimizer)):
                         continue
                 found, found_result = search(model)
                 if found > n:
@@ -230,7 +239,10 @@ def main(argv):
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated, from " + ", ".join(SETUPS))
     parser.add_argument("--adam", action="store_true", help="count fp32 Adam states of the trainable parameters")
     parser.add_argument("--offload", action="store_true", help="remat's layers offload what they keep to the host")
-    parser.add_argument("--tile-tokens", type=int, default=None, help="remat's MLPs run over tiles of this many tokens")
+    parser.add_argument("--tile-tokens", type=int, default=None,
+                        help="remat's MLPs and attention run over tiles of this many tokens")
+    parser.add_argument("--host-memory", default=None,
+                        help="the host memory a step may hold for offloaded tensors, e.g. 512GB (default: any)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     args = parser.parse_args(argv)
     import transformers
@@ -239,10 +251,12 @@ def main(argv):
         config = transformers.AutoConfig.for_model(**json.load(file))
     try:
         gpu_memory, reserve = parse_bytes(args.gpu_memory), parse_bytes(args.reserve)
+        host_memory = parse_bytes(args.host_memory) if args.host_memory is not None else None
         rows = fit(config, gpu_memory=gpu_memory, reserve=reserve, lora_rank=args.lora_rank,
                    batch_size=args.batch_size, seq_len=args.seq_len,
                    setups=[s.strip() for s in args.setups.split(",") if s.strip()],
-                   optimizer="adam" if args.adam else None, offload=args.offload, tile_tokens=args.tile_tokens)
+                   optimizer="adam" if args.adam else None, offload=args.offload, tile_tokens=args.tile_tokens,
+                   host_memory=host_memory)
     except ValueError as error:
         print(f"python -m remat fit: {error}", file=sys.stderr)
         return 2
