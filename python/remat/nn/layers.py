@@ -22,8 +22,10 @@ import torch.utils.checkpoint
 from torch import nn
 
 from remat import checks, functional
+from remat.functional.attention import attention_tile_unsupported_reason
 from remat.hf import given_cache, refuse_static_cache, run_stock_layer
 from remat.offload import offload_scope
+from remat.options import AttentionOptions
 from remat.sequences import OFFSET_ARGUMENTS, pack_sequences, sequence_layout, unpack_sequences
 
 LAYER_POLICIES = ("speed", "balanced", "memory")
@@ -129,9 +131,6 @@ class PreNormDecoderLayer(nn.Module):
         warns once per reason (its MLP stays tiled)."""
         if not self.tile_tokens:
             return {}
-        from remat.functional.attention import attention_tile_unsupported_reason
-        from remat.options import AttentionOptions
-
         left, right = checks.window_bounds(window, causal)
         reason = attention_tile_unsupported_reason(AttentionOptions(1.0, 0.0, left, right, float(dropout_p)),
                                                    layout is not None and layout.cu_seqlens is not None)
