@@ -190,12 +190,7 @@ class LiveBytes(TorchDispatchMode):
         self.kinds[key] = kind
         if on_device:
             self.current += nbytes
-            if self.current > self.peak:
-                self.peak = self.current
-                self.peak_phase = self.phase
-                self.at_peak = self._by_kind()
-            if self.current > self.phase_peaks.get(self.phase, 0):
-                self.phase_peaks[self.phase] = self.current
+            self._note_level()
         else:
             self.host_current += nbytes
             self.host_peak = max(self.host_peak, self.host_current)
@@ -240,12 +235,19 @@ class LiveBytes(TorchDispatchMode):
     def transient(self, nbytes):
         """Counts ``nbytes`` on the device for the duration of one kernel (its scratch): a peak
         that includes it is recorded as "other"."""
-        if self.current + nbytes > self.peak:
-            self.peak = self.current + nbytes
+        self._note_level(nbytes)
+
+    def _note_level(self, transient=0):
+        """Records the device bytes now (plus ``transient`` scratch, sorted as "other") as the peak
+        and the phase's peak where they exceed them."""
+        level = self.current + transient
+        if level > self.peak:
+            self.peak = level
             self.peak_phase = self.phase
             self.at_peak = self._by_kind()
-            self.at_peak["other"] += nbytes
-        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.current + nbytes)
+            self.at_peak["other"] += transient
+        if level > self.phase_peaks.get(self.phase, 0):
+            self.phase_peaks[self.phase] = level
 
     def close(self):
         for finalizer in self._finalizers:

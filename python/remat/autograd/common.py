@@ -91,6 +91,14 @@ def _delay_error(grads, message, sources):
     return items[0] if single else tuple(items)
 
 
+def sequence_tiles(rows, tile):
+    """[(start, end)] tiles of ``tile`` rows over ``rows`` (the last one shorter): one whole tile
+    for tile 0 / None (untiled) or tile >= rows."""
+    if not tile or tile >= rows:
+        return [(0, rows)]
+    return [(start, min(start + tile, rows)) for start in range(0, rows, tile)]
+
+
 def linear_grads(grad_out, inp, weight, needs_input, needs_weight, needs_bias):
     """Gradients of out = inp W^T + b for 2-D grad_out [rows, out], inp [rows, in], weight
     [out, in]: (d_inp, dW, db), None where not needed."""

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from remat.autograd import lora
-from remat.autograd.common import linear_grads, refuse_double_backward
+from remat.autograd.common import linear_grads, refuse_double_backward, sequence_tiles
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.ops import ops_for
 
@@ -173,7 +173,7 @@ class NormGatedMLPFunction(torch.autograd.Function):
         fused = (_fused_gate_up(ops, "block", b_gate, b_up) and recompute == "block" and norm in ("rms", "layer")
                  and not lora_layout)
         rows = x.shape[0]
-        tiles = _tiles(rows, tile)
+        tiles = sequence_tiles(rows, tile)
         if len(tiles) == 1:
             y, mean, rstd, gate, up = _norm_mlp_rows(ops, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate,
                                                      b_up, b_down, norm, eps, activation, recompute, fused, adapters)
@@ -208,7 +208,7 @@ class NormGatedMLPFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         dy = dy.contiguous()
         saved = (x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, mean, rstd, gate, up, lora_saved)
-        tiles = _tiles(x.shape[0], ctx.tile)
+        tiles = sequence_tiles(x.shape[0], ctx.tile)
         if len(tiles) == 1:
             return _norm_mlp_rows_backward(ctx, saved, dy, need)
         dx = torch.empty_like(x) if need[0] else None
@@ -227,13 +227,6 @@ class NormGatedMLPFunction(torch.autograd.Function):
             del tile_sums
         return (dx, *(None if grad is None else grad.to(dtype) for grad, dtype in zip(sums, ctx.grad_dtypes,
                                                                                        strict=True)))
-
-
-def _tiles(rows, tile):
-    """[(start, end)] of the row tiles: one whole tile for tile 0 (untiled) or tile >= rows."""
-    if not tile or tile >= rows:
-        return [(0, rows)]
-    return [(start, min(start + tile, rows)) for start in range(0, rows, tile)]
 
 
 def _into(whole, part, start, rows):

@@ -37,25 +37,18 @@ dense rows only (no cu_seqlens), no attention dropout.
 import torch
 
 from remat.autograd import lora
-from remat.autograd.common import kernel_rope_tables, without_empty_queries
+from remat.autograd.common import kernel_rope_tables, sequence_tiles, without_empty_queries
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.ops import ops_for
+from remat.ops.attention import dense_rope_tables
 from remat.ops.rope import rope_rotate
-
-
-def tiles(length, tile):
-    """[(start, end)] tiles of ``tile`` tokens over ``length`` (the last one shorter)."""
-    return [(start, min(start + tile, length)) for start in range(0, length, tile)]
 
 
 def _rope_tables(cos, sin, head_dim):
     """The caller's rope tables as rope_rotate's fp32 [R, D/2] tables and the row stride between
-    batch entries (0: one table for the whole batch); (None, None, 0) without rope."""
+    batch entries (remat.ops.attention.dense_rope_tables); (None, None, 0) without rope."""
     cos32, sin32 = kernel_rope_tables(cos, sin, head_dim)
-    if cos32 is None:
-        return None, None, 0
-    tables, length, half = cos32.shape
-    return cos32.reshape(-1, half), sin32.reshape(-1, half), length if tables > 1 else 0
+    return (None, None, 0) if cos32 is None else dense_rope_tables(cos32, sin32)
 
 
 def _rotated(t, tables, first_row, inverse=False):
@@ -82,7 +75,7 @@ def project_tiled(rows, norm_weight, norm_bias, weights, biases, shape, adapters
     total = rows.shape[0]
     outputs = [rows.new_empty(total, h * head_dim) for h in heads]
     mean = rstd = None
-    for start, end in tiles(total, options.tile_tokens):
+    for start, end in sequence_tiles(total, options.tile_tokens):
         normed, mean_t, rstd_t = norm_forward(rows[start:end], norm_weight, norm_bias, options.norm, options.eps,
                                               options.norm_backend)
         if rstd is None:
@@ -160,7 +153,7 @@ def backward_tiled(ctx, saved, dout, head_norm, head_norm_backward, first_lora_i
         else:
             k_pre = x.new_empty(1, n, hkv, head_dim)
             v_row = x.new_empty(1, n, hkv, head_dim)
-            for start, end in tiles(n, options.tile_tokens):
+            for start, end in sequence_tiles(n, options.tile_tokens):
                 normed = normalized(first_row + start, first_row + end)
                 for target, out in ((1, k_pre), (2, v_row)):
                     out[:, start:end] = _projection(normed, target, weights[target], biases[target], hkv, head_dim,
@@ -171,7 +164,7 @@ def backward_tiled(ctx, saved, dout, head_norm, head_norm_backward, first_lora_i
             del k_pre  # the rotated copy is all that is needed (no per-head norm to differentiate)
         dk_sum = torch.zeros(1, n, hkv, head_dim, dtype=torch.float32, device=x.device)
         dv_sum = torch.zeros_like(dk_sum)
-        for start, end in reversed(tiles(n, options.tile_tokens)):
+        for start, end in reversed(sequence_tiles(n, options.tile_tokens)):
             first, last = first_row + start, first_row + end
             normed = normalized(first, last)
             q_pre = q[entry:entry + 1, start:end] if q is not None else _projection(

@@ -80,7 +80,7 @@ def _rotate(x, cos, sin, first_position):
     x's dtype when cos/sin are given (remat.ops.rope's PyTorch rotation)."""
     if cos is None:
         return x.transpose(1, 2).float()
-    cos, sin, batch_stride = _dense_tables(cos, sin)
+    cos, sin, batch_stride = dense_rope_tables(cos, sin)
     return torch_rope_rotate(x, cos, sin, None, first_position, batch_stride, False).transpose(1, 2).float()
 
 
@@ -88,7 +88,7 @@ def _unrotate(grad, cos, sin, first_position):
     """The transpose of _rotate for a gradient [B, H, L, D] fp32."""
     if cos is None:
         return grad
-    cos, sin, batch_stride = _dense_tables(cos, sin)
+    cos, sin, batch_stride = dense_rope_tables(cos, sin)
     return torch_rope_rotate(grad.transpose(1, 2), cos, sin, None, first_position, batch_stride, True).transpose(1, 2)
 
 
@@ -748,7 +748,7 @@ def rope_rotated_once(backend, rope, needs_grad):
     return backend == "triton" and rope and needs_grad
 
 
-def _dense_tables(cos, sin):
+def dense_rope_tables(cos, sin):
     """Dense rope tables [1 or B, S, D/2] as rope_rotate's [R, D/2] tables and the row stride
     between batch entries (0 when one table serves the whole batch)."""
     tables, length, half = cos.shape
@@ -759,7 +759,7 @@ def _rotated_operands(q, k, cos, sin):
     """q [B, N, Hq, D] (query i at key position i + M - N) and k [B, M, Hkv, D] rotated into new
     contiguous tensors of the same shapes and dtype."""
     n, m = q.shape[1], k.shape[1]
-    cos, sin, batch_stride = _dense_tables(cos, sin)
+    cos, sin, batch_stride = dense_rope_tables(cos, sin)
     return (rope_rotate(q, cos, sin, first_position=m - n, table_batch_stride=batch_stride),
             rope_rotate(k, cos, sin, table_batch_stride=batch_stride))
 
@@ -781,7 +781,7 @@ def _rotated_once_bwd(ops, dout, q, k, v, o, lse, cos, sin, rng, scale, softcap,
     q_rotated, k_rotated = _rotated_operands(q, k, cos, sin)
     dq, dk, dv = ops.attention_bwd(dout, q_rotated, k_rotated, v, o, lse, None, None, rng, scale, softcap, window_left,
                                    window_right, dropout_p, deterministic)
-    cos, sin, batch_stride = _dense_tables(cos, sin)
+    cos, sin, batch_stride = dense_rope_tables(cos, sin)
     dq = rope_rotate(dq, cos, sin, first_position=m - n, table_batch_stride=batch_stride, inverse=True)
     dk = rope_rotate(dk, cos, sin, table_batch_stride=batch_stride, inverse=True)
     return dq, dk, dv
