@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 # The families whose causal LM gets remat's fused loss (their Family.causal_lms).
-FUSED_LOSS_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2"]
+FUSED_LOSS_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "mixtral"]
 
 
 def family_model(kind, dtype=torch.float32, seed=0, use_cache=True):
@@ -138,13 +138,13 @@ def test_loss_only_patch_keeps_the_logits_place():
 
 @pytest.mark.parametrize("hidden_states", [False, True], ids=["plain", "hidden_states"])
 def test_moe_tuple_with_router_logits_keeps_stock_positions(hidden_states):
-    """Mixtral with output_router_logits (its loss stays stock, adding the load-balancing loss):
-    (loss, aux_loss, logits, cache[, hidden_states], router_logits) at stock's indices, the cache
-    None in its place."""
+    """Mixtral with output_router_logits (its fused loss adds the load-balancing loss, as stock):
+    (loss, aux_loss, logits, cache[, hidden_states], router_logits) at stock's indices, the logits
+    and the cache None in their places."""
     (reference, stock, got), real = _tuples("mixtral", True, output_router_logits=True,
                                             output_hidden_states=hidden_states)
     assert len(stock) == (6 if hidden_states else 5) and isinstance(stock[3], transformers.Cache)
-    assert got[3] is None and torch.is_tensor(got[2])
+    assert got[3] is None and got[2] is None and torch.is_tensor(got[1])
     _compare_tuples(got, stock, reference, torch.float32, real)
 
 

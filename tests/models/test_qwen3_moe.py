@@ -12,6 +12,7 @@ import remat
 from remat.memory import saved_bytes
 from remat.models.qwen3_moe import Qwen3MoeLayer
 
+from _checks import assert_within_2x_of_stock
 from helpers import (
     BATCH,
     HEAD_DIM,
@@ -146,3 +147,37 @@ def test_stock_moe_block_keeps_the_readme_bytes():
     assert saved_bytes(lambda t: stock.mlp(stock.post_attention_layernorm(t)), h) / 1024 == 131860.5
     block = Qwen3MoeLayer.from_module(stock).mlp
     assert (block.saved_bytes_per_token(2), block.saved_bytes_per_token(2, "activation")) == (4180, 28756)
+
+
+@pytest.mark.parametrize("router_logits", ["argument", "config", "off"])
+def test_fused_loss_keeps_the_load_balancing_term(router_logits):
+    """The patched causal LM's training loss is fused (no logits returned) and carries stock's
+    load-balancing term where stock adds it: output_router_logits given to the call, set in the
+    config, or off (then no aux loss, as stock); loss, aux loss and gradients equal float64 stock
+    under the 2x rule (fp32)."""
+    options = {"output_router_logits": router_logits == "config"}
+    call = {"output_router_logits": True} if router_logits == "argument" else {}
+    reference, stock, patched = (qwen3_moe_model(dtype, **options)
+                                 for dtype in (torch.float64, torch.float32, torch.float32))
+    report = remat.patch(patched, backend="torch")
+    assert not [entry for entry in report.left_alone if entry[1] == "Qwen3MoeForCausalLM"]
+    ids, mask, labels = batch()
+    steps = []
+    for model in (reference, stock, patched):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, **call)
+        out.loss.backward()
+        steps.append((out, {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (want, want_grads), (base, base_grads), (got, got_grads) = steps
+    assert got.logits is None and base.logits is not None  # fused: the [tokens, vocab] logits never made
+    assert_within_2x_of_stock("loss", got.loss.reshape(1), base.loss.reshape(1), want.loss.reshape(1), torch.float32)
+    if router_logits == "off":
+        assert want.aux_loss is None and got.aux_loss is None and got.router_logits is None
+    else:
+        assert_within_2x_of_stock("aux_loss", got.aux_loss.reshape(1), base.aux_loss.reshape(1),
+                                  want.aux_loss.reshape(1), torch.float32)
+        # The term is in the loss: without it the loss would differ by aux_loss (coefficient 1 here).
+        assert abs(float(got.loss) - float(want.loss)) < 0.01 * float(want.aux_loss)
+        assert len(got.router_logits) == 2
+    for name, grad in want_grads.items():
+        assert_within_2x_of_stock(name, got_grads[name], base_grads[name], grad, torch.float32)

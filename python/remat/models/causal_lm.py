@@ -17,7 +17,9 @@ positions: loss, None in the logits' place, then the base model's fields
 (remat.hf.output_tuple).
 
 Only the causal LM classes a family lists (``Family.causal_lms``: whose forward is the plain
-``lm_head`` + loss) are taken. Refused at patch time (left alone, with the reason in the patch
+``lm_head`` + loss) are taken. Mixture-of-experts causal LMs (Mixtral, Qwen3-MoE) add their
+load-balancing loss with ``output_router_logits`` as stock does (remat.models.router_loss): the
+output then carries ``aux_loss`` and ``router_logits``. Refused at patch time (left alone, with the reason in the patch
 report): an unlisted class, an ``lm_head`` that is not
 a plain ``nn.Linear`` (a LoRA adapter on it, a quantized layer: its term would be silently
 dropped), an ``lm_head`` of a dtype remat's kernels do not run (float64), a model with its own
@@ -34,7 +36,7 @@ from torch import nn
 from remat import checks
 from remat.functional.cross_entropy import linear_cross_entropy
 from remat.hf import ModelForward, output_tuple
-from remat.models import registry
+from remat.models import registry, router_loss
 
 LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 _STOCK_FORWARD = "_remat_loss_previous_forward"
@@ -73,6 +75,9 @@ def refusal(module):
         return f"the model's loss_type is {loss_type!r}, not ForCausalLM"
     if getattr(module, "base_model", None) is None or module.base_model is module:
         return "no base model to run under the lm_head"
+    family = registry.causal_lm_family_entry(module)
+    if family.router_loss:
+        return router_loss.refusal(module, family.causal_lms)
     return None
 
 
@@ -154,11 +159,17 @@ def _fused_loss_forward(model, output_type, arguments):
                                 reduction=reduction, softcap=softcap)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    fields = {"loss": loss, "logits": None}
+    family = registry.causal_lm_family_entry(model)
+    if family.router_loss:  # Mixtral, Qwen3-MoE: stock's load-balancing term, as stock adds it
+        extra, extra_fields = router_loss.term(model, family.causal_lms, arguments, outputs)
+        if extra is not None:
+            fields["loss"] = loss + extra.to(loss.device)
+        fields.update(extra_fields)
     if not isinstance(output_type, type):
         raise TypeError(f"{type(model).__name__}.forward declares no output class to build")
     # Every field of the stock output class that the base model returned (cache, hidden states,
-    # attentions, ...), by the class's own field names.
-    fields = {"loss": loss, "logits": None}
+    # attentions, router logits, ...), by the class's own field names.
     for name in inspect.signature(output_type).parameters:
         if name not in fields and isinstance(outputs, dict) and name in outputs:
             fields[name] = outputs[name]

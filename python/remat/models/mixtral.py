@@ -9,8 +9,8 @@ router and the experts (remat.nn.moe). The router runs as a module of a subclass
 
 Left alone (with the reason in the patch report): router jitter noise (``router_jitter_noise > 0``).
 
-The causal LM's loss stays stock (``MixtralForCausalLM`` is not in ``causal_lms``): remat.models.causal_lm's
-fused loss would drop the load-balancing loss the model adds with ``output_router_logits``. The
+The causal LM's training loss is fused (remat.models.causal_lm), with the load-balancing loss
+added as stock adds it under ``output_router_logits`` (remat.models.router_loss). The
 per-expert row counts are read on the host (one sync per layer call), so ``torch.compile`` breaks
 the graph there.
 """
@@ -87,4 +87,6 @@ FAMILY = Family(
         Part("attention", ("MixtralAttention",), HFAttention.from_module),
         Part("norm", ("MixtralRMSNorm",), _rms_norm, accepts=is_hf_rms_norm),
     ),
+    causal_lms=("MixtralForCausalLM",),
+    router_loss=True,
 )

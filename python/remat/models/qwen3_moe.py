@@ -11,8 +11,8 @@ Dense layers (``config.mlp_only_layers``, or layers that ``decoder_sparse_step``
 plain ``Qwen3MoeMLP`` (gate/up/down_proj): they are Qwen3 layers and become
 remat.models.qwen3.HFQwen3Layer.
 
-The causal LM's loss stays stock (``Qwen3MoeForCausalLM`` is not in ``causal_lms``): remat.models.causal_lm's
-fused loss would drop the load-balancing loss the model adds with ``output_router_logits``. The
+The causal LM's training loss is fused (remat.models.causal_lm), with the load-balancing loss
+added as stock adds it under ``output_router_logits`` (remat.models.router_loss). The
 per-expert row counts are read on the host (one sync per layer call), so ``torch.compile`` breaks
 the graph there.
 """
@@ -102,6 +102,8 @@ FAMILY = Family(
         Part("mlp", ("Qwen3MoeMLP",), SwiGLUMLP.from_module),
         Part("norm", ("Qwen3MoeRMSNorm",), _rms_norm, accepts=is_hf_rms_norm),
     ),
+    causal_lms=("Qwen3MoeForCausalLM",),
+    router_loss=True,
     whole_only=("Qwen3MoeAttention",),
     whole_only_reason=("Qwen3-MoE's attention (per-head q/k norms fused into the attention sub-block) is replaced "
                        "only as part of a whole decoder layer: pass all of modules=('norm', 'mlp', 'attention')"),

@@ -44,7 +44,9 @@ class Family:
     for parts). ``causal_lms`` names the family's causal LM classes whose forward is the plain
     ``lm_head`` + ForCausalLM loss (optionally Gemma's ``config.final_logit_softcapping``), whose
     training loss remat.models.causal_lm may compute fused; a class that changes the logits
-    otherwise (Cohere's logit_scale, Granite's logits_scaling) must not be listed."""
+    otherwise (Cohere's logit_scale, Granite's logits_scaling) must not be listed.
+    ``router_loss``: the causal LMs add Hugging Face's load-balancing loss with
+    ``output_router_logits`` (remat.models.router_loss), which the fused loss then adds too."""
 
     name: str
     layer_classes: tuple = ()
@@ -53,6 +55,7 @@ class Family:
     whole_only: tuple = ()
     whole_only_reason: str = ""
     causal_lms: tuple = ()
+    router_loss: bool = False
 
 
 class Match(NamedTuple):
@@ -89,8 +92,15 @@ def describe():
 def causal_lm_family(module):
     """The name of the family that lists ``module``'s class (or a base class of it: FSDP2's
     fully_shard swaps in a subclass) among its causal LMs, or None."""
+    family = causal_lm_family_entry(module)
+    return None if family is None else family.name
+
+
+def causal_lm_family_entry(module):
+    """The :class:`Family` that lists ``module``'s class (or a base class of it) among its causal
+    LMs, or None."""
     names = {cls.__name__ for cls in type(module).__mro__}
-    return next((family.name for family in families() if names & set(family.causal_lms)), None)
+    return next((family for family in families() if names & set(family.causal_lms)), None)
 
 
 def match(module):
