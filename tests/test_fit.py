@@ -117,3 +117,25 @@ def test_a_host_memory_limit_bounds_the_offloaded_length():
     assert 0 < bounded.host_bytes <= limit and bounded.max_seq_len < free.max_seq_len
     with pytest.raises(ValueError, match="host_memory"):
         fit(config, host_memory=-1, **kwargs)
+
+
+def test_lora_targets_reach_peft_and_the_command(tmp_path, capsys):
+    """--lora-targets names PEFT's target modules (a mixture-of-experts model's attention, since
+    PEFT's all-linear also wraps its router and 3-D experts, which remat's MoE layers leave alone);
+    a row's note carries the estimate's routing assumption."""
+    config = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
+    model = build_model(transformers.AutoConfig.for_model(**config), lora_rank=4, lora_targets=["q_proj", "o_proj"])
+    adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == {"q_proj", "o_proj"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert remat_main(["fit", str(path), "--gpu-memory", "64MB", "--reserve", "4MB", "--lora-rank", "4",
+                       "--lora-targets", "q_proj,k_proj,v_proj,o_proj", "--setups", "stock,remat:memory",
+                       "--json"]) == 0
+    rows = {row["setup"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["stock"]["max_seq_len"] and rows["stock"]["note"] == ""
+    assert rows["remat:memory"]["max_seq_len"] > rows["stock"]["max_seq_len"]
+    assert "assumed mixture-of-experts routing" in rows["remat:memory"]["note"]
+    assert remat_main(["fit", str(path), "--gpu-memory", "64MB", "--lora-rank", "4", "--lora-targets", " , "]) == 2

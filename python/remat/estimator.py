@@ -25,16 +25,28 @@ Hugging Face config). Two parts of PyTorch need the device itself and are stood 
   dense rows never makes (and that keeps SDPA off its fused kernels). The rows of an estimate are
   dense by construction, so for its duration that function answers "not packed" for fake position
   ids (:func:`_dense_rows_in_hugging_face`; real tensors still get the real function).
+- remat's fused loss allocates inside its op (one chunk of logits, the fp32 dx accumulator and,
+  on a GPU with 16-bit inputs, cuBLAS's fp32 product): :func:`cross_entropy_scratch_bytes` adds
+  it for the call's duration, for every target.
 - The CUDA attention backward kernels allocate scratch inside the call (FlashAttention-2's fp32
   dq accumulator and, with GQA, Hq-head dk/dv; cuDNN's workspace), which a fake kernel does not:
   :func:`kernel_scratch_bytes` adds it for the call's duration.
+- remat's mixture-of-experts block counts the rows routed to each expert on the host, which a
+  fake tensor cannot answer: under an estimate every expert gets an equal share
+  (``remat.autograd.moe.balanced_expert_counts``), and :attr:`Estimate.assumptions` says so.
+  Hugging Face's own experts (``experts_implementation="grouped_mm"``, its default) have static
+  shapes and need no assumption; its "eager" experts (``nonzero``) cannot be estimated.
+- Code that asks ``torch.cuda.get_device_capability`` (Hugging Face's grouped-GEMM experts) gets
+  the simulated GPU's capability (``cuda_capability``) for the estimate's duration.
 - ``F.scaled_dot_product_attention`` picks its kernel from the device's properties; on a fake CUDA
   tensor that query falls back to the math kernel, which materialises the [B, H, N, M] scores no
   real GPU run would. The estimate runs SDPA as the flash kernel does on an sm_80+ GPU (output,
   fp32 logsumexp; backward: fp32 dq accumulator) where flash applies (no mask, head dim <= 256,
   16-bit dtype) and as the memory-efficient kernel otherwise.
 
-Not counted: tensors made outside PyTorch's dispatcher, such as the CPU RNG state (5,056 bytes)
+Not counted: on a CPU target, what ATen's CPU kernels allocate inside a call (the 16-bit GEMMs'
+copies, the CPU flash attention backward's buffers: up to 7% of a tiny model's peak in tests,
+none of it on a GPU target); tensors made outside PyTorch's dispatcher, such as the CPU RNG state (5,056 bytes)
 ``torch.utils.checkpoint`` stashes per checkpointed region (host memory for a GPU target), memory
 a kernel allocates and frees inside one call (cuBLAS workspaces, the
 allocator's fragmentation and cache), the CUDA context (about 0.5 GiB, part of the reserve the
@@ -83,6 +95,8 @@ class Estimate:
             is kept for backward, the loss): what the backward starts from.
         device: the target device.
         tokens: batch_size * seq_len of the step.
+        assumptions: what the step had to assume where fake tensors hold no data (sorted texts;
+            empty for dense models): remat's mixture-of-experts blocks assume balanced routing.
     """
 
     peak_bytes: int
@@ -93,21 +107,39 @@ class Estimate:
     device: torch.device
     tokens: int
     after_forward_bytes: int = 0
+    assumptions: tuple = ()
 
     def __str__(self):
         parts = ", ".join(f"{kind} {_size(self.breakdown.get(kind, 0))}" for kind in KINDS)
+        assumed = "".join(f"; assumed: {text}" for text in self.assumptions)
         return (f"peak {_size(self.peak_bytes)} on {self.device} in the {self.peak_phase} ({parts}); "
-                f"host {_size(self.host_bytes)}; {self.tokens} tokens")
+                f"host {_size(self.host_bytes)}; {self.tokens} tokens{assumed}")
+
+
+# One set per estimate running (innermost last): what the step assumed where fake tensors lack data.
+_ASSUMPTIONS = []
+
+
+def note_assumption(text):
+    """Records ``text`` on the estimate running now (:attr:`Estimate.assumptions`); no-op outside
+    one. Code that must stand in for data a fake tensor lacks (expert routing) calls it."""
+    if _ASSUMPTIONS:
+        _ASSUMPTIONS[-1].add(text)
 
 
 def _round_up(value, multiple):
     return -(-value // multiple) * multiple
 
 
-def kernel_scratch_bytes(func, args):
-    """The device memory one of PyTorch's CUDA attention backward kernels takes from the caching
-    allocator for the length of the call (a fake tensor's kernel allocates none), 0 for any other
-    operator:
+def kernel_scratch_bytes(func, args, device_type="cuda"):
+    """The memory a kernel takes from the allocator for the length of one call, on top of its
+    outputs (a fake tensor's kernel allocates only the outputs), for a target of ``device_type``;
+    0 for any other operator:
+
+    - remat's fused linear + cross-entropy (csrc/cross_entropy, the cpp and cuda backends; the
+      triton backend, kernels/cross_entropy.py): :func:`cross_entropy_scratch_bytes`.
+
+    and on a CUDA target, PyTorch's attention backward kernels:
 
     - ``aten._flash_attention_backward`` (FlashAttention-2's mha_bwd / mha_varlen_bwd): the fp32 dq
       accumulator ``[B, N rounded to 128, Hq, D rounded to 32]`` (varlen: ``[T + 128 B, Hq, D]``),
@@ -118,6 +150,12 @@ def kernel_scratch_bytes(func, args):
       (cuDNN's flash backward accumulates dQ in fp32), an assumption until a GPU run measures it
       (the gpu-marked estimate test compares with a real peak).
     """
+    if not _CROSS_ENTROPY_OPS:  # filled at the first call, once remat's ops are registered
+        _CROSS_ENTROPY_OPS.update(_cross_entropy_ops())
+    if func in _CROSS_ENTROPY_OPS:
+        return cross_entropy_scratch_bytes(_CROSS_ENTROPY_OPS[func], args, device_type)
+    if device_type != "cuda":
+        return 0
     if func is torch.ops.aten._flash_attention_backward.default:
         query, key = args[1], args[2]
         varlen = query.dim() == 3
@@ -137,6 +175,58 @@ def kernel_scratch_bytes(func, args):
         batch, heads, n, dim = args[1].shape
         return 4 * batch * heads * n * (dim + 1)
     return 0
+
+
+def _cross_entropy_ops():
+    """{operator: (implementation, pass)} of remat's fused cross-entropy ops that are registered."""
+    table = {}
+    for namespace, implementation in (("remat", "extension"), ("remat_triton", "triton")):
+        library = getattr(torch.ops, namespace)
+        for name, which in (("linear_cross_entropy_fwd", "forward"), ("linear_cross_entropy_bwd", "backward")):
+            if hasattr(library, name):
+                table[getattr(library, name).default] = (implementation, which)
+    return table
+
+
+_CROSS_ENTROPY_OPS = {}
+
+
+def cross_entropy_scratch_bytes(op, args, device_type):
+    """What remat's fused linear + cross-entropy allocates inside one call beyond its outputs, for
+    ``op`` = (implementation, pass) and the op's arguments (x [T, H], weight [V, H], ..., the chunk
+    C of vocabulary columns), element size s of x:
+
+    - forward: the logits buffer of one chunk [T, min(C, V)] in x's dtype, which every chunk reuses,
+      and four fp32 per-token statistics (the extension) or their per-split partials (triton,
+      counted for one split).
+    - backward: the same logits buffer (dz is written into it), the fp32 dx accumulator [T, H] when
+      the vocabulary takes more than one chunk, and on the extension with 16-bit x: on a GPU
+      cuBLAS's fp32 product [T, H] (``accumulate_dx``'s scratch), on the CPU fp32 copies of a block
+      of dz and of the weight rows (``accumulate_dx_cpu_16bit``, blocks of at most 2048 columns).
+      The triton backend accumulates dx in fp32 in its own GEMM (no product buffer).
+
+    Source: csrc/cross_entropy/cross_entropy_glue.h, cross_entropy_cpu.cpp, kernels/cross_entropy.py.
+    """
+    implementation, which = op
+    x, weight = args[0], args[1]
+    tokens, hidden = x.shape
+    vocab = weight.shape[0]
+    element = x.element_size()
+    if which == "forward":
+        chunk = min(max(int(args[8]), 1), vocab)
+        return tokens * chunk * element + 4 * 4 * tokens
+    chunk = min(max(int(args[11]), 1), vocab)
+    need_dx = bool(args[12])
+    scratch = tokens * chunk * element
+    if need_dx and chunk < vocab:
+        scratch += 4 * tokens * hidden
+        if implementation == "extension" and element < 4:
+            if device_type == "cuda":
+                scratch += 4 * tokens * hidden
+            else:
+                block = max(1, min(chunk, 2048, tokens * chunk // max(hidden, 1)))
+                scratch += 4 * tokens * block + 4 * block * hidden
+    return scratch
 
 
 def _size(nbytes):
@@ -227,7 +317,7 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
-        scratch = kernel_scratch_bytes(func, args) if self.device.type == "cuda" else 0
+        scratch = kernel_scratch_bytes(func, args, self.device.type)
         if scratch:
             self.transient(self._rounded(scratch))
         return out
@@ -611,8 +701,11 @@ def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=
                   for key, value in inputs.items()}
     try:
         stand_ins = _fake_copies(model, mode) if swap else None
-        with mode, simulated_gpu(cuda_capability) if device.type == "cuda" else contextlib.nullcontext(), \
-                _standing_in(model, stand_ins):
+        on_target = contextlib.ExitStack()
+        if device.type == "cuda":
+            on_target.enter_context(simulated_gpu(cuda_capability))
+            on_target.enter_context(_capability_of_the_target(cuda_capability))
+        with mode, on_target, _standing_in(model, stand_ins):
             result = _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer, inputs, walk)
     finally:
         tracker.close()
@@ -677,6 +770,8 @@ def _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer
         kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
     else:
         kwargs = dict(inputs)
+    assumptions = set()
+    _ASSUMPTIONS.append(assumptions)
     try:
         with tracker, _SdpaAsOnTarget(), graph_walk.saving(), _dense_rows_in_hugging_face():
             output = model(**kwargs)
@@ -692,13 +787,15 @@ def _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer
                 loss.backward()
             loss = None
     finally:
+        _ASSUMPTIONS.pop()  # estimates nest last in, first out
         for hook in hooks:
             hook.remove()
     for p in trainable.values():
         p.grad = None
     return Estimate(peak_bytes=tracker.peak, host_bytes=tracker.host_peak, phases=dict(tracker.phase_peaks),
                     breakdown=dict(tracker.at_peak), peak_phase=tracker.peak_phase, device=device,
-                    tokens=batch_size * seq_len, after_forward_bytes=after_forward)
+                    tokens=batch_size * seq_len, after_forward_bytes=after_forward,
+                    assumptions=tuple(sorted(assumptions)))
 
 
 def _mark_gradient(tracker):
@@ -731,6 +828,19 @@ def _dense_rows_in_hugging_face():
         yield
     finally:
         masking_utils.find_packed_sequence_indices = detect
+
+
+@contextlib.contextmanager
+def _capability_of_the_target(capability):
+    """For the estimate's duration, ``torch.cuda.get_device_capability`` answers the simulated
+    GPU's ``capability`` (Hugging Face asks it before its grouped-GEMM experts; without a driver the
+    real query raises)."""
+    query = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: tuple(capability)
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = query
 
 
 def on_fake_device(model, device="cuda", mode=None):

@@ -41,7 +41,8 @@ def parse_bytes(text):
 class FitRow:
     """One setup's answer: the longest ``max_seq_len`` (at ``batch_size``) or, when a sequence
     length was fixed, the largest ``max_batch_size``; the estimate's device peak and host bytes
-    there. ``note`` says why a setup could not be estimated (then the numbers are None)."""
+    there. ``note`` says why a setup could not be built or estimated (then the numbers are None), or
+    how the row was reached and what its estimates assumed (:attr:`Estimate.assumptions`)."""
 
     setup: str
     max_seq_len: int | None
@@ -51,9 +52,12 @@ class FitRow:
     note: str = ""
 
 
-def build_model(config, *, lora_rank=0, dtype=torch.bfloat16):
+def build_model(config, *, lora_rank=0, dtype=torch.bfloat16, lora_targets="all-linear"):
     """A causal LM from a Hugging Face config on fake CUDA tensors (no GPU needed), with PEFT LoRA
-    adapters of rank ``lora_rank`` on every linear layer (alpha = rank, no dropout) when > 0."""
+    adapters of rank ``lora_rank`` (alpha = rank, no dropout) when > 0, on ``lora_targets``: PEFT's
+    ``target_modules``, default ``"all-linear"`` (on a mixture-of-experts model PEFT then also wraps
+    the router and the 3-D expert weights, which remat's MoE layers do not take: name the attention
+    projections instead, e.g. ``["q_proj", "k_proj", "v_proj", "o_proj"]``)."""
     import transformers
 
     with torch.device("meta"):
@@ -62,7 +66,7 @@ def build_model(config, *, lora_rank=0, dtype=torch.bfloat16):
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=lora_rank, lora_dropout=0.0,
-                                                           target_modules="all-linear"))
+                                                           target_modules=lora_targets))
     return on_fake_device(model)
 
 
@@ -121,7 +125,8 @@ def _largest(fits, start, limit):
 
 
 def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=1, seq_len=None,
-        setups=SETUPS, max_tokens=2**25, optimizer=None, offload=False, tile_tokens=None, host_memory=None):
+        setups=SETUPS, max_tokens=2**25, optimizer=None, offload=False, tile_tokens=None, host_memory=None,
+        lora_targets="all-linear"):
     """For each setup, the longest sequence (or, with ``seq_len`` given, the largest batch) whose
     training step's estimated device peak fits ``gpu_memory - reserve`` bytes.
 
@@ -129,7 +134,8 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
         config: a Hugging Face ``PretrainedConfig`` of a causal LM.
         gpu_memory: the GPU's total memory in bytes.
         reserve: bytes kept free for what the estimate does not count (default 3 GiB).
-        lora_rank: PEFT LoRA rank on every linear layer; 0 (default) trains every parameter.
+        lora_rank: PEFT LoRA rank; 0 (default) trains every parameter.
+        lora_targets: the modules given LoRA (:func:`build_model`; default every linear layer).
         batch_size: sequences per step when searching the length (default 1).
         seq_len: fix the length and search the batch size instead (default None).
         setups: names from :data:`SETUPS` (default all).
@@ -178,7 +184,7 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
             # one step (1/64) past that length, since a peak grows with the length.
             n, result = 0, None
             for candidate in reversed(peak_plan.CANDIDATES):
-                model = build_model(config, lora_rank=lora_rank)
+                model = build_model(config, lora_rank=lora_rank, lora_targets=lora_targets)
                 peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS)
                 if n:
                     beyond = min(n + max(1, n // 64), limit)
@@ -191,11 +197,14 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
                     n, result, note = found, found_result, f"reached with {candidate[0]}"
         else:
             try:
-                model = set_up(build_model(config, lora_rank=lora_rank), setup, offload, tile_tokens)
-            except Exception as error:  # a setup that cannot be built is reported, not fatal
+                model = set_up(build_model(config, lora_rank=lora_rank, lora_targets=lora_targets), setup, offload,
+                               tile_tokens)
+                n, result = search(model)
+            except Exception as error:  # a setup that cannot be built or estimated is reported, not fatal
                 rows.append(FitRow(setup, None, None, None, None, f"{type(error).__name__}: {error}"))
                 continue
-            n, result = search(model)
+        if result is not None and result.assumptions:
+            note = "; ".join(filter(None, (note, *(f"assumed {text}" for text in result.assumptions))))
         peak = result.peak_bytes if result is not None else None
         host = result.host_bytes if result is not None else None
         if seq_len is not None:
@@ -216,13 +225,22 @@ def _table(rows, gpu_memory, reserve, searching_batch):
              f"{'setup':<22}{'max batch' if searching_batch else 'max seq len':>14}{'peak GiB':>11}{'host GiB':>11}"]
     for row in rows:
         value = row.max_batch_size if searching_batch else row.max_seq_len
-        if row.note:
-            lines.append(f"{row.setup:<22}{'-':>14}{'':>11}{'':>11}  {row.note}")
+        note = f"  {row.note}" if row.note else ""
+        if row.peak_bytes is None and row.note:  # the setup could not be estimated
+            lines.append(f"{row.setup:<22}{'-':>14}{'':>11}{'':>11}{note}")
         elif not value:
-            lines.append(f"{row.setup:<22}{'none fits':>14}")
+            lines.append(f"{row.setup:<22}{'none fits':>14}{'':>11}{'':>11}{note}")
         else:
-            lines.append(f"{row.setup:<22}{value:>14,}{row.peak_bytes / gib:>11.2f}{row.host_bytes / gib:>11.2f}")
+            lines.append(f"{row.setup:<22}{value:>14,}{row.peak_bytes / gib:>11.2f}{row.host_bytes / gib:>11.2f}"
+                         f"{note}")
     return "\n".join(lines)
+
+
+def _lora_targets(text):
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--lora-targets names no module")
+    return "all-linear" if names == ["all-linear"] else names
 
 
 def main(argv):
@@ -234,6 +252,9 @@ def main(argv):
     parser.add_argument("--gpu-memory", required=True, help="the GPU's total memory, e.g. 80GB or 141GB")
     parser.add_argument("--reserve", default="3GiB", help="memory kept free for what is not counted (default 3GiB)")
     parser.add_argument("--lora-rank", type=int, default=0, help="PEFT LoRA rank on all linear layers (0: full)")
+    parser.add_argument("--lora-targets", default="all-linear",
+                        help="comma-separated module names given LoRA (default all-linear), e.g. "
+                             "q_proj,k_proj,v_proj,o_proj for a mixture-of-experts model")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=None, help="fix the length and search the batch size")
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated, from " + ", ".join(SETUPS))
@@ -256,7 +277,7 @@ def main(argv):
                    batch_size=args.batch_size, seq_len=args.seq_len,
                    setups=[s.strip() for s in args.setups.split(",") if s.strip()],
                    optimizer="adam" if args.adam else None, offload=args.offload, tile_tokens=args.tile_tokens,
-                   host_memory=host_memory)
+                   host_memory=host_memory, lora_targets=_lora_targets(args.lora_targets))
     except ValueError as error:
         print(f"python -m remat fit: {error}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from remat.autograd.common import refuse_double_backward
 from remat.autograd.mlp import _fused_gate_up
 from remat.autograd.norm import norm_backward, norm_forward
+from remat.estimator import is_fake, note_assumption
 from remat.ops import ops_for
 
 EXPERT_RECOMPUTE_MODES = ("activation", "block")
@@ -55,14 +56,35 @@ def _norm_grads(d_normed, x, norm_weight, rstd, eps, backend):
     return dx, d_weight
 
 
+# What remat.estimate assumes of the routing: fake tensors carry no expert indices to count.
+BALANCED_ROUTING = ("mixture-of-experts routing: fake tensors hold no expert indices, so every expert is assumed "
+                    "to get an equal share of the (token, choice) pairs (balanced_expert_counts); a real run's "
+                    "per-expert temporaries follow its own routing")
+
+
+def balanced_expert_counts(pairs, num_experts):
+    """``pairs`` (token, choice) pairs spread evenly over ``num_experts`` experts (the first
+    ``pairs % num_experts`` get one more): a list of E ints. The routing remat.estimate assumes."""
+    share, extra = divmod(pairs, num_experts)
+    return [share + (expert < extra) for expert in range(num_experts)]
+
+
+def routed_counts(flat_indices, num_experts):
+    """Rows per expert of the flat expert indices [T k]: a list of E Python ints (one host sync)."""
+    return torch.bincount(flat_indices, minlength=num_experts).tolist()
+
+
 def expert_groups(indices, num_experts):
     """The (token, choice) pairs of ``indices`` [T, k] grouped by expert: (positions, counts) with
     positions [T k] the flat pair indices (t k + choice) sorted by expert (stable: by token within
-    an expert) and counts a list of E Python ints (rows per expert)."""
+    an expert) and counts a list of E Python ints (rows per expert). On fake tensors (remat.estimate)
+    the counts are :func:`balanced_expert_counts`, an assumption the estimate reports."""
     flat = indices.reshape(-1)
     positions = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return positions, counts
+    if is_fake(flat):
+        note_assumption(BALANCED_ROUTING)
+        return positions, balanced_expert_counts(flat.numel(), num_experts)
+    return positions, routed_counts(flat, num_experts)
 
 
 def _expert_rows(indices, num_experts):
