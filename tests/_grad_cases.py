@@ -260,14 +260,16 @@ def lora_linear(backend):
     return Case(f"lora_linear-{backend}", build, "remat.lora_linear")
 
 
-def linear_cross_entropy(backend):
+def linear_cross_entropy(backend, tile_tokens=None):
     def build(stock):
         x, w, b = _leaves(stock, _values(14, (6, 16), (40, 16), (40,), scale=(1, .3, .1)))
         target = torch.tensor([3, 0, 39, -100, 7, 7])
         if stock:
             return (lambda: F.cross_entropy(F.linear(x, w, b), target)), [x, w, b]
-        return (lambda: remat.linear_cross_entropy(x, w, target, b, backend=backend)), [x, w, b]
-    return Case(f"linear_cross_entropy-{backend}", build, "remat.linear_cross_entropy")
+        return (lambda: remat.linear_cross_entropy(x, w, target, b, tile_tokens=tile_tokens, backend=backend)), [
+            x, w, b]
+    tiled = f"-tile={tile_tokens}" if tile_tokens else ""
+    return Case(f"linear_cross_entropy-{backend}{tiled}", build, "remat.linear_cross_entropy")
 
 
 def dropout(backend):
@@ -366,7 +368,8 @@ def entry_cases():
         cases += [gated_mlp(backend, recompute, biases=False) for recompute in ("none", "activation", "block")]
     cases += [gated_mlp("torch", "none", biases=True), gelu_mlp("torch", "activation"),
               norm_mlp("torch", "activation", True), norm_attention("torch", False, True),
-              norm_attention("cpp" if "cpp" in BACKENDS else "torch", False, True, tile_tokens=2), attention("aten"),
+              norm_attention("cpp" if "cpp" in BACKENDS else "torch", False, True, tile_tokens=2),
+              linear_cross_entropy("cpp" if "cpp" in BACKENDS else "torch", tile_tokens=4), attention("aten"),
               attention("aten", rope=True), under_checkpoint(norm_mlp("torch", "activation", True)),
               under_checkpoint(rms_norm("cpp", True)),
               checkpoint_sequential()]

@@ -121,13 +121,14 @@ class PatchReport:
 
 def set_layer_options(model, report, *, offload=False, tile_tokens=None, checkpointing=False, prefetch=True):
     """Sets options on every fused decoder layer ``report`` names, in model order: the gated MLP's
-    and attention sub-block's tile (``tile_tokens``), one shared HostOffload (``offload``; on
+    and attention sub-block's tile (``tile_tokens``, also the fused loss's), one shared HostOffload (``offload``; on
     ``report.offload``; ``prefetch`` as HostOffload's) and whole-layer checkpointing
     (``checkpointing``: the layer keeps its input, re-run in backward)."""
     named = dict(model.named_modules())
     layers = [named[name] for name, _, _ in report.replaced if isinstance(named.get(name), PreNormDecoderLayer)]
     if offload:
         report.offload = HostOffload(prefetch=prefetch)
+    causal_lm.set_tile_tokens(model, tile_tokens)
     for index, layer in enumerate(layers):
         layer.tile_tokens = tile_tokens
         if offload:

@@ -19,6 +19,13 @@ Recompute contract (DESIGN.md section 2), asserted byte for byte in tests/test_c
 Chunk size: :func:`chunk_size` (the rule is stated there), fixed at the forward and reused by the
 backward.
 
+Token tiles (``tile``, remat.patch(tile_tokens=T)): both passes run the op on rows [a, a + T) at a
+time, so the in-op working set (a chunk of logits, the fp32 dx accumulator and product, all
+[tile, *]) is bounded by the tile instead of the sequence; loss and lse rows are written into the
+[T] outputs and dx rows into one [T, H] gradient. dW and db, which every tile adds to, are summed
+over the tiles in fp32 (an fp32 [V, H] buffer while the lm_head trains; none under LoRA) and
+rounded once, after each tile's own rounding in the op. Saved tensors are unchanged.
+
 Inputs are already 2-D: x [T, H] with unit column stride, target [T] (remat.functional reshapes).
 """
 
@@ -27,7 +34,7 @@ import os
 
 import torch
 
-from remat.autograd.common import refuse_double_backward
+from remat.autograd.common import refuse_double_backward, sequence_tiles
 from remat.backend import simulated_capability
 from remat.ops import ops_for
 
@@ -104,10 +111,19 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, z_loss, chunk,
-                backend):
+                backend, tile=None):
         ops = ops_for("cross_entropy", backend)
-        loss, lse = ops.linear_cross_entropy_fwd(x, weight, bias, target, ignore_index, label_smoothing, softcap,
-                                                 z_loss, chunk)
+        tiles = sequence_tiles(x.shape[0], tile)
+        if len(tiles) == 1:
+            loss, lse = ops.linear_cross_entropy_fwd(x, weight, bias, target, ignore_index, label_smoothing, softcap,
+                                                     z_loss, chunk)
+        else:
+            loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+            lse = torch.empty_like(loss)
+            for start, end in tiles:
+                loss[start:end], lse[start:end] = ops.linear_cross_entropy_fwd(
+                    x[start:end], weight, bias, target[start:end], ignore_index, label_smoothing, softcap, z_loss,
+                    chunk)
         if reduction == "sum":
             loss = loss.sum()
         elif reduction == "mean":
@@ -115,18 +131,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             loss = loss.sum() / (target != ignore_index).sum()
         ctx.save_for_backward(x, weight, bias, target, lse)
         ctx.set_materialize_grads(False)
-        ctx.options = (ignore_index, reduction, label_smoothing, softcap, z_loss, chunk, backend)
+        ctx.options = (ignore_index, reduction, label_smoothing, softcap, z_loss, chunk, backend, tile)
         return loss, lse
 
     @staticmethod
     @refuse_double_backward("remat.linear_cross_entropy")
     def backward(ctx, grad_loss, grad_lse):
         x, weight, bias, target, lse = ctx.saved_tensors
-        ignore_index, reduction, label_smoothing, softcap, z_loss, chunk, backend = ctx.options
+        ignore_index, reduction, label_smoothing, softcap, z_loss, chunk, backend, tile = ctx.options
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], (
             bias is not None and ctx.needs_input_grad[2])
         if grad_loss is None and grad_lse is None or not (need_dx or need_dw or need_db):
-            return (None,) * 11
+            return (None,) * 12
         tokens = x.shape[0]
         if grad_loss is None:
             per_token = lse.new_zeros(tokens)
@@ -139,7 +155,33 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             per_token = (grad_loss.float() / (target != ignore_index).sum()).expand(tokens).contiguous()
         if grad_lse is not None:
             grad_lse = grad_lse.float().contiguous()
-        dx, dw, db = ops_for("cross_entropy", backend).linear_cross_entropy_bwd(
-            x, weight, bias, target, lse, per_token, grad_lse, ignore_index, label_smoothing, softcap, z_loss, chunk,
-            need_dx, need_dw, need_db)
-        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 8
+        ops = ops_for("cross_entropy", backend)
+        options = (ignore_index, label_smoothing, softcap, z_loss, chunk, need_dx, need_dw, need_db)
+        tiles = sequence_tiles(tokens, tile)
+        if len(tiles) == 1:
+            dx, dw, db = ops.linear_cross_entropy_bwd(x, weight, bias, target, lse, per_token, grad_lse, *options)
+        else:
+            dx, dw, db = _tiled_backward(ops, tiles, x, weight, bias, target, lse, per_token, grad_lse, options)
+        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 9
+
+
+def _tiled_backward(ops, tiles, x, weight, bias, target, lse, per_token, grad_lse, options):
+    """(dx, dW, db) with the op run on each token tile: dx rows written in place, dW and db summed in
+    fp32 over the tiles and rounded once (see the module docstring)."""
+    need_dx, need_dw, need_db = options[-3:]
+    dx = torch.empty_like(x) if need_dx else None
+    dw_sum = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_dw else None
+    db_sum = torch.zeros(bias.shape, dtype=torch.float32, device=x.device) if need_db else None
+    for start, end in tiles:
+        rows = slice(start, end)
+        dx_tile, dw_tile, db_tile = ops.linear_cross_entropy_bwd(
+            x[rows], weight, bias, target[rows], lse[rows], per_token[rows],
+            grad_lse[rows] if grad_lse is not None else None, *options)
+        if need_dx:
+            dx[rows] = dx_tile
+        if need_dw:
+            dw_sum += dw_tile
+        if need_db:
+            db_sum += db_tile
+        del dx_tile, dw_tile, db_tile
+    return (dx, dw_sum.to(weight.dtype) if need_dw else None, db_sum.to(bias.dtype) if need_db else None)

@@ -77,7 +77,7 @@ def check_targets(target, vocab, ignore_index):
 
 
 def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                         softcap=None, z_loss=0.0, return_lse=False, chunk_size=None, backend=None):
+                         softcap=None, z_loss=0.0, return_lse=False, chunk_size=None, tile_tokens=None, backend=None):
     """The output block: ``F.cross_entropy(F.linear(x, weight, bias).float(), target, ...)`` without
     ever holding the [tokens, vocab] logits.
 
@@ -102,8 +102,12 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
             token's loss (so reduced like it).
         return_lse: also return the fp32 logsumexp per token (``[...]``, computed for ignored
             tokens too), through which gradients flow as well.
-        chunk_size: vocabulary columns per chunk; None chooses it from the tokens, the vocabulary
-            and the free memory (:func:`remat.functional.cross_entropy.chunk_size`).
+        chunk_size: vocabulary columns per chunk; None chooses it from the tokens (of one tile),
+            the vocabulary and the free memory (:func:`remat.functional.cross_entropy.chunk_size`).
+        tile_tokens: None (default) or an int >= 1: both passes run over tiles of that many
+            tokens, so the working set inside the op (a chunk of logits, the fp32 dx accumulator)
+            is [tile, *] instead of [tokens, *]; dW and db are then summed over the tiles in fp32
+            (remat.autograd.cross_entropy). Results equal the untiled call under the 2x rule.
         backend: ``"cuda"``, ``"cpp"``, ``"triton"``, ``"torch"`` or None (see remat.backend).
 
     Returns:
@@ -119,6 +123,7 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
     checks.check_input(x)
     vocab = _check_weight_and_target(x, weight, bias, target)
     _check_options(ignore_index, reduction, label_smoothing, softcap, z_loss, chunk_size, return_lse)
+    tile_tokens = checks.check_tile_tokens(tile_tokens) or None
     name = resolve_backend(backend, x)
     if name not in OPS:
         raise BackendUnavailableError(f"remat backend {name!r} has no linear_cross_entropy; use one of {tuple(OPS)}")
@@ -126,11 +131,13 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
     check_targets(target_rows, vocab, ignore_index)
     (x_rows, weight, bias), autocast_off = checks.autocast_cast(checks.as_rows(x), weight, bias)
     tokens = x_rows.shape[0]
-    chunk = int(chunk_size) if chunk_size is not None else _chunk_size_rule(tokens, vocab, x.device)
+    tile = tile_tokens if tile_tokens is not None and tile_tokens < tokens else None
+    rows_per_call = tile or tokens
+    chunk = int(chunk_size) if chunk_size is not None else _chunk_size_rule(rows_per_call, vocab, x.device)
     with autocast_off:
         loss, lse = LinearCrossEntropyFunction.apply(
             x_rows, weight, bias, target_rows, int(ignore_index), reduction, float(label_smoothing),
-            float(softcap) if softcap is not None else 0.0, float(z_loss), chunk, name)
+            float(softcap) if softcap is not None else 0.0, float(z_loss), chunk, name, tile)
     if reduction == "none":
         loss = loss.view(target.shape)
     if return_lse:

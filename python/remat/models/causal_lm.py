@@ -42,6 +42,8 @@ LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 _STOCK_FORWARD = "_remat_loss_previous_forward"
 _KEPT_INSIDE_WRAPPER = "_remat_fused_loss_inside_wrapper"
 _INSTALLED = "_remat_fused_loss"
+# remat.patch(tile_tokens=T) on the causal LM: the fused loss runs over tiles of T tokens.
+_TILE_TOKENS = "_remat_loss_tile_tokens"
 # Arguments of the causal LM's forward that are its own, not the base model's.
 _LOSS_ARGUMENTS = ("labels", "shift_labels", "logits_to_keep", "num_items_in_batch", "ignore_index")
 
@@ -109,6 +111,20 @@ class FusedLossForward(ModelForward):
         return _fused_loss_forward(model, self.output_type, arguments)
 
 
+def set_tile_tokens(model, tile_tokens):
+    """Sets the token tile (None: untiled) of every fused-loss causal LM in ``model``; returns how
+    many there are."""
+    count = 0
+    for module in model.modules():
+        if module.__dict__.get(_INSTALLED):
+            if tile_tokens:
+                setattr(module, _TILE_TOKENS, int(tile_tokens))
+            elif _TILE_TOKENS in module.__dict__:
+                delattr(module, _TILE_TOKENS)
+            count += 1
+    return count
+
+
 def uninstall(module):
     """Restores the forward :func:`install` replaced. A forward wrapped around it later (TRL's
     SFTTrainer installs its fused LM head so) stays in place; the fused-loss forward inside it then
@@ -116,6 +132,8 @@ def uninstall(module):
     if not module.__dict__.get(_INSTALLED):
         return
     delattr(module, _INSTALLED)
+    if _TILE_TOKENS in module.__dict__:
+        delattr(module, _TILE_TOKENS)
     if not isinstance(module.__dict__.get("forward"), FusedLossForward):
         setattr(module, _KEPT_INSIDE_WRAPPER, True)
         return
@@ -156,7 +174,7 @@ def _fused_loss_forward(model, output_type, arguments):
     softcap = getattr(model.config, "final_logit_softcapping", None) or None
     reduction = "sum" if num_items is not None else "mean"
     loss = linear_cross_entropy(hidden, lm_head.weight, shift_labels, lm_head.bias, ignore_index=ignore_index,
-                                reduction=reduction, softcap=softcap)
+                                reduction=reduction, softcap=softcap, tile_tokens=model.__dict__.get(_TILE_TOKENS))
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     fields = {"loss": loss, "logits": None}
