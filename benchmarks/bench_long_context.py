@@ -25,33 +25,44 @@ from remat import fit as fit_module
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 GIB = 2**30
 
-# (model, config file, training, LoRA rank, Adam states, GPU memory in GB); quick runs the first.
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# (model, config file, training, LoRA rank, LoRA targets, Adam states, GPU memory in GB); quick runs
+# the first. The MoE model's LoRA is on its attention: PEFT's all-linear also wraps its router and
+# 3-D expert weights, which remat's MoE layers leave stock.
 CASES = [
-    ("Llama-3.1-8B", "llama-3.1-8b.json", "LoRA r=32", 32, False, 80),
-    ("Llama-3.1-8B", "llama-3.1-8b.json", "LoRA r=32", 32, False, 141),
-    ("Llama-3.1-8B", "llama-3.1-8b.json", "full, fp32 Adam", 0, True, 80),
-    ("Qwen3-8B", "qwen3-8b.json", "LoRA r=32", 32, False, 80),
+    ("Llama-3.1-8B", "llama-3.1-8b.json", "LoRA r=32", 32, "all-linear", False, 80),
+    ("Llama-3.1-8B", "llama-3.1-8b.json", "LoRA r=32", 32, "all-linear", False, 141),
+    ("Llama-3.1-8B", "llama-3.1-8b.json", "full, fp32 Adam", 0, "all-linear", True, 80),
+    ("Llama-3.1-8B", "llama-3.1-8b.json", "full, fp32 Adam", 0, "all-linear", True, 141),
+    ("Qwen3-8B", "qwen3-8b.json", "LoRA r=32", 32, "all-linear", False, 80),
+    ("Qwen3-30B-A3B", "qwen3-30b-a3b.json", "LoRA r=32 on attention", 32, ATTENTION, False, 80),
 ]
 QUICK_SETUPS = ("stock", "stock+checkpointing", "remat:memory")
 
 
 def _layer_params(config):
+    """Parameters a token meets in one layer: the attention projections and the MLP (of a
+    mixture-of-experts layer: the router and its k experts)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden + 3 * hidden * inter
+    attention = hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden
+    experts = getattr(config, "num_experts", None)
+    if experts:
+        return attention + 3 * hidden * config.moe_intermediate_size * config.num_experts_per_tok + hidden * experts
+    return attention + 3 * hidden * inter
 
 
 def run(device=None, quick=False):
     """Rows per (case, setup); ``device`` is ignored (the estimate targets a CUDA GPU)."""
     env = environment_tags()
     rows = []
-    for model, file, training, rank, adam, gpu in CASES[:1] if quick else CASES:
+    for model, file, training, rank, targets, adam, gpu in CASES[:1] if quick else CASES:
         with open(os.path.join(CONFIG_DIR, file)) as handle:
             config = transformers.AutoConfig.for_model(**json.load(handle))
         setups = QUICK_SETUPS if quick else fit_module.SETUPS
         for row in fit_module.fit(config, gpu_memory=gpu * GIB, lora_rank=rank, setups=setups,
-                                  optimizer="adam" if adam else None):
+                                  optimizer="adam" if adam else None, lora_targets=targets):
             n = row.max_seq_len or 0
             offloads = "offload" in row.note
             checkpointed = row.setup == "stock+checkpointing" or "checkpointed" in row.note

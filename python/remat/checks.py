@@ -27,11 +27,14 @@ def values_unknown(*tensors):
 
 
 def check_tile_tokens(tile_tokens):
-    """tile_tokens: None (no tiling: returns 0) or an int >= 1 (returned)."""
+    """tile_tokens: None (no tiling: returns 0), an int >= 1 (returned) or ``"auto"`` (returned:
+    chosen per call from the free memory, remat.tiles)."""
     if tile_tokens is None:
         return 0
+    if tile_tokens == "auto":
+        return "auto"
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, numbers.Integral) or tile_tokens < 1:
-        raise ValueError(f"tile_tokens must be None or an int >= 1, got {tile_tokens!r}")
+        raise ValueError(f"tile_tokens must be None, an int >= 1 or 'auto', got {tile_tokens!r}")
     return int(tile_tokens)
 
 

@@ -12,6 +12,7 @@ from remat.functional.lora import check_lora
 from remat.ops.attention import cpu_flash_attention
 from remat.ops.attention_core import choose_core
 from remat.options import AttentionOptions, NormAttentionOptions
+from remat.tiles import resolve_tile_tokens
 
 
 def attention(q, k, v, *, causal=False, scale=None, dropout_p=0.0, rope=None, window=None, softcap=None,
@@ -229,9 +230,10 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         empty_queries: None (default), or bool ``[B, N]`` of x's tokens (``[1, T]`` packed): queries
             whose attention output is 0 and from which no gradient flows (pads), as for
             :func:`attention`.
-        tile_tokens: None (default) or an int >= 1: the norm and projections run over tiles of that
-            many tokens in forward, and the whole backward over query tiles, so that nothing of q's
-            width exists beyond one tile in backward (remat.autograd.norm_attention_tiled). Needs
+        tile_tokens: None (default), an int >= 1 or ``"auto"`` (from the free memory:
+            remat.tiles): the norm and projections run over tiles of that many tokens in forward,
+            and the whole backward over query tiles, so that nothing of q's width exists beyond one
+            tile in backward (remat.autograd.norm_attention_tiled). Needs
             causal attention without a sliding window, dense rows (no cu_seqlens) and no attention
             dropout (ValueError otherwise); with LoRA dropout, a multiple of 4. The results equal
             the untiled call's up to rounding (fp32 sums over tiles); what is saved is unchanged.
@@ -282,7 +284,11 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         raise TypeError("keep_qkv must be a bool")
     empty = checks.check_empty_queries(empty_queries, (batch, n), x.device)
     attention_options = _attention_options(head_dim, causal, scale, softcap, window, dropout_p, deterministic)
-    tile = _check_attention_tile(tile_tokens, attention_options, cu_seqlens, lora_layout)
+    # A query tile's working set: q, its rotated copy and its gradient in x's dtype, the core's fp32
+    # dq accumulator (Hq D each), and the tile's normalized rows and their gradient (2 H).
+    tile_bytes = (3 * x.element_size() + 4) * num_heads * head_dim + 2 * x.element_size() * x.shape[-1]
+    tile = resolve_tile_tokens(checks.check_tile_tokens(tile_tokens), n, tile_bytes, x.device)
+    _check_attention_tile(tile, attention_options, cu_seqlens, lora_layout)
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = rope if rope is not None else (None, None)
@@ -314,18 +320,17 @@ def attention_tile_unsupported_reason(options, packed):
     return None
 
 
-def _check_attention_tile(tile_tokens, options, cu_seqlens, lora_layout):
-    """tile_tokens of norm_attention: 0 (none) or the checked tile."""
-    tile = checks.check_tile_tokens(tile_tokens)
+def _check_attention_tile(tile, options, cu_seqlens, lora_layout):
+    """Raises ValueError when norm_attention cannot run over query tiles of ``tile`` tokens (0:
+    untiled, always fine)."""
     if not tile:
-        return 0
+        return
     reason = attention_tile_unsupported_reason(options, cu_seqlens is not None)
     if reason is not None:
         raise ValueError(f"tile_tokens: {reason}")
     if tile % 4 and any(slot.dropout_p > 0 for slot in lora_layout):
         raise ValueError(f"with LoRA dropout, tile_tokens must be a multiple of 4 (a tile's dropout mask starts on "
                          f"a Philox call of four elements), got {tile}")
-    return tile
 
 
 def _check_qk_norm(qk_norm, q_norm_weight, k_norm_weight, qk_eps, head_dim, x):

@@ -10,6 +10,7 @@ from remat.autograd.cross_entropy import REDUCTIONS, LinearCrossEntropyFunction
 from remat.autograd.cross_entropy import chunk_size as _chunk_size_rule
 from remat.backend import BackendUnavailableError, resolve_backend
 from remat.ops.cross_entropy import OPS
+from remat.tiles import resolve_tile_tokens
 
 __all__ = ["chunk_size", "linear_cross_entropy"]
 
@@ -104,9 +105,10 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
             tokens too), through which gradients flow as well.
         chunk_size: vocabulary columns per chunk; None chooses it from the tokens (of one tile),
             the vocabulary and the free memory (:func:`remat.functional.cross_entropy.chunk_size`).
-        tile_tokens: None (default) or an int >= 1: both passes run over tiles of that many
-            tokens, so the working set inside the op (a chunk of logits, the fp32 dx accumulator)
-            is [tile, *] instead of [tokens, *]; dW and db are then summed over the tiles in fp32
+        tile_tokens: None (default), an int >= 1 or ``"auto"`` (from the free memory:
+            remat.tiles): both passes run over tiles of that many tokens, so the working set
+            inside the op (a chunk of logits, the fp32 dx accumulator) is [tile, *] instead of
+            [tokens, *]; dW and db are then summed over the tiles in fp32
             (remat.autograd.cross_entropy). Results equal the untiled call under the 2x rule.
         backend: ``"cuda"``, ``"cpp"``, ``"triton"``, ``"torch"`` or None (see remat.backend).
 
@@ -131,7 +133,11 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
     check_targets(target_rows, vocab, ignore_index)
     (x_rows, weight, bias), autocast_off = checks.autocast_cast(checks.as_rows(x), weight, bias)
     tokens = x_rows.shape[0]
-    tile = tile_tokens if tile_tokens is not None and tile_tokens < tokens else None
+    # A tile's working set inside the op: the fp32 dx accumulator and product (8 H) and the tile's
+    # rows and dx rows in x's dtype (2 s H); the chunk of logits has its own rule.
+    element = x_rows.element_size()
+    tile_tokens = resolve_tile_tokens(tile_tokens, tokens, (8 + 2 * element) * x_rows.shape[1], x.device)
+    tile = tile_tokens if tile_tokens and tile_tokens < tokens else None
     rows_per_call = tile or tokens
     chunk = int(chunk_size) if chunk_size is not None else _chunk_size_rule(rows_per_call, vocab, x.device)
     with autocast_off:

@@ -12,6 +12,7 @@ from remat.autograd.mlp import (
 from remat.backend import resolve_backend
 from remat.functional.lora import check_lora
 from remat.ops.mlp import ACTIVATIONS
+from remat.tiles import resolve_tile_tokens
 
 
 def gated_mlp(x, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None, activation="silu",
@@ -104,11 +105,12 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
             (gate and up read the normalized input, down reads h). Nothing of them is kept per
             token: their rank-r intermediates and dropout masks are recomputed in backward.
         backend: as for :func:`rms_norm`.
-        tile_tokens: None (default) or an int >= 1: forward and backward run over tiles of that
-            many tokens, so no ``[tokens, intermediate]`` tensor exists beyond one tile (the
-            result equals the untiled call up to rounding: weight gradients are summed over the
-            tiles in fp32; what is kept is unchanged). With LoRA dropout, a multiple of 4 (the masks
-            are the untiled call's).
+        tile_tokens: None (default), an int >= 1 or ``"auto"`` (from the free memory:
+            remat.tiles): forward and backward run over tiles of that many tokens, so no
+            ``[tokens, intermediate]`` tensor exists beyond one tile (the result equals the
+            untiled call up to rounding: weight gradients are summed over the tiles in fp32; what
+            is kept is unchanged). With LoRA dropout, a multiple of 4 (the masks are the untiled
+            call's).
 
     Returns:
         ``[..., H]`` (the MLP output; add the residual outside).
@@ -120,6 +122,8 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
     eps = checks.check_norm(norm, norm_weight, norm_bias, eps, x)
     hidden = checks.check_gated_weights(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     inter = w_gate.shape[0]
+    # A tile's working set: gate, up, h and their gradients, [tile, I] each in x's dtype.
+    tile = resolve_tile_tokens(tile, x.numel() // hidden, 6 * inter * x.element_size(), x.device)
     lora_layout, lora_tensors = check_lora(lora, (hidden, hidden, inter), (inter, inter, hidden), x,
                                            ("gate", "up", "down"))
     if tile % 4 and any(slot.dropout_p > 0 for slot in lora_layout):

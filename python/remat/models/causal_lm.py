@@ -118,7 +118,7 @@ def set_tile_tokens(model, tile_tokens):
     for module in model.modules():
         if module.__dict__.get(_INSTALLED):
             if tile_tokens:
-                setattr(module, _TILE_TOKENS, int(tile_tokens))
+                setattr(module, _TILE_TOKENS, tile_tokens)  # an int, or "auto" (resolved per call)
             elif _TILE_TOKENS in module.__dict__:
                 delattr(module, _TILE_TOKENS)
             count += 1
