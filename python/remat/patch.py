@@ -80,9 +80,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             untiled and the layer warns once); the same saved bytes, the untiled results up to
             rounding. With LoRA dropout, a multiple of 4 (the call raises ValueError otherwise; the
             masks are the untiled call's). The fused loss runs over the same token tiles
-            (remat.linear_cross_entropy's ``tile_tokens``). A mixture-of-experts block is not tiled
-            (it holds per-expert temporaries of [tokens x k / experts, intermediate] rows; its
-            whole-sequence tensors are the fp32 output and input-gradient sums).
+            (remat.linear_cross_entropy's ``tile_tokens``), and so do mixture-of-experts blocks
+            under "balanced" and "memory" (under "speed" they keep every routed row's gate and up,
+            and run untiled).
 
     All or nothing: when anything inside patch raises (the plan included), the model is left as it
     was and the exception propagates.

@@ -181,3 +181,39 @@ def test_fused_loss_keeps_the_load_balancing_term(router_logits):
         assert len(got.router_logits) == 2
     for name, grad in want_grads.items():
         assert_within_2x_of_stock(name, got_grads[name], base_grads[name], grad, torch.float32)
+
+
+@pytest.mark.parametrize("policy", ["balanced", "memory"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tiled_moe_blocks_match_stock(dtype, policy, monkeypatch):
+    """remat.patch(tile_tokens=4): the sparse layers' MoE blocks run over tiles of 4 tokens (their
+    forward and backward each see every tile, counted), as do attention and the loss; logits, loss,
+    aux loss, router logits and every gradient (experts, router and norms summed over the tiles in
+    fp32) against the float64 stock model under the 2x rule, the routing unchanged."""
+    from remat.autograd import moe
+
+    calls = {"forward": [], "backward": []}
+    for name, key in (("_forward_rows", "forward"), ("_backward_rows", "backward")):
+        original = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda x, *a, _o=original, _k=key: calls[_k].append(x.shape[0]) or _o(x, *a))
+    reference, stock, patched = (qwen3_moe_model(d) for d in (torch.float64, dtype, dtype))
+    remat.patch(patched, policy=policy, tile_tokens=4)
+    check_moe_model_against_stock(reference, stock, patched, dtype, chosen=[[0, 1, 3], [0, 1, 2, 3]])
+    tokens = BATCH * LENGTH
+    per_pass = [4] * (tokens // 4) + ([tokens % 4] if tokens % 4 else [])
+    # Two sparse layers; the step's forward and backward, then a forward without labels for the logits.
+    assert calls["backward"] == per_pass * 2
+    assert calls["forward"] == per_pass * 4
+
+
+def test_tiling_keeps_the_saved_bytes():
+    layer = Qwen3MoeLayer(HIDDEN, EXPERT_INTER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM, policy="memory",
+                          backend="torch", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.1)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    untiled = saved_bytes(layer, x)
+    layer.tile_tokens = 4
+    assert saved_bytes(layer, x) == untiled == BATCH * LENGTH * per_token_formula("memory", 2) + 2 * LENGTH * (
+        HEAD_DIM // 2) * 4

@@ -20,6 +20,7 @@ from remat.backend import resolve_backend
 from remat.nn.mlp import activation_of
 from remat.nn.norm import RMSNorm
 from remat.ops.mlp import ACTIVATIONS, activate
+from remat.tiles import resolve_tile_tokens
 
 
 def _check_norm(norm_weight, eps, x):
@@ -33,7 +34,7 @@ def _check_norm(norm_weight, eps, x):
 
 
 def moe_block(x, w_router, gate_up, down, top_k, *, renormalize, fp32_weights, norm_weight=None, eps=None,
-              activation="silu", recompute="block", backend=None):
+              activation="silu", recompute="block", backend=None, tile_tokens=None):
     """A sparse mixture-of-experts block: router, top-k and experts, with an optional RMSNorm in front.
 
     ``normed = rmsnorm(x)`` (no norm when eps is None); ``logits = normed Wr^T``; fp32 softmax;
@@ -55,6 +56,10 @@ def moe_block(x, w_router, gate_up, down, top_k, *, renormalize, fp32_weights, n
             recomputes each expert's gate/up GEMMs) or "activation" (also keeps gate and up of
             every routed row). See remat.autograd.moe for the byte contract.
         backend: remat backend for the norm and activation kernels (the GEMMs are PyTorch's).
+        tile_tokens: None (default), an int >= 1 or ``"auto"`` (remat.tiles): with
+            ``recompute="block"`` both passes run over tiles of that many tokens (the normalized
+            rows, each expert's rows and the fp32 sums one tile at a time; weight gradients summed
+            over the tiles in fp32); ``"activation"`` runs untiled (it keeps every routed row).
 
     Returns:
         (out ``[T, H]`` in x's dtype (weighted products summed in fp32, rounded once), logits
@@ -77,9 +82,13 @@ def moe_block(x, w_router, gate_up, down, top_k, *, renormalize, fp32_weights, n
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int in 1..{num_experts} (the number of experts), got {top_k!r}")
     eps = _check_norm(norm_weight, eps, x)
+    # A tile's working set: per routed row (k per token) the gathered input, gate, up, h and their
+    # gradients ((H + 6 I) s), and the fp32 output / input-gradient sums and normalized rows (10 H).
+    tile_bytes = top_k * (hidden + 6 * inter) * x.element_size() + 10 * hidden
+    tile = resolve_tile_tokens(checks.check_tile_tokens(tile_tokens), x.shape[0], tile_bytes, x.device)
     name = resolve_backend(backend, x)
     return MoEFunction.apply(checks.as_rows(x), norm_weight, w_router, gate_up, down, eps, top_k, bool(renormalize),
-                             bool(fp32_weights), activation, recompute, name)
+                             bool(fp32_weights), activation, recompute, name, tile)
 
 
 def route(x, w_router, top_k, *, renormalize, fp32_weights):
@@ -139,7 +148,7 @@ class MoERouter(nn.Module):
         module.train(stock.training)
         return module
 
-    def forward(self, hidden_states, norm=None, experts=None, recompute=None):
+    def forward(self, hidden_states, norm=None, experts=None, recompute=None, tile_tokens=None):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         w_router = checks.cast_like(self.weight, x)
         if experts is None:
@@ -151,7 +160,7 @@ class MoERouter(nn.Module):
             x, w_router, checks.cast_like(experts.gate_up_proj, x), checks.cast_like(experts.down_proj, x),
             self.top_k, renormalize=self.renormalize, fp32_weights=self.fp32_weights, norm_weight=norm_weight,
             eps=eps, activation=experts.activation, recompute=experts.recompute if recompute is None else recompute,
-            backend=self.backend)
+            backend=self.backend, tile_tokens=tile_tokens)
         return logits, weights, indices, out
 
     def extra_repr(self):
@@ -298,7 +307,7 @@ class SparseMoE(nn.Module):
         module.train(stock.training)
         return module
 
-    def forward(self, hidden_states, norm=None, recompute=None):
+    def forward(self, hidden_states, norm=None, recompute=None, tile_tokens=None):
         checks.check_hidden_states(hidden_states)
         if type(self.experts) is not MoEExperts:
             # A wrapper added after patching (PEFT's target_parameters LoRA: a ParamWrapper) would
@@ -306,7 +315,8 @@ class SparseMoE(nn.Module):
             raise ValueError(f"the experts module is a {type(self.experts).__name__}, not remat's MoEExperts (an "
                              "adapter added after remat.patch?); call remat.unpatch(model), add the adapter, and "
                              "patch again (such layers are then left stock)")
-        *_, out = self.gate(hidden_states, norm=norm, experts=self.experts, recompute=recompute)
+        *_, out = self.gate(hidden_states, norm=norm, experts=self.experts, recompute=recompute,
+                            tile_tokens=tile_tokens)
         return out.view(hidden_states.shape)
 
     def saved_bytes_per_token(self, element_size, recompute="block"):
@@ -362,7 +372,8 @@ class MoELayerMixin:
         return module
 
     def mlp_block(self, h):
-        return self.mlp(h, norm=self.post_attention_layernorm, recompute=self.mlp_recompute)
+        return self.mlp(h, norm=self.post_attention_layernorm, recompute=self.mlp_recompute,
+                        tile_tokens=self.tile_tokens)
 
     def saved_bytes_per_token(self, element_size):
         """Bytes this layer keeps for backward per token under its policy (the formulas above);
