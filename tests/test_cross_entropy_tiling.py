@@ -33,6 +33,20 @@ def _cases():
     return cases
 
 
+def spy_on_the_op_rows(monkeypatch):
+    """A list that records ("fwd" | "bwd", rows) for every call of the cross-entropy op from now on."""
+    calls = []
+    original = ce_autograd.ops_for
+
+    def spy(block, backend):
+        ops = original(block, backend)
+        return type(ops)(lambda *a: calls.append(("fwd", a[0].shape[0])) or ops.linear_cross_entropy_fwd(*a),
+                         lambda *a: calls.append(("bwd", a[0].shape[0])) or ops.linear_cross_entropy_bwd(*a))
+
+    monkeypatch.setattr(ce_autograd, "ops_for", spy)
+    return calls
+
+
 @pytest.mark.parametrize("backend,dtype,reduction,variant", _cases())
 def test_tiled_loss_matches_the_float64_reference(backend, dtype, reduction, variant):
     options = dict(VARIANTS[variant])
@@ -60,15 +74,7 @@ def test_tiles_reach_the_op_and_a_tile_past_the_tokens_runs_untiled(monkeypatch)
     untiled call; bad values raise before any kernel."""
     x, w, _, t = make_case((TOKENS,), HIDDEN, VOCAB, torch.float32)
     x.requires_grad_()
-    seen = []
-    original = ce_autograd.ops_for
-
-    def spy(block, backend):
-        ops = original(block, backend)
-        return type(ops)(lambda *a: seen.append(("fwd", a[0].shape[0])) or ops.linear_cross_entropy_fwd(*a),
-                         lambda *a: seen.append(("bwd", a[0].shape[0])) or ops.linear_cross_entropy_bwd(*a))
-
-    monkeypatch.setattr(ce_autograd, "ops_for", spy)
+    seen = spy_on_the_op_rows(monkeypatch)
     remat.linear_cross_entropy(x, w, t, tile_tokens=TILE, backend="torch").backward()
     assert seen == [("fwd", 10)] * 3 + [("fwd", 7)] + [("bwd", 10)] * 3 + [("bwd", 7)]
     seen.clear()
@@ -125,14 +131,6 @@ def test_a_patched_llama_tiles_its_loss_and_matches_stock(monkeypatch):
     """remat.patch(tile_tokens=8): the causal LM's fused loss runs over tiles of 8 tokens (46 tokens:
     six op calls per pass, counted) and the loss and every gradient equal stock's; unpatch
     removes the setting."""
-    calls = []
-    original = ce_autograd.ops_for
-
-    def spy(block, backend):
-        ops = original(block, backend)
-        return type(ops)(lambda *a: calls.append(("fwd", a[0].shape[0])) or ops.linear_cross_entropy_fwd(*a),
-                         lambda *a: calls.append(("bwd", a[0].shape[0])) or ops.linear_cross_entropy_bwd(*a))
-
     ids = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(3))
 
     def step(model):
@@ -144,7 +142,7 @@ def test_a_patched_llama_tiles_its_loss_and_matches_stock(monkeypatch):
     stock_loss, stock_grads = step(causal_lm("llama"))
     model = causal_lm("llama")
     remat.patch(model, tile_tokens=8)
-    monkeypatch.setattr(ce_autograd, "ops_for", spy)
+    calls = spy_on_the_op_rows(monkeypatch)
     loss, got = step(model)
     assert calls == [("fwd", 8)] * 5 + [("fwd", 6)] + [("bwd", 8)] * 5 + [("bwd", 6)]
     torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)

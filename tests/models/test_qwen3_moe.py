@@ -98,12 +98,18 @@ def test_from_module_shares_every_parameter_and_keeps_the_keys():
     assert layer.self_attn.qk_norm == "rms" and not layer.mlp.gate.fp32_weights
 
 
-def test_qwen3_moe_layer_built_from_sizes_saves_the_formula():
-    layer = Qwen3MoeLayer(HIDDEN, EXPERT_INTER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM, policy="balanced",
+def layer_from_sizes(policy):
+    """A bf16 Qwen3MoeLayer built from the tiny sizes, norm weights near 1 and the rest near 0."""
+    layer = Qwen3MoeLayer(HIDDEN, EXPERT_INTER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM, policy=policy,
                           backend="torch", dtype=torch.bfloat16)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(1.0 if p.dim() == 1 else 0.0, 0.1)
+    return layer
+
+
+def test_qwen3_moe_layer_built_from_sizes_saves_the_formula():
+    layer = layer_from_sizes("balanced")
     x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
     rope_tables = 2 * LENGTH * (HEAD_DIM // 2) * 4  # the layer's fp32 cos/sin [1, N, D/2]
     assert saved_bytes(layer, x) == BATCH * LENGTH * per_token_formula("balanced", 2) + rope_tables
@@ -207,11 +213,7 @@ def test_tiled_moe_blocks_match_stock(dtype, policy, monkeypatch):
 
 
 def test_tiling_keeps_the_saved_bytes():
-    layer = Qwen3MoeLayer(HIDDEN, EXPERT_INTER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM, policy="memory",
-                          backend="torch", dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.1)
+    layer = layer_from_sizes("memory")
     x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
     untiled = saved_bytes(layer, x)
     layer.tile_tokens = 4
