@@ -146,6 +146,7 @@ class _Grads:
         self.norm = torch.zeros_like(norm_weight, dtype=torch.float32) if need[1] and tiled else None
 
     def put(self, buffer, index, value):
+        """One expert's gradient block: written (untiled) or added to its fp32 sum (tiled)."""
         if self.tiled:
             buffer[index] += value
         else:
@@ -157,7 +158,8 @@ class _Grads:
         if total is not None and value is not None:
             total.add_(value)
 
-    def finish(self, gate_up, down, w_router, norm_weight):
+    def finish(self, gate_up, down):
+        """(d gate_up, d down) in the weights' dtype, None where not needed."""
         if not self.tiled:
             return self.gate_up, self.down
         return tuple(None if g is None else g.to(p.dtype)
@@ -290,6 +292,6 @@ class MoEFunction(torch.autograd.Function):
                 grads.add("norm", d_norm_weight)
             d_w_router = grads.router.to(w_router.dtype) if grads.router is not None else None
             d_norm_weight = grads.norm.to(norm_weight.dtype) if grads.norm is not None else None
-        d_gate_up, d_down = grads.finish(gate_up, down, w_router, norm_weight)
+        d_gate_up, d_down = grads.finish(gate_up, down)
         return (dx if need[0] else None, d_norm_weight if need[1] else None, d_w_router, d_gate_up, d_down,
                 None, None, None, None, None, None, None, None)
