@@ -131,7 +131,7 @@ def test_lora_targets_reach_peft_and_the_command(tmp_path, capsys):
     assert adapted == {"q_proj", "o_proj"}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    assert remat_main(["fit", str(path), "--gpu-memory", "64MB", "--reserve", "4MB", "--lora-rank", "4",
+    assert remat_main(["fit", str(path), "--gpu-memory", "20MB", "--reserve", "4MB", "--lora-rank", "4",
                        "--lora-targets", "q_proj,k_proj,v_proj,o_proj", "--setups", "stock,remat:memory",
                        "--json"]) == 0
     rows = {row["setup"]: row for row in json.loads(capsys.readouterr().out)}
