@@ -30,7 +30,9 @@ def refuse_double_backward(op_name, graph_inputs=None):
     constants and are returned as they are.
 
     Traced by torch.compile: dynamo traces an autograd Function's backward with grad mode off, so
-    the wrapper there is the plain backward (and AOT autograd refuses double backward itself).
+    the wrapper there is the plain backward (and AOT autograd refuses double backward itself), run
+    on views of the saved tensors that keep the compiler from merging its recomputation into the
+    forward (:func:`distinct_from_forward`).
     The decorated backward carries ``double_backward_refused = op_name`` (tests check that every
     Function of the package has it)."""
     message = (
@@ -43,6 +45,8 @@ def refuse_double_backward(op_name, graph_inputs=None):
     def decorate(backward):
         @functools.wraps(backward)
         def wrapper(ctx, *grad_outputs):
+            if torch.compiler.is_compiling():
+                return backward(_SavedOnce(ctx, distinct_from_forward(ctx.saved_tensors)), *grad_outputs)
             if not torch.is_grad_enabled():
                 return backward(ctx, *grad_outputs)
             ctx = _SavedOnce(ctx)
@@ -57,14 +61,32 @@ def refuse_double_backward(op_name, graph_inputs=None):
     return decorate
 
 
+def distinct_from_forward(saved):
+    """The saved tensors as a traced backward should read them: each tensor as a view of itself
+    (same sizes, strides and offset; no copy), None and non-tensors as they are.
+
+    Under torch.compile the backward is traced into one joint graph with the forward, and AOT
+    autograd's common-subexpression pass merges nodes with the same op and inputs before the
+    partitioner splits the graph. A backward that recomputes (the norm of the saved x, the gate/up
+    GEMMs of it, a rotation, a dropout mask from the saved Philox state) repeats the forward's ops
+    on the same inputs, so without this the recomputation is merged into the forward and the
+    partitioner keeps its results for backward: the intermediates remat exists not to keep (a
+    patched Llama's MLP gate/up and q/k/v, measured). A fresh view is a node of its own that the
+    pass cannot merge, so everything computed from it stays in the backward; inductor's no-op
+    removal drops alias, clone and same-shape view but not as_strided (torch 2.14).
+    tests/test_compile_saved.py checks the compiled step keeps what the eager one does."""
+    return tuple([t.as_strided(t.shape, t.stride()) if isinstance(t, torch.Tensor) else t for t in saved])
+
+
 class _SavedOnce:
     """The ctx a refusing backward runs with: ``saved_tensors`` unpacked once, shared by the backward
     and the wrapper (unpack hooks may allow one unpack: torch.utils.checkpoint's non-reentrant
-    hooks raise on a second); every other attribute read from and written to the real ctx."""
+    hooks raise on a second); every other attribute read from and written to the real ctx.
+    ``saved`` replaces the unpacked tensors (a traced backward's views)."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, saved=None):
         object.__setattr__(self, "_ctx", ctx)
-        object.__setattr__(self, "saved_tensors", ctx.saved_tensors)
+        object.__setattr__(self, "saved_tensors", ctx.saved_tensors if saved is None else saved)
 
     def __getattr__(self, name):
         return getattr(self._ctx, name)
