@@ -295,7 +295,8 @@ def test_planned_model_with_spans_compiles():
     eager_loss.backward()
     eager = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    compiled = torch.compile(model, backend="aot_eager")  # AOT autograd traces forward and backward
+    # AOT autograd traces forward and backward; one graph: the spans are checkpoint regions there.
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     loss = compiled(**inputs).loss
     loss.backward()
     torch.testing.assert_close(loss, eager_loss)

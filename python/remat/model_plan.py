@@ -970,11 +970,26 @@ def _planned_forward(self, hidden_states, *args, **kwargs):
                          "(output_hidden_states=True); plan with max_span=1")
     for layer, policy in zip(members, policies, strict=True):
         _set_policy(layer, policy)
-    blocks = [_BoundLayer(layer, args, kwargs) for layer in members]
-    out = run_chain(blocks, hidden_states, Segment(0, len(blocks), recompute=True))
-    runtime.pending = len(blocks) - 1
-    runtime.bound = (args, kwargs) if len(blocks) > 1 else None
+    if torch.compiler.is_compiling():
+        # remat's chain executor (an autograd Function that holds the layers and their RNG states)
+        # does not trace; compiled, the span is a torch.utils.checkpoint region, whose operations
+        # AOT autograd's partitioner recomputes in backward: the same plan (the span's input kept,
+        # its layers re-run, RNG and autocast restored by checkpoint).
+        out = torch.utils.checkpoint.checkpoint(_run_span, members, hidden_states, args, kwargs, use_reentrant=False)
+    else:
+        blocks = [_BoundLayer(layer, args, kwargs) for layer in members]
+        out = run_chain(blocks, hidden_states, Segment(0, len(blocks), recompute=True))
+    runtime.pending = len(members) - 1
+    runtime.bound = (args, kwargs) if len(members) > 1 else None
     return out
+
+
+def _run_span(layers, hidden_states, args, kwargs):
+    """The layers of a span one after another on ``hidden_states``, each with the decoder loop's
+    arguments (the compiled span's body)."""
+    for layer in layers:
+        hidden_states = type(layer).forward(layer, hidden_states, *args, **kwargs)
+    return hidden_states
 
 
 def _fully_sharded(module):
@@ -1005,7 +1020,8 @@ def _pass_through(layer, runtime, hidden_states, args, kwargs):
 def install(plan, layer_modules):
     """Makes the patched ``layer_modules`` (one per planned layer, in order) run ``plan``: a
     span's first layer runs the whole span under remat's chain executor (its input kept, the span
-    re-run in backward), the span's other layers pass the hidden states through; every fused
+    re-run in backward; under torch.compile a torch.utils.checkpoint region), the span's other
+    layers pass the hidden states through; every fused
     layer checks the batch shape against the plan's (a per-token plan re-plans longer batches,
     see :class:`_PlanRuntime`)."""
     runtime = _PlanRuntime(plan, list(layer_modules))
