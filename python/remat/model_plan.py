@@ -1021,9 +1021,8 @@ def install(plan, layer_modules):
     """Makes the patched ``layer_modules`` (one per planned layer, in order) run ``plan``: a
     span's first layer runs the whole span under remat's chain executor (its input kept, the span
     re-run in backward; under torch.compile a torch.utils.checkpoint region), the span's other
-    layers pass the hidden states through; every fused
-    layer checks the batch shape against the plan's (a per-token plan re-plans longer batches,
-    see :class:`_PlanRuntime`)."""
+    layers pass the hidden states through; every fused layer checks the batch shape against the
+    plan's (a per-token plan re-plans longer batches, see :class:`_PlanRuntime`)."""
     runtime = _PlanRuntime(plan, list(layer_modules))
     for index, layer in enumerate(layer_modules):
         if isinstance(layer, PreNormDecoderLayer):
