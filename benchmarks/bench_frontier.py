@@ -1,14 +1,25 @@
-"""The memory/time frontier of one training step of a small Llama (one batch shape): for each way
-of trading memory for compute, the peak of saved bytes (saved-tensor hooks over forward and
-backward; device memory on a GPU as well) and the step time as a ratio to the stock model, timed
-side by side in interleaved rounds (benchmarks.common.interleaved_timings): ``time_vs_stock`` is the
-median of the per-round ratios, with its 20-80% band (``time_vs_stock_q20`` / ``_q80``) and verdict.
+"""The memory/time frontier of one training step of a Llama (one batch shape): for each way of
+trading memory for compute, the peak of saved bytes (saved-tensor hooks over forward and backward;
+device memory on a GPU as well) and the step time as a ratio to the stock model, timed side by side
+in interleaved rounds (benchmarks.common.interleaved_timings): ``time_vs_stock`` is the median of
+the per-round ratios, with its 20-80% band (``time_vs_stock_q20`` / ``_q80``) and verdict.
+
+Shapes (``SHAPES``): "gemm", where, as on a GPU at scale, the GEMMs dominate the step (on the CPU
+a 4-layer Llama with hidden 1024, intermediate 2816, GQA 16/4 heads, 2 x 256 tokens; on a GPU two
+layers of Llama-3-8B's shape in bf16 at 1 x 4096 tokens); and "small" (hidden 128, 6 layers,
+2 x 128 tokens), where per-op overhead and the many small pointwise ops dominate, which
+torch.compile's fusion removes.
 
 Providers: the stock Hugging Face model (SDPA attention); torch.utils.checkpoint on every layer
 and on every k-th (Hugging Face's activation_checkpointing_enable, reentrant so that the hooks
-see the inputs it keeps and what it recomputes in backward); torch.compile (inductor) with
-``activation_memory_budget`` swept; remat's three uniform policies; remat's ``policy="auto"`` at
-budgets from the stock model's peak down to its floor.
+see the inputs it keeps and what it recomputes in backward); torch.compile (inductor) of the stock
+model with ``activation_memory_budget`` swept; remat's three uniform policies and ``policy="auto"``
+at budgets from the stock model's peak down to its floor, each eager ("remat ...") and compiled
+("remat+compile ...": the patched model under torch.compile, default memory budget).
+
+``dominated_by`` (on the torch.compile rows): the remat or remat+compile providers that keep no
+more bytes (5% slack) at no more time (0.03 of stock's step, or within the two providers' 20-80%
+bands), "none" where no remat point does.
 """
 
 import copy
@@ -32,28 +43,37 @@ from benchmarks.common import (
 from remat import model_plan
 from remat.memory import PeakSavedBytes
 
+# name -> (config overrides, batch, length, dtype) per device type.
+SHAPES = {
+    "gemm": {"cpu": (dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                          num_key_value_heads=4, vocab_size=4096), 2, 256, torch.float32),
+             "cuda": (dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=32768), 1, 4096, torch.bfloat16)},
+    "small": {"cpu": (dict(hidden_size=128, intermediate_size=341, num_hidden_layers=6, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=2048), 2, 128, torch.float32)},
+}
+SHAPE_NOTES = {"gemm": "GEMM-dominated", "small": "overhead-dominated"}
 
-def make_model(device, quick):
+
+def make_model(device, shape, quick):
+    """The stock Llama of ``shape`` (a SHAPES key) on ``device``, in training mode, and its batch."""
     import transformers
 
+    overrides, batch, length, dtype = SHAPES[shape][device.type]
+    if quick:
+        overrides = {**overrides, "num_hidden_layers": 2}
+        length = min(length, 128)
     torch.manual_seed(0)
-    hidden, layers = 128, (4 if quick else 6)
-    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                                      num_hidden_layers=layers, num_attention_heads=hidden // 32,
-                                      num_key_value_heads=hidden // 64, max_position_embeddings=1024,
-                                      use_cache=False, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(config).to(device).train()
-
-
-def make_batch(device):
-    batch, length = 2, 128
+    config = transformers.LlamaConfig(**overrides, max_position_embeddings=max(1024, length), use_cache=False,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).train()
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 2048, (batch, length), generator=g).to(device)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    ids = torch.randint(0, config.vocab_size, (batch, length), generator=g).to(device)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
 def providers(base, inputs, quick):
-    """(label, family, model or step function) for every provider."""
+    """(label, family, model or step function[, plan]) for every provider."""
     out = [("stock", "stock", copy.deepcopy(base))]
     layers = base.config.num_hidden_layers
     for every in (1, 2) if quick else (1, 2, 3):
@@ -64,6 +84,7 @@ def providers(base, inputs, quick):
         model = copy.deepcopy(base)
         remat.patch(model, policy=policy)
         out.append((f"remat {policy}", "remat policy", model))
+        out.append((f"remat+compile {policy}", "remat+compile", _CompiledStep(model, 1.0, f"remat_{policy}")))
     costs = model_plan.measure_model_costs(copy.deepcopy(base), inputs)
     stock_peak = model_plan.peak_and_cost(costs, [model_plan.Taped(i, "stock") for i in range(layers)])[0]
     floor = model_plan.smallest_feasible_budget(costs)
@@ -72,9 +93,13 @@ def providers(base, inputs, quick):
         budget = int(floor + fraction * (stock_peak - floor))
         model = copy.deepcopy(base)
         report = remat.patch(model, policy="auto", budget_bytes=budget, example_inputs=inputs)
-        out.append((f"remat auto {budget / 2**20:.2f} MiB", "remat auto", model, report.plan))
-    for memory_budget in (0.1, 1.0) if quick else (0.1, 0.5, 1.0):
-        out.append((f"compile budget {memory_budget}", "torch.compile", _CompiledStep(base, memory_budget)))
+        label = f"auto {budget / 2**20:.2f} MiB"
+        out.append((f"remat {label}", "remat auto", model, report.plan))
+        out.append((f"remat+compile {label}", "remat+compile", _CompiledStep(model, 1.0, f"remat_auto_{fraction}"),
+                    report.plan))
+    for memory_budget in (0.1, 1.0) if quick else (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0):
+        out.append((f"compile budget {memory_budget}", "torch.compile",
+                    _CompiledStep(copy.deepcopy(base), memory_budget, "stock")))
     return out
 
 
@@ -83,16 +108,20 @@ def _forward(model, inputs):
 
 
 class _CompiledStep:
-    """A compiled copy of the stock model whose every call runs with this activation_memory_budget
+    """``model`` under torch.compile (inductor), every call run with this activation_memory_budget
     (the partitioner's knob: what the compiled backward recomputes), compiled on the first call.
     Dynamo caches graphs per code object and, with parameters as graph inputs, would hand every
-    copy the first copy's graph (compiled with the first budget): each copy compiles its own
-    copy of ``_forward``'s code."""
+    provider the first one's graph (compiled with the first budget, or for another patched model
+    until its recompile limit sends the rest to eager): each provider compiles its own copy of
+    ``_forward``'s code."""
 
-    def __init__(self, base, memory_budget):
-        self.model = copy.deepcopy(base)
-        code = _forward.__code__.replace(co_name=f"_forward_budget_{str(memory_budget).replace('.', '_')}")
-        self.compiled = torch.compile(types.FunctionType(code, _forward.__globals__))
+    def __init__(self, model, memory_budget, name):
+        self.model = model
+        tag = f"{name}_{memory_budget}".replace(".", "_").replace("-", "_")
+        code = _forward.__code__.replace(co_name=f"_forward_{tag}")
+        # fullgraph: a graph break would leave part of the step eager (and shared frames past the
+        # break would meet dynamo's recompile limit across providers); it raises instead.
+        self.compiled = torch.compile(types.FunctionType(code, _forward.__globals__), fullgraph=True)
         self.memory_budget = memory_budget
 
     def zero_grad(self, set_to_none=True):
@@ -105,12 +134,21 @@ class _CompiledStep:
             return self.compiled(self.model, inputs)
 
 
-def run(device, quick=False):
-    base = make_model(device, quick)
-    inputs = make_batch(device)
+def run(device, quick=False, shapes=None):
+    """The rows of every provider at every shape of ``shapes`` (default: those SHAPES defines for
+    ``device``'s type, "gemm" first)."""
+    shapes = shapes or [name for name, per_device in SHAPES.items() if device.type in per_device]
+    rows = []
+    for shape in shapes:
+        rows.extend(_run_shape(device, shape, quick))
+    return with_end_load(rows)
+
+
+def _run_shape(device, shape, quick):
+    base, inputs = make_model(device, shape, quick)
     tags = environment_tags()
     entries = providers(base, inputs, quick)
-    progress = Progress(len(entries) + 1, "frontier")
+    progress = Progress(len(entries) + 1, f"frontier {shape}")
     measured, steps = {}, {}
     for entry in entries:
         label, model = entry[0], entry[2]
@@ -121,23 +159,50 @@ def run(device, quick=False):
         measured[label] = (peak.peak, peak_memory_bytes(functools.partial(run_step, step), device))
         progress.step(f"{label}: peak saved {peak.peak} bytes")
     timings = timing_summary(interleaved_timings(steps, device, rounds=2 if quick else 10), {"stock": "stock"},
-                             "frontier")
+                             f"frontier {shape}")
     progress.step("interleaved timing")
     rows = []
-    shape = tuple(inputs["input_ids"].shape)
+    config, ids = base.config, inputs["input_ids"]
     for entry in entries:
         label, family = entry[0], entry[1]
         plan = entry[3] if len(entry) > 3 else None
         rows.append({
-            **tags, "model": f"llama h={base.config.hidden_size} L={base.config.num_hidden_layers}",
-            "batch": f"{shape[0]}x{shape[1]}", "provider": label, "family": family,
+            **tags, "shape": f"{shape} ({SHAPE_NOTES[shape]})",
+            "model": (f"llama h={config.hidden_size} i={config.intermediate_size} L={config.num_hidden_layers} "
+                      f"heads={config.num_attention_heads}/{config.num_key_value_heads} V={config.vocab_size} "
+                      f"{str(base.dtype).removeprefix('torch.')}"),
+            "batch": f"{ids.shape[0]}x{ids.shape[1]}", "provider": label, "family": family,
             "peak_saved_bytes": measured[label][0], "peak_device_bytes": measured[label][1],
             "budget_bytes": plan.budget_bytes if plan else "",
             "predicted_peak_bytes": plan.predicted_peak_bytes if plan else "",
             "plan": _describe(plan) if plan else "",
             **timings[label, "full"],
         })
-    return with_end_load(rows)
+    for row in rows:
+        row["dominated_by"] = "; ".join(dominated_by(row, rows)) or "none" if row["family"] == "torch.compile" else ""
+    return rows
+
+
+# A remat point dominates a compile point when it keeps at most this much more (relative) ...
+BYTES_SLACK = 0.05
+# ... and its median step is at most this much slower (in units of stock's step), or the two
+# providers' 20-80% bands overlap.
+TIME_SLACK = 0.03
+
+
+def dominated_by(row, rows):
+    """The remat and remat+compile providers of ``rows`` that keep no more bytes than ``row``
+    (BYTES_SLACK) at no more time (TIME_SLACK of stock's step, or within the spread)."""
+    out = []
+    for other in rows:
+        if other["family"] not in ("remat policy", "remat auto", "remat+compile"):
+            continue
+        if other["peak_saved_bytes"] > row["peak_saved_bytes"] * (1 + BYTES_SLACK):
+            continue
+        if (other["time_vs_stock"] <= row["time_vs_stock"] + TIME_SLACK
+                or other["time_vs_stock_q20"] <= row["time_vs_stock_q80"]):
+            out.append(other["provider"])
+    return out
 
 
 def _describe(plan):
@@ -149,39 +214,44 @@ def _describe(plan):
     return text + (f" spans {spans}" if spans else "")
 
 
-summary_columns = ["provider", "peak_saved_bytes", "predicted_peak_bytes", "time_vs_stock", "time_vs_stock_q20",
-                   "time_vs_stock_q80", "time_vs_stock_verdict", "suspect", "plan"]
+summary_columns = ["shape", "provider", "peak_saved_bytes", "predicted_peak_bytes", "time_vs_stock",
+                   "time_vs_stock_q20", "time_vs_stock_q80", "time_vs_stock_verdict", "suspect", "dominated_by", "plan"]
 
 
 def plot(rows, path):
-    """Step time ratio (y) against peak saved bytes (x) per provider family; remat auto as a line."""
+    """Step time ratio (y) against peak saved bytes (x) per provider family, one panel per shape;
+    remat auto and remat+compile as lines."""
     plt = pyplot_or_none()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(8 * len(shapes), 5.5), squeeze=False)
     markers = {"stock": "*", "torch.utils.checkpoint": "s", "torch.compile": "^", "remat policy": "o",
-               "remat auto": "D"}
-    for family, marker in markers.items():
-        points = sorted((r["peak_saved_bytes"] / 2**20, r["time_vs_stock"], r["time_vs_stock_q20"],
-                         r["time_vs_stock_q80"], r["provider"]) for r in rows if r["family"] == family)
-        if not points:
-            continue
-        xs, ys = [p[0] for p in points], [p[1] for p in points]
-        errors = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
-        ax.errorbar(xs, ys, yerr=errors, fmt=marker + ("-" if family == "remat auto" else ""), label=family,
-                    capsize=3, markersize=7)
-        if family != "remat auto":
+               "remat auto": "D", "remat+compile": "v"}
+    lines = ("remat auto", "remat+compile", "torch.compile")
+    for ax, shape in zip(axes[0], shapes):
+        shape_rows = [r for r in rows if r["shape"] == shape]
+        for family, marker in markers.items():
+            points = sorted((r["peak_saved_bytes"] / 2**20, r["time_vs_stock"], r["time_vs_stock_q20"],
+                             r["time_vs_stock_q80"], r["provider"]) for r in shape_rows if r["family"] == family)
+            if not points:
+                continue
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            errors = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
+            ax.errorbar(xs, ys, yerr=errors, fmt=marker + ("-" if family in lines else ""), label=family, capsize=3,
+                        markersize=6)
             for x, y, *_, label in points:
-                ax.annotate(label.replace("remat ", "").replace("checkpoint ", "ckpt "), (x, y), fontsize=7,
-                            xytext=(4, 4), textcoords="offset points")
-    ax.axhline(1.0, color="k", lw=0.6)
-    ax.set_xscale("log")
-    ax.set_xlabel("peak saved bytes over the step (MiB, log)")
-    ax.set_ylabel("step time / stock step time (median, 20-80% bars)")
-    first = rows[0]
-    ax.set_title(f"{first['model']}, batch {first['batch']}, {first['device']}, commit {first['commit']}",
-                 fontsize=9)
-    ax.legend(fontsize=8)
+                short = (label.replace("remat+compile ", "").replace("remat ", "").replace("checkpoint ", "ckpt ")
+                         .replace("compile budget ", ""))
+                ax.annotate(short, (x, y), fontsize=6, xytext=(4, 4), textcoords="offset points")
+        ax.axhline(1.0, color="k", lw=0.6)
+        ax.set_xscale("log")
+        ax.set_xlabel("peak saved bytes over the step (MiB, log)")
+        ax.set_ylabel("step time / stock step time (median, 20-80% bars)")
+        first = shape_rows[0]
+        ax.set_title(f"{first['shape']}: {first['model']}, batch {first['batch']}\n{first['device']}, "
+                     f"commit {first['commit']}", fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
