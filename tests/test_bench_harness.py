@@ -381,3 +381,21 @@ def test_triton_rope_rotated_once_provider_computes_the_rope_attention(monkeypat
                                          reference, dout)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _frontier_row(provider, family, saved, time, q20=None, q80=None):
+    return {"provider": provider, "family": family, "peak_saved_bytes": saved, "time_vs_stock": time,
+            "time_vs_stock_q20": time if q20 is None else q20, "time_vs_stock_q80": time if q80 is None else q80}
+
+
+def test_frontier_dominance_needs_no_more_bytes_and_no_more_time():
+    from benchmarks.bench_frontier import dominated_by
+
+    compile_point = _frontier_row("compile budget 0.1", "torch.compile", 1000, 1.20, 1.15, 1.25)
+    rows = [compile_point,
+            _frontier_row("remat memory", "remat policy", 1040, 1.22),           # 4% more bytes, 0.02 slower
+            _frontier_row("remat balanced", "remat policy", 1060, 1.00),         # 6% more bytes: out
+            _frontier_row("remat+compile auto", "remat+compile", 900, 1.30, 1.24, 1.35),  # bands overlap
+            _frontier_row("remat auto", "remat auto", 900, 1.40, 1.30, 1.50),    # slower beyond the band
+            _frontier_row("checkpoint every 1", "torch.utils.checkpoint", 500, 1.0)]  # not remat
+    assert dominated_by(compile_point, rows) == ["remat memory", "remat+compile auto"]
