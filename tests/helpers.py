@@ -325,6 +325,15 @@ def logits_and_grads(model, ids, mask, labels):
     return logits.detach(), out.loss.detach(), grads
 
 
+def loss_and_grads(model, ids):
+    """(loss, {parameter name: gradient}) of one training step of a causal LM on ``ids`` (labels =
+    ids), gradients set to None first; parameters without a gradient left out."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def gpt2_model(dtype=torch.float32, seed=0, dropout=0.0):
     torch.manual_seed(seed)
     config = _transformers().GPT2Config(n_embd=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=96, n_positions=32,

@@ -17,7 +17,7 @@ from remat.memory import saved_bytes
 from remat.nn import layers
 
 from _checks import assert_within_2x_of_stock
-from helpers import DTYPES, batch, causal_lm, cpu_backends, gpt2_model, grads, logits_and_grads
+from helpers import DTYPES, batch, causal_lm, cpu_backends, gpt2_model, grads, logits_and_grads, loss_and_grads
 
 HIDDEN, HQ, HKV, D, RANK = 32, 6, 2, 8, 3
 
@@ -275,16 +275,10 @@ def test_patched_models_tile_their_attention_and_match_stock(kind, policy, monke
 
     ids = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(3))
 
-    def step(model):
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    stock_loss, stock_grads = step(build())
+    stock_loss, stock_grads = loss_and_grads(build(), ids)
     model = build()
     remat.patch(model, policy=policy, tile_tokens=4)
-    loss, got = step(model)
+    loss, got = loss_and_grads(model, ids)
     layers = model.config.num_hidden_layers if kind != "gpt2" else model.config.n_layer
     assert len(calls) == layers  # every layer's attention backward ran over query tiles
     torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)

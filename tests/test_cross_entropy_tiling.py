@@ -14,7 +14,7 @@ from remat.autograd import cross_entropy as ce_autograd
 from remat.memory import saved_bytes
 
 from _checks import assert_within_2x_of_stock
-from helpers import causal_lm
+from helpers import causal_lm, loss_and_grads
 
 # 37 tokens in tiles of 10: three whole tiles and a remainder of 7; vocabulary 1000 in chunks of 256.
 TOKENS, HIDDEN, VOCAB, CHUNK, TILE = 37, 48, 1000, 256, 10
@@ -133,17 +133,11 @@ def test_a_patched_llama_tiles_its_loss_and_matches_stock(monkeypatch):
     removes the setting."""
     ids = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(3))
 
-    def step(model):
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    stock_loss, stock_grads = step(causal_lm("llama"))
+    stock_loss, stock_grads = loss_and_grads(causal_lm("llama"), ids)
     model = causal_lm("llama")
     remat.patch(model, tile_tokens=8)
     calls = spy_on_the_op_rows(monkeypatch)
-    loss, got = step(model)
+    loss, got = loss_and_grads(model, ids)
     assert calls == [("fwd", 8)] * 5 + [("fwd", 6)] + [("bwd", 8)] * 5 + [("bwd", 6)]
     torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)
     for name, grad in got.items():
