@@ -277,6 +277,20 @@ def test_compile_fullgraph_matches_eager(backend):
         torch.testing.assert_close(gc, ge)
 
 
+def test_compile_takes_a_scale_that_became_symbolic():
+    """dynamo makes a Python float that changed between calls a SymFloat (two models of one class
+    with different head sizes meet this in one process): the argument checks still trace, one graph
+    per call, and the results are eager's."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=g, requires_grad=True) for _ in range(3))
+    counter = CompileCounter()
+    compiled = torch.compile(lambda q, k, v, scale: remat.attention(q, k, v, causal=True, scale=scale),
+                             backend=counter, fullgraph=True)
+    for scale in (0.25, 0.3, 0.35):
+        torch.testing.assert_close(compiled(q, k, v, scale), remat.attention(q, k, v, causal=True, scale=scale))
+
+
 def _op_samples():
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 7, 4, 16, generator=g)

@@ -102,7 +102,10 @@ def check_positive(value, name, allow_none=True):
     """value: a positive finite number (or None when allow_none)."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+    # Traced by torch.compile a Python float may be symbolic (dynamo makes a float that changed
+    # between calls a SymFloat), which math.isfinite cannot trace: the sign is still checked there.
+    if (isinstance(value, bool) or not isinstance(value, (int, float, torch.SymInt, torch.SymFloat))
+            or not (value > 0 and (torch.compiler.is_compiling() or math.isfinite(value)))):
         raise ValueError(f"{name} must be a positive finite number{' or None' if allow_none else ''}, got {value!r}")
 
 
