@@ -183,7 +183,8 @@ def _run_shape(device, shape, quick):
             **timings[label, "full"],
         })
     for row in rows:
-        row["dominated_by"] = "; ".join(dominated_by(row, rows)) or "none" if row["family"] == "torch.compile" else ""
+        row["dominated_by"] = (("; ".join(dominated_by(row, rows)) or "none") if row["family"] == "torch.compile"
+                               else "")
     return rows
 
 
