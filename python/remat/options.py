@@ -39,7 +39,10 @@ class NormAttentionOptions(NamedTuple):
     and k over D after the projections and before rope ("rms": Qwen3; "gemma": Gemma 3); qk_eps:
     its epsilon. max_seqlen: with packed sequences (cu_seqlens), the upper bound of their
     lengths; None for a dense call. tile_tokens: None, or the tokens per tile of the sequence-tiled
-    path (remat.autograd.norm_attention_tiled: causal, dense, no dropout).
+    path (remat.autograd.norm_attention_tiled: causal, dense, no dropout). sequence_parallel:
+    None, or (process group, its size P): x is this rank's shard of the sequence and the attention
+    runs over the group's shards (remat.sequence_parallel); cu_seqlens and max_seqlen then describe
+    the whole sequence.
     """
 
     shape: tuple
@@ -52,3 +55,4 @@ class NormAttentionOptions(NamedTuple):
     qk_eps: float = 0.0
     max_seqlen: int | None = None
     tile_tokens: int | None = None
+    sequence_parallel: tuple | None = None

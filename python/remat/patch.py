@@ -21,13 +21,14 @@ from remat.replacement import (
     set_layer_options,
     unpatch,
 )
+from remat.sequence_parallel import check_group
 
 __all__ = ["MODULE_KINDS", "STOCK", "PatchReport", "patch", "unpatch"]
 
 
 def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budget_bytes=None,
           budget_bytes_per_token=None, example_inputs=None, cost="flops", max_span=None, offload=False,
-          tile_tokens=None, seq_len=None, batch_size=1, host_budget_bytes=None):
+          tile_tokens=None, seq_len=None, batch_size=1, host_budget_bytes=None, sequence_parallel=None):
     """Replaces, in place, the submodules of ``model`` that remat has fused versions of (see
     remat.replacement), keeping their parameters, and returns a :class:`PatchReport`.
 
@@ -84,6 +85,19 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             under "balanced" and "memory" (under "speed" they keep every routed row's gate and up,
             and run untiled).
 
+        sequence_parallel: None (default), or a ``torch.distributed`` ProcessGroup of the ranks that
+            share one sequence (Ulysses; remat.sequence_parallel): each rank's model then takes
+            its contiguous shard of the sequence (``input_ids``, ``position_ids``, required, and for
+            the loss ``labels`` with ``shift_labels`` and ``num_items_in_batch`` of the whole batch,
+            as remat.sequence_parallel.shard_batch or DeepSpeed's UlyssesSPDataLoaderAdapter cut
+            them), and each attention sub-block exchanges heads for tokens with two all-to-alls.
+            Each rank's loss is its share of the whole sequence's, and the gradients of the
+            parameters, summed over the group (the data-parallel engine's job, as with DeepSpeed's
+            Ulysses), are the one-process gradients. Needs whole decoder layers for every layer of
+            the model, query heads divisible by the group size and KV heads divisible by it or
+            dividing it; not with ``policy="auto"`` yet (ValueError). Every fused layer keeps what
+            its policy keeps for its shard's tokens.
+
     All or nothing: when anything inside patch raises (the plan included), the model is left as it
     was and the exception propagates.
     """
@@ -93,6 +107,14 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     if offload and policy == "auto":
         raise ValueError("offload=True is not supported with policy='auto' yet: choose a policy")
     tile_tokens = checks.check_tile_tokens(tile_tokens) or None
+    group = None
+    if sequence_parallel is not None:
+        group = (sequence_parallel, check_group(sequence_parallel))
+        if policy == "auto":
+            raise ValueError("sequence_parallel is not supported with policy='auto' yet: choose a policy (and "
+                             "model.gradient_checkpointing_enable() or offload=True for less memory)")
+        if not set(registry.PART_KINDS) <= set(modules):
+            raise ValueError(f"sequence_parallel runs whole decoder layers: modules must include {registry.PART_KINDS}")
     if host_budget_bytes is not None and (policy != "auto" or seq_len is None):
         raise ValueError("host_budget_bytes is for policy='auto' with seq_len")
     if policy != "auto" and not (budget_bytes is None and budget_bytes_per_token is None and example_inputs is None
@@ -101,10 +123,15 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     if policy != "auto":
         check_policy(policy)
         finish = None
-        if offload or tile_tokens:
+        if offload or tile_tokens or group:
             def finish(report):
-                set_layer_options(model, report, offload=offload, tile_tokens=tile_tokens)
-        return replace_modules(model, policy, modules, backend, finish=finish)
+                set_layer_options(model, report, offload=offload, tile_tokens=tile_tokens, sequence_parallel=group)
+        report = replace_modules(model, policy, modules, backend, finish=finish)
+        if group and not report.replaced:  # finish never ran: nothing would split the attention
+            unpatch(model)
+            raise ValueError("sequence_parallel: remat fused no decoder layer of this model (see the warning), so "
+                             "nothing would run its attention over the group's shards")
+        return report
     check_patchable(model)
     if not set(registry.PART_KINDS) <= set(modules):
         raise ValueError(f"policy='auto' plans whole decoder layers: modules must include {registry.PART_KINDS}")

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from remat import sequence_parallel
 from remat.hf import (
     ATTENTION_IMPLEMENTATION,
     ModelForward,
@@ -88,6 +89,8 @@ MODULE_KINDS = (*registry.PART_KINDS, "loss")
 STOCK = "stock"
 _ORIGINAL = "_remat_original"
 _HOOK = "_remat_patched"
+# remat.patch(sequence_parallel=group): the model's forward requires position_ids.
+_SEQUENCE_PARALLEL = "_remat_sequence_parallel"
 _CONFIGS = "_remat_saved_configs"
 _CHECKPOINT_SETTER = "_set_gradient_checkpointing"
 _COUNTING = "_remat_counts_checkpointed_layers"
@@ -119,13 +122,21 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def set_layer_options(model, report, *, offload=False, tile_tokens=None, checkpointing=False, prefetch=True):
+def set_layer_options(model, report, *, offload=False, tile_tokens=None, checkpointing=False, prefetch=True,
+                      sequence_parallel=None):
     """Sets options on every fused decoder layer ``report`` names, in model order: the gated MLP's
     and attention sub-block's tile (``tile_tokens``, also the fused loss's), one shared HostOffload (``offload``; on
-    ``report.offload``; ``prefetch`` as HostOffload's) and whole-layer checkpointing
-    (``checkpointing``: the layer keeps its input, re-run in backward)."""
+    ``report.offload``; ``prefetch`` as HostOffload's), whole-layer checkpointing
+    (``checkpointing``: the layer keeps its input, re-run in backward) and sequence parallelism
+    (``sequence_parallel``: (process group, its size); ValueError when a layer's heads cannot be
+    split over the group or a Hugging Face layer of the model runs unfused)."""
     named = dict(model.named_modules())
     layers = [named[name] for name, _, _ in report.replaced if isinstance(named.get(name), PreNormDecoderLayer)]
+    if sequence_parallel is not None:
+        _check_sequence_parallel_layers(model, layers, sequence_parallel[1])
+        model.__dict__[_SEQUENCE_PARALLEL] = True  # its forward then requires position_ids (MaskCheckedForward)
+        for layer in layers:
+            layer.sequence_parallel = sequence_parallel
     if offload:
         report.offload = HostOffload(prefetch=prefetch)
     causal_lm.set_tile_tokens(model, tile_tokens)
@@ -274,6 +285,23 @@ class _ModuleState:
                     held.update(value)
             module.__dict__.clear()
             module.__dict__.update(attributes)
+
+
+def _check_sequence_parallel_layers(model, layers, size):
+    """Raises ValueError unless every Hugging Face layer of ``model`` runs fused (a stock layer
+    would attend within its rank's shard only) and each fused layer's heads split over ``size``
+    ranks (remat.sequence_parallel.check_heads)."""
+    base = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", None)
+    stock = sorted({name for name, module in model.named_modules() if base is not None and isinstance(module, base)})
+    if stock or not layers:
+        raise ValueError("sequence_parallel needs every decoder layer of the model fused (whole layers of a family "
+                         "remat knows, policy not 'stock'); these run stock: "
+                         f"{', '.join(stock[:4]) or 'all'}{' ...' if len(stock) > 4 else ''}")
+    for layer in layers:
+        attention = getattr(layer, "self_attn", layer)
+        num_heads = attention.num_heads
+        sequence_parallel.check_heads(num_heads, getattr(attention, "num_kv_heads", num_heads), size,
+                                      type(layer).__name__)
 
 
 def _unknown_layer_classes(model):
@@ -439,6 +467,11 @@ class MaskCheckedForward(ModelForward):
         patched = getattr(model, _HOOK, False)  # a pass-through once unpatched, if a later wrapper keeps calling it
         if patched:
             check_attention_mask(given.get("attention_mask"))
+            if model.__dict__.get(_SEQUENCE_PARALLEL) and given.get("position_ids") is None:
+                # Without them Hugging Face's model would place every shard at positions 0 .. n - 1.
+                raise ValueError("a model patched with sequence_parallel needs each shard's position_ids (its "
+                                 "tokens' places in the whole sequence; remat.sequence_parallel.shard_batch and "
+                                 "DeepSpeed's UlyssesSPDataLoaderAdapter provide them)")
         as_tuple = patched and _returns_tuple(model, given, kwargs)
         if as_tuple:
             # The output object, made a tuple here with stock's positions (remat.hf.output_tuple).
@@ -546,6 +579,7 @@ def unpatch(model):
     if not getattr(model, _HOOK, False):
         raise ValueError("model is not patched by remat.patch")
     delattr(model, _HOOK)
+    model.__dict__.pop(_SEQUENCE_PARALLEL, None)
     if model.__dict__.pop(_MASK_CHECK, False):
         if isinstance(model.__dict__.get("forward"), MaskCheckedForward):
             del model.forward

@@ -37,6 +37,9 @@ class SequenceLayout(NamedTuple):
     cu_seqlens: torch.Tensor | None
     max_seqlen: int | None
     empty: torch.Tensor | None = None
+    # Under sequence parallelism (remat.sequence_parallel): (process group, its size P); the
+    # attention then runs over the P ranks' shards, and cu_seqlens are offsets of the whole sequence.
+    sequence_parallel: tuple | None = None
 
 
 def sequence_layout(batch, n, attention_mask=None, position_ids=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
@@ -82,7 +85,7 @@ def sequence_layout(batch, n, attention_mask=None, position_ids=None, cu_seq_len
                             "packed rows (position_ids restarting) under torch.compile need Hugging Face's "
                             "cu_seq_lens_q/k arguments (DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
         return None
-    return _remembered(attention_mask, position_ids, batch, n, _padding_or_position_layout)
+    return _remembered(attention_mask, position_ids, batch, n, padding_or_position_layout)
 
 
 _LAST_LAYOUT = {}
@@ -111,7 +114,7 @@ def _position_restarts(position_ids, batch, n):
     return positions[:, 1:] != positions[:, :-1] + 1
 
 
-def _padding_or_position_layout(mask, position_ids, batch, n):
+def padding_or_position_layout(mask, position_ids, batch, n):
     if mask is not None:
         real = mask.to(torch.bool)
         if bool((real[:, 1:] & ~real[:, :-1]).any()):  # a pad before a real token: left padding, holes
@@ -201,6 +204,8 @@ def varlen_arguments(layout):
     if layout is None:
         return {}
     given = {} if layout.cu_seqlens is None else {"cu_seqlens": layout.cu_seqlens, "max_seqlen": layout.max_seqlen}
+    if layout.sequence_parallel is not None:
+        given["sequence_parallel"] = layout.sequence_parallel[0]
     return given if layout.empty is None else {**given, "empty_queries": layout.empty}
 
 

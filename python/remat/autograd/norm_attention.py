@@ -19,6 +19,13 @@ the N x M probabilities, a dropout mask.
 
 Packed sequences (cu_seqlens, B = 1): the same, plus the int32 offsets [S + 1]; lse is [Hq, T].
 
+Sequence parallelism (``options.sequence_parallel``, remat.sequence_parallel): x is this rank's
+shard of n tokens, and the same tensors are saved for those n tokens; lse is the core's,
+head-sharded (``[B, Hq / P, P n]``, or ``[Hq / P, T]`` packed: as many bytes). q and k are rotated
+with the shard's rope tables before the all-to-all that gives each rank every token of its heads
+(the rotated copies and everything an all-to-all makes are temporaries, never saved). Backward
+recomputes and re-scatters q, k, v, scatters o and the output gradient, and gathers dq, dk, dv back.
+
 LoRA adapters on q/k/v (remat.autograd.lora) add no per-token bytes: their branches are part of the
 kept (or recomputed) q, k, v, their rank-r intermediates are recomputed from the normalized input,
 and each adapter with dropout keeps only its 16-byte Philox (seed, offset).
@@ -37,6 +44,9 @@ from remat.autograd.common import (
     zero_empty_queries_,
 )
 from remat.autograd.norm import norm_backward, norm_forward
+from remat.ops.attention import dense_rope_tables
+from remat.ops.rope import rope_rotate
+from remat.sequence_parallel import gather_heads, gather_kv_grads, scatter_heads, scatter_kv_heads
 
 
 def _project(normed, weights, biases, shape, adapters):
@@ -91,6 +101,42 @@ def _attention_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, rng, options, ba
     return tuple(g[None] for g in grads)
 
 
+def _rope_on_shard(q, k, cos, sin, inverse=False):
+    """q [B, n, Hq, D] and k [B, n, Hkv, D] of a sequence shard rotated (or rotated back) with the
+    shard's per-token tables, as new tensors; q, k themselves without rope."""
+    if cos is None:
+        return q, k
+    cos32, sin32 = kernel_rope_tables(cos, sin, q.shape[-1])
+    cos32, sin32, batch_stride = dense_rope_tables(cos32, sin32)
+    return tuple(rope_rotate(t, cos32, sin32, table_batch_stride=batch_stride, inverse=inverse) for t in (q, k))
+
+
+def _sequence_parallel_fwd(q, k, v, cos, sin, cu_seqlens, options, backend):
+    """:func:`_attention_fwd` over the ranks of ``options.sequence_parallel``: q, k, v are this rank's
+    shard [B, n, heads, D]; returns o of the shard [B, n, Hq, D] and the core's head-sharded lse."""
+    group, size = options.sequence_parallel
+    q, k = _rope_on_shard(q, k, cos, sin)
+    q, k, v = scatter_heads(q, group, size), scatter_kv_heads(k, group, size), scatter_kv_heads(v, group, size)
+    o, lse = _attention_fwd(q, k, v, None, None, cu_seqlens, None, options, backend, False)
+    return gather_heads(o, group, size), lse
+
+
+def _sequence_parallel_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, options, backend):
+    """dq, dk, dv of the shard [B, n, heads, D] from :func:`_sequence_parallel_fwd`'s inputs (q, k
+    before rope), its o and lse: the forward's all-to-alls re-run, o and dout scattered too."""
+    group, size = options.sequence_parallel
+    num_kv_heads = k.shape[2]
+    q, k = _rope_on_shard(q, k, cos, sin)
+    q, k, v = scatter_heads(q, group, size), scatter_kv_heads(k, group, size), scatter_kv_heads(v, group, size)
+    dq, dk, dv = _attention_bwd(scatter_heads(dout, group, size), q, k, v, scatter_heads(o, group, size), lse, None,
+                                None, cu_seqlens, None, options, backend, False)
+    del q, k, v
+    dq = gather_heads(dq, group, size)
+    dk, dv = (gather_kv_grads(g, group, size, num_kv_heads) for g in (dk, dv))
+    dq, dk = _rope_on_shard(dq, dk, cos, sin, inverse=True)
+    return dq, dk, dv
+
+
 # The position of the first LoRA tensor among NormAttentionFunction.forward's inputs (after x, the
 # ten weights and biases, cos, sin, cu_seqlens, empty, options, backend, rotate_once and lora_layout).
 _FIRST_LORA_INPUT = 19
@@ -129,7 +175,10 @@ class NormAttentionFunction(torch.autograd.Function):
             k_in, _ = _head_norm(k, k_norm_weight, options)
         rng = attention_rng_state(backend, x.device) if attention.dropout_p > 0 else None
         ctx.rotate_once = rotate_once
-        o, lse = _attention_fwd(q_in, k_in, v, cos, sin, cu_seqlens, rng, options, backend, ctx.rotate_once)
+        if options.sequence_parallel is None:
+            o, lse = _attention_fwd(q_in, k_in, v, cos, sin, cu_seqlens, rng, options, backend, ctx.rotate_once)
+        else:
+            o, lse = _sequence_parallel_fwd(q_in, k_in, v, cos, sin, cu_seqlens, options, backend)
         zero_empty_queries_(o, empty)
         del q_in, k_in
         if not options.keep_qkv:
@@ -168,8 +217,11 @@ class NormAttentionFunction(torch.autograd.Function):
         dout = without_empty_queries(dout, empty)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv = _attention_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, rng, options, backend,
-                                    ctx.rotate_once)
+        if options.sequence_parallel is None:
+            dq, dk, dv = _attention_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, rng, options, backend,
+                                        ctx.rotate_once)
+        else:
+            dq, dk, dv = _sequence_parallel_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, options, backend)
         del q_in, k_in, v
         d_q_norm = d_k_norm = None
         if options.qk_norm is not None:

@@ -12,6 +12,7 @@ from remat.functional.lora import check_lora
 from remat.ops.attention import cpu_flash_attention
 from remat.ops.attention_core import choose_core
 from remat.options import AttentionOptions, NormAttentionOptions
+from remat.sequence_parallel import check_group, check_heads
 from remat.tiles import resolve_tile_tokens
 
 
@@ -183,7 +184,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
                    b_k=None, b_v=None, norm="rms", eps=None, qk_norm=None, q_norm_weight=None, k_norm_weight=None,
                    qk_eps=None, causal=True, scale=None, rope=None, window=None, softcap=None, dropout_p=0.0,
                    deterministic=None, keep_qkv=True, lora=None, backend=None, cu_seqlens=None, max_seqlen=None,
-                   empty_queries=None, tile_tokens=None):
+                   empty_queries=None, tile_tokens=None, sequence_parallel=None):
     """The pre-norm attention sub-block of a transformer layer in one fused Function: the norm, the
     q/k/v projections, rotary embedding and flash attention, up to the attention output (the
     output projection and residual add are the caller's).
@@ -237,6 +238,16 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
             causal attention without a sliding window, dense rows (no cu_seqlens) and no attention
             dropout (ValueError otherwise); with LoRA dropout, a multiple of 4. The results equal
             the untiled call's up to rounding (fp32 sums over tiles); what is saved is unchanged.
+        sequence_parallel: None (default), or a ``torch.distributed`` ProcessGroup of P ranks that
+            share one sequence (Ulysses; remat.sequence_parallel): x is this rank's shard, its n
+            tokens being ``[r n, (r + 1) n)`` of the whole sequence of P n tokens for rank r; every
+            rank calls with the same shapes and arguments. The rope tables are the shard's, per
+            token (``[1 or B, n, D/2|D]``, or ``[n, D/2|D]``); cu_seqlens and max_seqlen, if
+            given, describe the whole sequence (offsets from 0 to P n). Hq must be a multiple of
+            P, and Hkv a multiple of P or P a multiple of Hkv. Not with attention dropout,
+            empty_queries or tile_tokens (ValueError). Results equal one process running the
+            whole sequence (up to rounding); the backward's all-to-alls run inside this call's
+            backward, which every rank must run.
 
     Returns:
         o ``[B, N, Hq, D]`` in x's dtype (the autocast dtype under autocast); ``[1, T, Hq, D]``
@@ -246,7 +257,8 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     also q, k, v (16 bytes of RNG state with dropout; the caller's rope tables). The normalized
     input, the per-head normalized q/k and their statistics, rotated q/k and the probabilities are
     recomputed (remat.autograd.norm_attention). With cu_seqlens the offsets are saved too and lse
-    is ``[Hq, T]``.
+    is ``[Hq, T]``. Under sequence_parallel the same for the shard's tokens, lse head-sharded
+    (``[B, Hq / P, P n]`` or ``[Hq / P, T]``).
     """
     checks.check_hidden_states(x)
     checks.check_input(x)
@@ -273,13 +285,18 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     lora_layout, lora_tensors = check_lora(lora, (hidden,) * 3, (q_width, kv_width, kv_width), x, ("q", "k", "v"))
     if cu_seqlens is None and max_seqlen is not None:
         raise ValueError("max_seqlen needs cu_seqlens")
-    if cu_seqlens is None:
-        checks.check_rope(rope, batch, n, n, head_dim, x.device)
-    else:
+    ranks = _check_sequence_parallel(sequence_parallel, num_heads, num_kv_heads, dropout_p, empty_queries,
+                                     tile_tokens)
+    if cu_seqlens is None or ranks > 1:
+        checks.check_rope(rope, batch, n, n, head_dim, x.device)  # sequence parallel: the shard's tokens
+    if cu_seqlens is not None:
         if batch != 1:
             raise ValueError(f"with cu_seqlens, x must be one packed row [1, T, hidden], got shape {tuple(x.shape)}")
-        max_seqlen, _ = checks.check_varlen_offsets(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, n, n, x.device)
-        checks.check_varlen_rope(rope, n, max_seqlen, head_dim, x.device)
+        total = ranks * n  # offsets of the whole sequence under sequence parallelism
+        max_seqlen, _ = checks.check_varlen_offsets(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, total, total,
+                                                    x.device)
+        if ranks == 1:
+            checks.check_varlen_rope(rope, n, max_seqlen, head_dim, x.device)
     if not isinstance(keep_qkv, bool):
         raise TypeError("keep_qkv must be a bool")
     empty = checks.check_empty_queries(empty_queries, (batch, n), x.device)
@@ -295,14 +312,18 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     (_, *lora_tensors), _ = checks.autocast_cast(x, *lora_tensors)
     (x, *params), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v,
                                                       q_norm_weight, k_norm_weight)
-    sizes = (n if cu_seqlens is None else max_seqlen,) * 2 + (num_heads, num_kv_heads, head_dim)
+    # The core's call: under sequence parallelism every token of the group's shards, Hq / P query
+    # heads and their KV heads, rope rotated before (remat.autograd.norm_attention).
+    sizes = ((ranks * n if cu_seqlens is None else max_seqlen,) * 2
+             + (num_heads // ranks, max(num_kv_heads // ranks, 1), head_dim))
     recorded = _backward_can_follow(x, *params, cos, sin, *lora_tensors)
     core = choose_core(backend, x, batch, sizes, attention_options, varlen=cu_seqlens is not None,
-                       rope=cos is not None, backward_can_follow=recorded)
+                       rope=cos is not None and ranks == 1, backward_can_follow=recorded)
     # The PyTorch cores are attention only: the norm kernels then take the device's default backend.
     norm_name = default_backend(x.device) if core.name in ("aten", "cudnn") else core.name
     options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
-                                   core.options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen, tile or None)
+                                   core.options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen, tile or None,
+                                   None if ranks == 1 else (sequence_parallel, ranks))
     with autocast_off:
         return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, empty, options, core.name,
                                            core.rotate_once, lora_layout, *lora_tensors)
@@ -318,6 +339,23 @@ def attention_tile_unsupported_reason(options, packed):
     if options.dropout_p > 0:
         return "attention dropout is not tiled"
     return None
+
+
+def _check_sequence_parallel(group, num_heads, num_kv_heads, dropout_p, empty_queries, tile_tokens):
+    """The number of ranks P sharing the sequence (1 without ``group``), after checking what
+    sequence parallelism takes (ValueError / TypeError / RuntimeError before any collective)."""
+    if group is None:
+        return 1
+    ranks = check_group(group)
+    check_heads(num_heads, num_kv_heads, ranks, "this call")
+    if dropout_p:
+        raise ValueError("sequence_parallel does not take attention dropout (each rank would draw its heads' masks "
+                         "from its own generator)")
+    if empty_queries is not None:
+        raise ValueError("sequence_parallel does not take empty_queries (pads): pad the sequence's end instead")
+    if tile_tokens is not None:
+        raise ValueError("sequence_parallel does not tile the attention sub-block: tile_tokens must be None")
+    return ranks
 
 
 def _check_attention_tile(tile, options, cu_seqlens, lora_layout):

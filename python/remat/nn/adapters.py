@@ -173,6 +173,10 @@ def attend(q, k, v, layout, **options):
     sequences; its empty queries (pads) give 0)."""
     if layout is None:
         return functional.attention(q, k, v, **options)
+    if layout.sequence_parallel is not None:
+        raise ValueError("sequence_parallel runs the fused attention sub-block only: this layer has a projection of "
+                         "another linear type (quantized, DoRA, an nn.Linear subclass) that runs through its own "
+                         "forward; sequence parallelism does not cover that path")
     if layout.cu_seqlens is None:
         return functional.attention(q, k, v, empty_queries=layout.empty, **options)
     cu_seqlens, max_seqlen = layout.cu_seqlens, layout.max_seqlen

@@ -26,6 +26,7 @@ from remat.functional.attention import attention_tile_unsupported_reason
 from remat.hf import given_cache, refuse_static_cache, run_stock_layer
 from remat.offload import offload_scope
 from remat.options import AttentionOptions
+from remat.sequence_parallel import sequence_parallel_layout
 from remat.sequences import OFFSET_ARGUMENTS, pack_sequences, sequence_layout, unpack_sequences
 
 LAYER_POLICIES = ("speed", "balanced", "memory")
@@ -78,9 +79,15 @@ class PreNormDecoderLayer(nn.Module):
     Host offload: ``remat.patch(model, offload=True)`` sets ``_offload`` (a shared
     remat.offload.HostOffload) and ``_offload_index`` (the layer's place in forward order); the
     layer's forward then saves to host memory (see remat.offload).
+
+    Sequence parallelism: ``remat.patch(model, sequence_parallel=group)`` sets
+    ``sequence_parallel`` to (group, its size P); the layer then takes this rank's shard of the
+    sequence (with its ``position_ids``, required) and its attention runs over the group's shards
+    (remat.sequence_parallel).
     """
 
     _offload = None
+    sequence_parallel = None
     _offload_index = 0
     # remat.patch(tile_tokens=T): the gated MLP sub-block runs over tiles of T tokens (remat.norm_mlp),
     # and so does the attention sub-block where it can (attention_tile_arguments).
@@ -134,6 +141,8 @@ class PreNormDecoderLayer(nn.Module):
         left, right = checks.window_bounds(window, causal)
         reason = attention_tile_unsupported_reason(AttentionOptions(1.0, 0.0, left, right, float(dropout_p)),
                                                    layout is not None and layout.cu_seqlens is not None)
+        if layout is not None and layout.sequence_parallel is not None:
+            reason = "sequence parallelism does not tile it"
         if reason is None:
             return {"tile_tokens": self.tile_tokens}
         if reason not in _UNTILED_ATTENTION_WARNED:
@@ -193,7 +202,11 @@ class PreNormDecoderLayer(nn.Module):
         checks.check_hidden_states(x)
         checks.check_input(x)
         batch, n, hidden = x.shape
-        layout = sequence_layout(batch, n, attention_mask, position_ids, **{k: kwargs.get(k) for k in OFFSET_ARGUMENTS})
+        offsets = {k: kwargs.get(k) for k in OFFSET_ARGUMENTS}
+        if self.sequence_parallel is None:
+            layout = sequence_layout(batch, n, attention_mask, position_ids, **offsets)
+        else:  # the whole sequence's layout, gathered from the group's shards
+            layout = sequence_parallel_layout(batch, n, attention_mask, position_ids, *self.sequence_parallel, offsets)
         # With host offload (remat.patch(offload=True)) what the layer saves, its input alone under
         # checkpointing (saved outside the checkpointed function), goes to host memory.
         with offload_scope(self._offload, self._offload_index):

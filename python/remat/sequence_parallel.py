@@ -1,0 +1,223 @@
+"""Ulysses sequence parallelism for remat's fused decoder layers: ``remat.patch(model,
+sequence_parallel=group)``.
+
+The P ranks of ``group`` (a ``torch.distributed`` process group) share one sequence: each holds a
+contiguous shard of n = N / P tokens (``input_ids``, ``position_ids`` and ``shift_labels`` of its
+part, as :func:`shard_batch` or DeepSpeed's ``UlyssesSPDataLoaderAdapter`` cut them). Everything
+per token (embedding, norms, projections, rope, MLP, the fused loss) runs on the shard. Inside the
+attention sub-block (remat.autograd.norm_attention) an all-to-all over heads gives each rank the
+whole sequence for Hq / P query heads and their KV heads (:func:`scatter_heads`), the attention
+core runs on those, and a second all-to-all brings o back to the rank's tokens
+(:func:`gather_heads`). Backward runs the transposed collectives. With fewer KV heads than ranks
+(GQA), each KV head is replicated to the P / Hkv ranks whose query heads read it, and the
+gradients of the replicas are summed, as DeepSpeed's Ulysses does.
+
+What a rank keeps for backward is the single-GPU contract for its n tokens (the same bytes: lse is
+kept head-sharded, ``[B, Hq / P, N]``, which is as large as ``[B, Hq, n]``); nothing an all-to-all
+makes is kept. Backward re-runs the forward's all-to-alls on what it recomputes (q, k, v) and one
+more on o.
+
+The layout of the whole sequence (dense, or packed documents where positions restart) comes from
+the position_ids of all ranks, gathered once per model forward (:func:`sequence_parallel_layout`);
+the layout must be the same on every rank, so each rank reads every shard's positions.
+
+Not taken (clear errors before any collective): a padding mask with pads (pad the sequence's end
+instead: :func:`shard_batch`), Hugging Face's ``cu_seq_lens_q/k`` (pass restarting position_ids),
+packed documents in a batch of more than one row, attention dropout, the attention sub-block's
+query tiling (the MLP and loss still tile), layers remat does not fuse.
+"""
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from remat.sequences import SequenceLayout, padding_or_position_layout
+
+IGNORE_INDEX = -100
+
+
+def check_group(group):
+    """The size P of ``group`` after checking it: ``torch.distributed`` initialised and ``group`` a
+    ``ProcessGroup`` of which this process is a member. Raises RuntimeError / TypeError /
+    ValueError otherwise, before any collective is issued."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("sequence_parallel needs torch.distributed initialised (dist.init_process_group) on every "
+                           "rank of the group before remat.patch")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"sequence_parallel must be a torch.distributed ProcessGroup (dist.new_group(ranks) or "
+                        f"dist.group.WORLD), got {type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise ValueError("this process is not a member of the sequence_parallel group")
+    return dist.get_world_size(group)
+
+
+def check_heads(num_heads, num_kv_heads, size, where="the model"):
+    """Raises ValueError unless ``size`` ranks can split ``num_heads`` query heads evenly and the
+    ``num_kv_heads`` KV heads evenly or by replication (``size`` a multiple of ``num_kv_heads``)."""
+    if num_heads % size:
+        raise ValueError(f"sequence_parallel over {size} ranks needs the query heads of {where} ({num_heads}) to be a "
+                         f"multiple of {size}")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"sequence_parallel over {size} ranks needs the KV heads of {where} ({num_kv_heads}) to be "
+                         f"a multiple of {size}, or {size} a multiple of them (each KV head then replicated)")
+
+
+def kv_replicas(num_kv_heads, size):
+    """How many ranks share each KV head: ``size / num_kv_heads`` when there are fewer KV heads than
+    ranks, else 1."""
+    return size // num_kv_heads if num_kv_heads < size else 1
+
+
+def scatter_heads(t, group, size):
+    """One all-to-all: ``t`` ``[B, n, H, D]`` (this rank's n tokens, every head) -> ``[B, P n, H / P,
+    D]`` (every rank's tokens in rank order, this rank's group of H / P heads), a new contiguous
+    tensor."""
+    batch, n, heads, head_dim = t.shape
+    send = t.reshape(batch, n, size, heads // size, head_dim).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    # received[s]: rank s's tokens for this rank's heads.
+    # (A reshape of the permutation is a strided view when B = 1 or one head per rank: made contiguous.)
+    return received.permute(1, 0, 2, 3, 4).reshape(batch, size * n, heads // size, head_dim).contiguous()
+
+
+def gather_heads(t, group, size):
+    """The inverse of :func:`scatter_heads`, one all-to-all: ``t`` ``[B, P n, h, D]`` (every token,
+    this rank's h heads) -> ``[B, n, P h, D]`` (this rank's tokens, every head)."""
+    batch, total, heads, head_dim = t.shape
+    n = total // size
+    send = t.reshape(batch, size, n, heads, head_dim).permute(1, 0, 2, 3, 4).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    # received[s]: this rank's tokens for rank s's heads.
+    # Contiguous, so that o and the output projection's input (its view) share one storage.
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, n, size * heads, head_dim).contiguous()
+
+
+def scatter_kv_heads(t, group, size):
+    """:func:`scatter_heads` for k or v ``[B, n, Hkv, D]``, each KV head first replicated to the
+    ``size / Hkv`` ranks that read it when Hkv < size: ``[B, P n, max(Hkv / P, 1), D]``."""
+    replicas = kv_replicas(t.shape[2], size)
+    if replicas > 1:
+        t = t.repeat_interleave(replicas, dim=2)
+    return scatter_heads(t, group, size)
+
+
+def gather_kv_grads(t, group, size, num_kv_heads):
+    """The gradient of :func:`scatter_kv_heads`: ``t`` ``[B, P n, h, D]`` -> ``[B, n, Hkv, D]``, the
+    replicas' gradients summed (fp32 sum, rounded once)."""
+    gathered = gather_heads(t, group, size)
+    replicas = kv_replicas(num_kv_heads, size)
+    if replicas == 1:
+        return gathered
+    batch, n, _, head_dim = gathered.shape
+    grouped = gathered.view(batch, n, num_kv_heads, replicas, head_dim)
+    return grouped.sum(3, dtype=torch.float32).to(t.dtype)
+
+
+def _gather_positions(position_ids, group, size):
+    """Every rank's position_ids ``[B or 1, n]``, concatenated in rank order: ``[B or 1, P n]``.
+    The shapes are compared first (one small all_gather), so that shards of different shapes raise
+    ValueError on every rank instead of hanging in the second gather."""
+    shape = torch.tensor(position_ids.shape, dtype=torch.int64, device=position_ids.device)
+    shapes = [torch.empty_like(shape) for _ in range(size)]
+    dist.all_gather(shapes, shape, group=group)
+    if any(not torch.equal(s, shapes[0]) for s in shapes):
+        raise ValueError(f"sequence_parallel: the ranks' position_ids differ in shape "
+                         f"({[tuple(s.tolist()) for s in shapes]}); every rank needs a shard of the same length "
+                         "(shard_batch pads the sequence's end to a multiple of the group size)")
+    parts = [torch.empty_like(position_ids) for _ in range(size)]
+    dist.all_gather(parts, position_ids.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def sequence_parallel_layout(batch, n, attention_mask, position_ids, group, size, offsets):
+    """The layout of the whole sequence for a rank's shard ``[B, n]``, the same on every rank: a
+    :class:`remat.sequences.SequenceLayout` with ``sequence_parallel`` set to ``(group, P)`` and,
+    where the positions restart (packed documents, B = 1), the offsets of the P n tokens. Gathers
+    every rank's position_ids (two all_gathers; the result is reused while the same position_ids
+    tensor comes back, as it does layer after layer). Raises ValueError for what sequence
+    parallelism does not take (module docstring), before any collective."""
+    if any(v is not None for v in offsets.values()):
+        raise ValueError("sequence_parallel does not take cu_seq_lens_q/k: pass each shard's position_ids, "
+                         "restarting at 0 where a packed document starts")
+    if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
+        raise ValueError("sequence_parallel does not take a padding mask with pads: pad the sequence's end "
+                         "(remat.sequence_parallel.shard_batch does, labels -100) or pack documents with "
+                         "restarting position_ids")
+    if position_ids is None:
+        raise ValueError("sequence_parallel needs each shard's position_ids (its tokens' places in the whole "
+                         "sequence; remat.sequence_parallel.shard_batch and DeepSpeed's UlyssesSPDataLoaderAdapter "
+                         "provide them): without them every shard would start at position 0")
+    key = (id(position_ids), position_ids._version, id(group), batch, n)
+    last = _LAST.get("entry")
+    if last is not None and last[0] == key and last[1]() is position_ids:
+        return last[2]
+    positions = _gather_positions(position_ids, group, size)
+    whole = padding_or_position_layout(None, positions, batch, size * n)
+    if whole is not None and whole.cu_seqlens is not None and batch != 1:
+        raise ValueError("sequence_parallel with packed documents (restarting position_ids) takes one row "
+                         f"(B = 1), got B = {batch}")
+    cu_seqlens, max_seqlen = (None, None) if whole is None else (whole.cu_seqlens, whole.max_seqlen)
+    layout = SequenceLayout(None, cu_seqlens, max_seqlen, None, (group, size))
+    _LAST["entry"] = (key, weakref.ref(position_ids), layout)
+    return layout
+
+
+_LAST = {}
+
+
+def shard_batch(batch, group, *, pad_token_id=0):
+    """This rank's shard of a batch of whole sequences, as a new dict: the batch's ``[B, N]`` tensors
+    cut to tokens ``[r n, (r + 1) n)`` of rank r = ``dist.get_rank(group)``, n = N / P, with
+    ``shift_labels`` (labels shifted left by one, -100 last, computed before cutting so that a
+    shard's last token predicts the next shard's first) and ``num_items_in_batch`` (labelled tokens
+    of the whole batch) added: pass the result to a patched causal LM as keyword arguments. Each
+    rank's loss is then its share of the whole batch's mean, and the losses sum to it.
+
+    Args:
+        batch: a dict with ``input_ids`` ``[B, N]``, ``labels`` ``[B, N]`` (optional: without them
+            no shift_labels / num_items_in_batch) and ``position_ids`` ``[B, N]`` (optional:
+            default 0 .. N - 1; restarting positions mark packed documents). Other ``[B, N]``
+            tensors are cut too; anything else is copied. ``attention_mask`` raises ValueError
+            (sequence parallelism takes no pads but at the end, added here).
+        group: the sequence-parallel process group.
+        pad_token_id: when N is not a multiple of P, the sequence's end is padded to the next
+            multiple with this token, positions continuing and labels -100 (under causal
+            attention no real token sees them, and they carry no loss).
+
+    Returns: the dict of the shard; ``labels`` keep the shard's own labels (a causal LM computes a
+    loss only when they are given; ``shift_labels`` replaces their shift).
+    """
+    size = check_group(group)
+    rank = dist.get_rank(group)
+    if "attention_mask" in batch:
+        raise ValueError("shard_batch takes no attention_mask: pack documents with restarting position_ids, or pad "
+                         "only at the end (done here)")
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, N], got shape {tuple(ids.shape)}")
+    rows, length = ids.shape
+    whole = dict(batch)
+    whole.setdefault("position_ids", torch.arange(length, device=ids.device).expand(rows, length))
+    pad = -length % size
+    if pad:
+        fills = {"input_ids": pad_token_id, "labels": IGNORE_INDEX}
+        for name, value in list(whole.items()):
+            if torch.is_tensor(value) and value.shape[:2] == (rows, length):
+                if name == "position_ids":
+                    steps = torch.arange(1, pad + 1, device=value.device)
+                    extra = value[:, -1:] + steps
+                else:
+                    extra = value.new_full((rows, pad, *value.shape[2:]), fills.get(name, 0))
+                whole[name] = torch.cat([value, extra], dim=1)
+        length += pad
+    if "labels" in whole:
+        labels = whole["labels"]
+        whole["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        whole["num_items_in_batch"] = (whole["shift_labels"] != IGNORE_INDEX).sum()
+    n = length // size
+    return {name: value[:, rank * n:(rank + 1) * n].contiguous()
+            if torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (rows, length) else value
+            for name, value in whole.items()}

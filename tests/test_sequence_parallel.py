@@ -1,0 +1,247 @@
+"""Ulysses sequence parallelism (remat.patch(sequence_parallel=group)) on gloo with 2 and 4 CPU
+processes: a tiny Llama (GQA: 2 KV heads, so 4 ranks replicate them), Qwen3 (per-head q/k norms)
+and Qwen3-MoE, every policy, dense and packed rows, and with Hugging Face gradient checkpointing,
+host offload and MLP tiling: each rank runs its shard (remat.sequence_parallel.shard_batch), and
+the ranks' losses summed and gradients all-reduced equal the stock model's on the whole batch in one
+process. Each rank keeps the bytes one process keeps for a batch of the shard's length. Bad input
+raises before any collective."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import remat
+from remat.memory import saved_bytes
+from remat.sequence_parallel import shard_batch
+
+transformers = pytest.importorskip("transformers")
+
+LENGTH, VOCAB = 24, 64
+# Packed rows: documents of 5, 11 and 8 tokens (positions restart at 0), the middle one spanning
+# ranks at either group size.
+PACKED_POSITIONS = torch.cat([torch.arange(5), torch.arange(11), torch.arange(8)])[None]
+
+
+def _model(family, **overrides):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, use_cache=False, attn_implementation="eager")
+    common.update(overrides)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=80, **common))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(intermediate_size=80, head_dim=8, **common))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            intermediate_size=80, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, head_dim=8,
+            **common))
+    with torch.no_grad():  # norms away from 1, so that a wrong norm weight gradient shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)
+    return model
+
+
+def _batch(layout):
+    """Two rows of LENGTH tokens ("dense"; "odd": LENGTH - 1, which shard_batch pads to a multiple of
+    the group), or one packed row ("packed")."""
+    g = torch.Generator().manual_seed(3)
+    rows = 1 if layout == "packed" else 2
+    ids = torch.randint(0, VOCAB, (rows, LENGTH - (layout == "odd")), generator=g)
+    labels = ids.clone()
+    labels[:, 3] = -100  # an ignored label, so num_items_in_batch differs from the token count
+    batch = {"input_ids": ids, "labels": labels}
+    if layout == "packed":
+        batch["position_ids"] = PACKED_POSITIONS
+    return batch
+
+
+CASES = [(family, policy, layout, None)
+         for family in ("llama", "qwen3", "qwen3_moe") for policy in ("speed", "balanced", "memory")
+         for layout in ("dense", "packed")]
+CASES += [("llama", "balanced", "dense", "checkpointing"), ("llama", "memory", "packed", "offload"),
+          ("qwen3", "speed", "dense", "tile"), ("llama", "balanced", "odd", None)]
+
+
+def _one_process(family, layout):
+    """Loss and gradients of the stock model on the whole batch in one process (Hugging Face's
+    own attention, which splits packed rows by their restarting positions)."""
+    model = _model(family)
+    batch = _batch(layout)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _sharded(family, policy, layout, extra, group):
+    model = _model(family)
+    options = {"offload": True} if extra == "offload" else {"tile_tokens": 4} if extra == "tile" else {}
+    remat.patch(model, policy=policy, sequence_parallel=group, **options)
+    if extra == "checkpointing":
+        model.gradient_checkpointing_enable()
+    shard = shard_batch(_batch(layout), group)
+    loss = model(**shard).loss
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    for g in grads.values():  # what the data-parallel engine does over the sequence group
+        dist.all_reduce(g, group=group)
+    dist.all_reduce(loss.detach(), group=group)
+    return loss.detach(), grads, model
+
+
+def _saved_bytes(model, shard):
+    return saved_bytes(lambda: model(**shard).loss)
+
+
+def _functional_errors(rank, world, group, num_heads, num_kv_heads, packed, keep_qkv):
+    """remat.norm_attention on this rank's shard with sequence_parallel against the whole sequence
+    in one call: (largest output error, largest gradient error), the weight gradients summed over
+    the group. Odd sizes: hidden 20, head dim 6, two documents of 5 and 7 tokens per 12."""
+    torch.manual_seed(0)
+    rows, length, hidden, head_dim = (1 if packed else 2), 12, 20, 6
+    x = torch.randn(rows, length, hidden)
+    weights = [torch.randn(hidden) + 1] + [torch.randn(h * head_dim, hidden) * 0.3
+                                           for h in (num_heads, num_kv_heads, num_kv_heads)]
+    for w in weights:
+        w.requires_grad_(True)
+    positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]) if packed else torch.arange(length)
+    angles = positions[None, :, None] / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)
+    cos, sin = angles.cos(), angles.sin()
+    options = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, keep_qkv=keep_qkv, backend="cpp")
+    if packed:
+        options["cu_seqlens"] = torch.tensor([0, 5, 12], dtype=torch.int32)
+    whole_x = x.clone().requires_grad_(True)
+    o = remat.norm_attention(whole_x, *weights, rope=(cos, sin), **options)
+    grad = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+    expected = torch.autograd.grad(o, [whole_x, *weights], grad)
+    n = length // world
+    part = slice(rank * n, (rank + 1) * n)
+    shard = x[:, part].clone().requires_grad_(True)
+    o_shard = remat.norm_attention(shard, *weights, rope=(cos[:, part], sin[:, part]), sequence_parallel=group,
+                                   **options)
+    grads = torch.autograd.grad(o_shard, [shard, *weights], grad[:, part].contiguous())
+    for g in grads[1:]:
+        dist.all_reduce(g, group=group)
+    errors = [float((grads[0] - expected[0][:, part]).abs().max())]
+    errors += [float((g - e).abs().max()) for g, e in zip(grads[1:], expected[1:], strict=True)]
+    return float((o_shard - o[:, part]).abs().max()), max(errors)
+
+
+def _refusals(rank, group):
+    """What each bad input raises on this rank (every rank must raise, none may hang)."""
+    model = _model("llama")
+    remat.patch(model, policy="memory", sequence_parallel=group)
+    shard = shard_batch(_batch("dense"), group)
+    calls = {
+        "no positions": dict(input_ids=shard["input_ids"]),
+        "pads": dict(shard, attention_mask=torch.ones_like(shard["input_ids"]).index_fill_(1, torch.tensor([0]), 0)),
+        "offsets": dict(input_ids=shard["input_ids"][:1], position_ids=shard["position_ids"][:1],
+                        cu_seq_lens_q=torch.tensor([0, 12], dtype=torch.int32),
+                        cu_seq_lens_k=torch.tensor([0, 12], dtype=torch.int32)),
+        # Shards of different lengths: rank 1 drops a token.
+        "unequal shards": dict(input_ids=shard["input_ids"][:, :12 - rank],
+                               position_ids=shard["position_ids"][:, :12 - rank]),
+    }
+    messages = {}
+    for name, arguments in calls.items():
+        try:
+            model(**arguments)
+        except ValueError as error:
+            messages[name] = str(error)
+    three_heads = _model("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=3)  # not split over 2
+    try:
+        remat.patch(three_heads, policy="memory", sequence_parallel=group)
+    except ValueError as error:
+        messages["heads"] = str(error)
+    return messages
+
+
+def _worker(rank, world, port, out_path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    try:
+        results = {}
+        for case in CASES:
+            expected_loss, expected_grads = _one_process(case[0], case[2])
+            loss, grads, model = _sharded(*case, group)
+            errors = {"loss": float((loss - expected_loss).abs()), "missing": sorted(set(expected_grads) - set(grads))}
+            errors["grads"] = max(float(((grads[name] - g).abs() / (g.abs() + 1e-3)).max()) for name, g in
+                                  expected_grads.items() if name in grads)
+            errors["grad_abs"] = max(float((grads[name] - g).abs().max()) for name, g in expected_grads.items()
+                                     if name in grads)
+            if case[2] == "dense" and case[3] is None:
+                # The bytes a rank keeps against one process running a batch of the shard's length.
+                shard = shard_batch(_batch("dense"), group)
+                single = _model(case[0])
+                remat.patch(single, policy=case[1])
+                # The same shapes at positions 0 .. n - 1 (the rope tables, kept once, are [B, n, D]).
+                local = dict(shard, position_ids=shard["position_ids"] - shard["position_ids"][:, :1])
+                errors["saved"] = (_saved_bytes(model, shard), _saved_bytes(single, local))
+            results[case] = errors
+        functional_cases = [(4, 4, True, True), (4, 2, False, False)] if world == 2 else [(8, 1, True, False),
+                                                                                           (4, 2, False, True)]
+        results["functional"] = {case: _functional_errors(rank, world, group, *case) for case in functional_cases}
+        if world == 2:
+            results["refusals"] = _refusals(rank, group)
+        torch.save(results, f"{out_path}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shards_equal_one_process(world, tmp_path):
+    out_path = str(tmp_path / "sp")
+    mp.spawn(_worker, args=(world, _free_port(), out_path), nprocs=world, join=True)
+    for rank in range(world):
+        results = torch.load(f"{out_path}.{rank}")
+        refusals = results.pop("refusals", None)
+        for case, (output_error, grad_error) in results.pop("functional").items():
+            assert output_error < 1e-5 and grad_error < 1e-4, (case, output_error, grad_error)
+        if world == 2:
+            assert "needs each shard's position_ids" in refusals["no positions"]
+            assert "padding mask with pads" in refusals["pads"]
+            assert "does not take cu_seq_lens_q/k" in refusals["offsets"]
+            assert "position_ids differ in shape" in refusals["unequal shards"]
+            assert "query heads of" in refusals["heads"] and "(3)" in refusals["heads"]
+        assert set(results) == set(CASES)
+        for case, errors in results.items():
+            assert errors["missing"] == [], (case, errors)
+            assert errors["loss"] < 1e-5, (case, errors)
+            assert errors["grad_abs"] < 1e-5 or errors["grads"] < 1e-4, (case, errors)
+            if "saved" in errors:
+                sharded, single = errors["saved"]
+                assert sharded == single > 0, (case, rank, sharded, single)
+
+
+def test_refused_without_torch_distributed():
+    """No process group initialised: patch raises before anything is replaced or any collective."""
+    assert not dist.is_initialized()
+    model = _model("llama")
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
+        remat.patch(model, sequence_parallel=object())
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"
+
+
+def test_heads_rule():
+    from remat.sequence_parallel import check_heads, kv_replicas
+
+    check_heads(32, 8, 8)
+    check_heads(32, 2, 8)  # each KV head replicated to 4 ranks
+    assert kv_replicas(2, 8) == 4 and kv_replicas(8, 8) == 1 and kv_replicas(16, 8) == 1
+    with pytest.raises(ValueError, match="query heads"):
+        check_heads(12, 4, 8)
+    with pytest.raises(ValueError, match="KV heads"):
+        check_heads(24, 3, 8)
