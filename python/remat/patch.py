@@ -21,7 +21,7 @@ from remat.replacement import (
     set_layer_options,
     unpatch,
 )
-from remat.sequence_parallel import check_group
+from remat.sequence_parallel import SequenceGroup
 
 __all__ = ["MODULE_KINDS", "STOCK", "PatchReport", "patch", "unpatch"]
 
@@ -85,8 +85,11 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             under "balanced" and "memory" (under "speed" they keep every routed row's gate and up,
             and run untiled).
 
-        sequence_parallel: None (default), or a ``torch.distributed`` ProcessGroup of the ranks that
-            share one sequence (Ulysses; remat.sequence_parallel): each rank's model then takes
+        sequence_parallel: None (default), a ``torch.distributed`` ProcessGroup of the ranks that
+            share one sequence (Ulysses; remat.sequence_parallel), or ``"deepspeed"``: DeepSpeed's
+            sequence-parallel group, found at the first forward (HF Accelerate's
+            ``ParallelismConfig(sp_backend="deepspeed")`` creates it in ``prepare``, after
+            patching; remat.sequence_parallel.SequenceGroup). Each rank's model then takes
             its contiguous shard of the sequence (``input_ids``, ``position_ids``, required, and for
             the loss ``labels`` with ``shift_labels`` and ``num_items_in_batch`` of the whole batch,
             as remat.sequence_parallel.shard_batch or DeepSpeed's UlyssesSPDataLoaderAdapter cut
@@ -109,7 +112,7 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     tile_tokens = checks.check_tile_tokens(tile_tokens) or None
     group = None
     if sequence_parallel is not None:
-        group = (sequence_parallel, check_group(sequence_parallel))
+        group = SequenceGroup(sequence_parallel)
         if policy == "auto":
             raise ValueError("sequence_parallel is not supported with policy='auto' yet: choose a policy (and "
                              "model.gradient_checkpointing_enable() or offload=True for less memory)")

@@ -128,12 +128,12 @@ def set_layer_options(model, report, *, offload=False, tile_tokens=None, checkpo
     and attention sub-block's tile (``tile_tokens``, also the fused loss's), one shared HostOffload (``offload``; on
     ``report.offload``; ``prefetch`` as HostOffload's), whole-layer checkpointing
     (``checkpointing``: the layer keeps its input, re-run in backward) and sequence parallelism
-    (``sequence_parallel``: (process group, its size); ValueError when a layer's heads cannot be
-    split over the group or a Hugging Face layer of the model runs unfused)."""
+    (``sequence_parallel``: a remat.sequence_parallel.SequenceGroup; ValueError when a Hugging Face
+    layer of the model runs unfused, or a layer's heads cannot be split over a group given now)."""
     named = dict(model.named_modules())
     layers = [named[name] for name, _, _ in report.replaced if isinstance(named.get(name), PreNormDecoderLayer)]
     if sequence_parallel is not None:
-        _check_sequence_parallel_layers(model, layers, sequence_parallel[1])
+        _check_sequence_parallel_layers(model, layers, sequence_parallel)
         model.__dict__[_SEQUENCE_PARALLEL] = True  # its forward then requires position_ids (MaskCheckedForward)
         for layer in layers:
             layer.sequence_parallel = sequence_parallel
@@ -287,16 +287,20 @@ class _ModuleState:
             module.__dict__.update(attributes)
 
 
-def _check_sequence_parallel_layers(model, layers, size):
+def _check_sequence_parallel_layers(model, layers, source):
     """Raises ValueError unless every Hugging Face layer of ``model`` runs fused (a stock layer
-    would attend within its rank's shard only) and each fused layer's heads split over ``size``
-    ranks (remat.sequence_parallel.check_heads)."""
+    would attend within its rank's shard only) and, for a group given now (``source``, a
+    remat.sequence_parallel.SequenceGroup), each fused layer's heads split over its ranks
+    (remat.sequence_parallel.check_heads; DeepSpeed's group is checked at the first forward)."""
     base = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", None)
     stock = sorted({name for name, module in model.named_modules() if base is not None and isinstance(module, base)})
     if stock or not layers:
         raise ValueError("sequence_parallel needs every decoder layer of the model fused (whole layers of a family "
                          "remat knows, policy not 'stock'); these run stock: "
                          f"{', '.join(stock[:4]) or 'all'}{' ...' if len(stock) > 4 else ''}")
+    if source.group is None:
+        return
+    size = sequence_parallel.check_group(source.group)
     for layer in layers:
         attention = getattr(layer, "self_attn", layer)
         num_heads = attention.num_heads

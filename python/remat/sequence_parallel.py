@@ -52,6 +52,41 @@ def check_group(group):
     return dist.get_world_size(group)
 
 
+class SequenceGroup:
+    """Where the fused layers of a model patched with ``sequence_parallel`` find their group:
+    the ProcessGroup given to remat.patch, or with ``"deepspeed"`` DeepSpeed's sequence-parallel
+    group (``deepspeed.runtime.sequence_parallel.parallel_state_sp``, which DeepSpeed's
+    ``UlyssesSPAttentionHF.register_with_transformers`` creates, as HF Accelerate's
+    ``ParallelismConfig(sp_backend="deepspeed")`` and the Trainer do inside ``prepare``, after the
+    model was built and patched), looked up at the first forward. :meth:`resolve` returns
+    (group, size)."""
+
+    def __init__(self, source):
+        if source == "deepspeed":
+            import importlib.util
+
+            if importlib.util.find_spec("deepspeed") is None:
+                raise ImportError("sequence_parallel='deepspeed' needs DeepSpeed installed")
+            self.group = None
+        else:
+            self.group = source
+            check_group(source)
+        self.source = source
+
+    def resolve(self):
+        """(process group, its size P), checked (:func:`check_group`)."""
+        group = self.group
+        if group is None:
+            from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+            group = parallel_state_sp._SEQUENCE_PARALLEL_GROUP
+            if group is None:
+                raise RuntimeError("sequence_parallel='deepspeed': DeepSpeed's sequence-parallel group is not "
+                                   "initialised yet (UlyssesSPAttentionHF.register_with_transformers creates it; HF "
+                                   "Accelerate does inside prepare with ParallelismConfig(sp_backend='deepspeed'))")
+        return group, check_group(group)
+
+
 def check_heads(num_heads, num_kv_heads, size, where="the model"):
     """Raises ValueError unless ``size`` ranks can split ``num_heads`` query heads evenly and the
     ``num_kv_heads`` KV heads evenly or by replication (``size`` a multiple of ``num_kv_heads``)."""
@@ -132,9 +167,10 @@ def _gather_positions(position_ids, group, size):
     return torch.cat(parts, dim=-1)
 
 
-def sequence_parallel_layout(batch, n, attention_mask, position_ids, group, size, offsets):
+def sequence_parallel_layout(batch, n, attention_mask, position_ids, source, offsets):
     """The layout of the whole sequence for a rank's shard ``[B, n]``, the same on every rank: a
-    :class:`remat.sequences.SequenceLayout` with ``sequence_parallel`` set to ``(group, P)`` and,
+    :class:`remat.sequences.SequenceLayout` with ``sequence_parallel`` set to ``(group, P)`` (from
+    ``source``, a :class:`SequenceGroup`) and,
     where the positions restart (packed documents, B = 1), the offsets of the P n tokens. Gathers
     every rank's position_ids (two all_gathers; the result is reused while the same position_ids
     tensor comes back, as it does layer after layer). Raises ValueError for what sequence
@@ -150,6 +186,7 @@ def sequence_parallel_layout(batch, n, attention_mask, position_ids, group, size
         raise ValueError("sequence_parallel needs each shard's position_ids (its tokens' places in the whole "
                          "sequence; remat.sequence_parallel.shard_batch and DeepSpeed's UlyssesSPDataLoaderAdapter "
                          "provide them): without them every shard would start at position 0")
+    group, size = source.resolve()
     key = (id(position_ids), position_ids._version, id(group), batch, n)
     last = _LAST.get("entry")
     if last is not None and last[0] == key and last[1]() is position_ids:

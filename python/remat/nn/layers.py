@@ -81,7 +81,7 @@ class PreNormDecoderLayer(nn.Module):
     layer's forward then saves to host memory (see remat.offload).
 
     Sequence parallelism: ``remat.patch(model, sequence_parallel=group)`` sets
-    ``sequence_parallel`` to (group, its size P); the layer then takes this rank's shard of the
+    ``sequence_parallel`` (a remat.sequence_parallel.SequenceGroup); the layer then takes this rank's shard of the
     sequence (with its ``position_ids``, required) and its attention runs over the group's shards
     (remat.sequence_parallel).
     """
@@ -206,7 +206,7 @@ class PreNormDecoderLayer(nn.Module):
         if self.sequence_parallel is None:
             layout = sequence_layout(batch, n, attention_mask, position_ids, **offsets)
         else:  # the whole sequence's layout, gathered from the group's shards
-            layout = sequence_parallel_layout(batch, n, attention_mask, position_ids, *self.sequence_parallel, offsets)
+            layout = sequence_parallel_layout(batch, n, attention_mask, position_ids, self.sequence_parallel, offsets)
         # With host offload (remat.patch(offload=True)) what the layer saves, its input alone under
         # checkpointing (saved outside the checkpointed function), goes to host memory.
         with offload_scope(self._offload, self._offload_index):
