@@ -5,7 +5,9 @@ transformers' ``deepspeed_sp_compute_loss``, the Trainer's loss under sequence p
 CPU processes (gloo), in the order HF Accelerate runs them: DeepSpeed's registration first (inside
 ``prepare``), then ``remat.patch(model, sequence_parallel="deepspeed")``. Its losses and parameters
 after two steps equal the stock model's trained by the same stack with DeepSpeed's own Ulysses
-attention wrapper."""
+attention wrapper. The same through the Trainer with HF Accelerate's
+``ParallelismConfig(sp_backend="deepspeed")``, the model patched by remat.patch_callback when
+training begins."""
 
 import os
 import socket
@@ -105,4 +107,59 @@ def test_patched_model_trains_like_stock_under_deepspeed_ulysses(tmp_path):
         torch.testing.assert_close(torch.stack(patched["losses"]), torch.stack(stock["losses"]), rtol=1e-5, atol=1e-6)
         for name, p in stock["state"].items():
             assert not torch.equal(p, initial[name]), f"{name} did not train"
+            torch.testing.assert_close(patched["state"][name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _Sequences(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return _sample(index)
+
+
+def _trainer_worker(rank, port, patched, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.ops
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")  # Accelerate on the CPU leaves it to the launcher
+    try:
+        handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+        parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=WORLD, sp_handler=handler)
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+        args = transformers.TrainingArguments(
+            output_dir=out_path + f".out{rank}", per_device_train_batch_size=1, max_steps=2, learning_rate=0.5,
+            lr_scheduler_type="constant", optim="sgd", report_to=[], save_strategy="no", use_cpu=True,
+            deepspeed=config, parallelism_config=parallelism, logging_steps=1, seed=0, disable_tqdm=True)
+        model = _model()
+        callbacks = [remat.patch_callback(policy="memory", sequence_parallel="deepspeed")] if patched else []
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_Sequences(), callbacks=callbacks)
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        torch.save({"losses": losses, "layer": type(model.model.layers[0]).__name__,
+                    "state": {k: p.detach().clone() for k, p in model.named_parameters()}}, f"{out_path}.{rank}")
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+    os._exit(0)
+
+
+def test_patched_model_trains_like_stock_in_the_trainer_with_accelerate_sequence_parallelism(tmp_path):
+    runs = {}
+    for patched in (True, False):
+        out_path = str(tmp_path / f"trainer{int(patched)}")
+        mp.spawn(_trainer_worker, args=(_free_port(), patched, out_path), nprocs=WORLD, join=True)
+        runs[patched] = [torch.load(f"{out_path}.{rank}") for rank in range(WORLD)]
+    for patched, stock in zip(runs[True], runs[False], strict=True):
+        assert patched["layer"] == "HFLlamaLayer" and stock["layer"] == "LlamaDecoderLayer"
+        assert len(patched["losses"]) == 2
+        torch.testing.assert_close(patched["losses"], stock["losses"], rtol=1e-5, atol=1e-6)
+        for name, p in stock["state"].items():
             torch.testing.assert_close(patched["state"][name], p, rtol=1e-4, atol=1e-5, msg=name)

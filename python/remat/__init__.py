@@ -24,6 +24,7 @@ from remat.functional import (
 from remat.info import info
 from remat.model_plan import ModelPlan, plan_model
 from remat.patch import PatchReport, patch, unpatch
+from remat.trainer_callback import patch_callback
 
 __all__ = [
     "BACKENDS",
@@ -51,6 +52,7 @@ __all__ = [
     "nn",
     "norm_mlp",
     "patch",
+    "patch_callback",
     "plan",
     "plan_model",
     "rms_norm",
