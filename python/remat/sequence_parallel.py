@@ -35,6 +35,9 @@ import torch.distributed as dist
 from remat.sequences import SequenceLayout, padding_or_position_layout
 
 IGNORE_INDEX = -100
+# Set on a model patched with sequence_parallel (remat.replacement): its forward then requires
+# position_ids, and remat.estimate passes them.
+MODEL_FLAG = "_remat_sequence_parallel"
 
 
 def check_group(group):
@@ -104,6 +107,23 @@ def kv_replicas(num_kv_heads, size):
     return size // num_kv_heads if num_kv_heads < size else 1
 
 
+def _estimating(t):
+    """Whether ``t`` belongs to a remat.estimate run (fake tensors, no data): the collectives'
+    buffers are allocated as in a real step, but nothing is sent (the group may be a real one, as
+    under ``remat.patch(policy="auto", seq_len=..., sequence_parallel=group)``, each rank planning
+    on its own)."""
+    from remat.estimator import estimating, is_fake
+
+    return is_fake(t) and estimating()
+
+
+def _all_to_all(received, send, group):
+    """``dist.all_to_all_single(received, send)`` over ``group``; under remat.estimate nothing is
+    sent (:func:`_estimating`)."""
+    if not _estimating(send):
+        dist.all_to_all_single(received, send, group=group)
+
+
 def scatter_heads(t, group, size):
     """One all-to-all: ``t`` ``[B, n, H, D]`` (this rank's n tokens, every head) -> ``[B, P n, H / P,
     D]`` (every rank's tokens in rank order, this rank's group of H / P heads), a new contiguous
@@ -111,7 +131,7 @@ def scatter_heads(t, group, size):
     batch, n, heads, head_dim = t.shape
     send = t.reshape(batch, n, size, heads // size, head_dim).permute(2, 0, 1, 3, 4).contiguous()
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    _all_to_all(received, send, group)
     # received[s]: rank s's tokens for this rank's heads.
     # (A reshape of the permutation is a strided view when B = 1 or one head per rank: made contiguous.)
     return received.permute(1, 0, 2, 3, 4).reshape(batch, size * n, heads // size, head_dim).contiguous()
@@ -124,7 +144,7 @@ def gather_heads(t, group, size):
     n = total // size
     send = t.reshape(batch, size, n, heads, head_dim).permute(1, 0, 2, 3, 4).contiguous()
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    _all_to_all(received, send, group)
     # received[s]: this rank's tokens for rank s's heads.
     # Contiguous, so that o and the output projection's input (its view) share one storage.
     return received.permute(1, 2, 0, 3, 4).reshape(batch, n, size * heads, head_dim).contiguous()
@@ -186,7 +206,12 @@ def sequence_parallel_layout(batch, n, attention_mask, position_ids, source, off
         raise ValueError("sequence_parallel needs each shard's position_ids (its tokens' places in the whole "
                          "sequence; remat.sequence_parallel.shard_batch and DeepSpeed's UlyssesSPDataLoaderAdapter "
                          "provide them): without them every shard would start at position 0")
+    if torch.compiler.is_compiling():
+        raise ValueError("sequence_parallel under torch.compile is not supported yet: the shards' layout is read "
+                         "from their gathered position_ids on the host")
     group, size = source.resolve()
+    if _estimating(position_ids):  # remat.estimate: dense rows, no positions to read
+        return SequenceLayout(None, None, None, None, (group, size))
     key = (id(position_ids), position_ids._version, id(group), batch, n)
     last = _LAST.get("entry")
     if last is not None and last[0] == key and last[1]() is position_ids:
