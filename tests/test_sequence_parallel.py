@@ -64,7 +64,7 @@ CASES = [(family, policy, layout, None)
          for family in ("llama", "qwen3", "qwen3_moe") for policy in ("speed", "balanced", "memory")
          for layout in ("dense", "packed")]
 CASES += [("llama", "balanced", "dense", "checkpointing"), ("llama", "memory", "packed", "offload"),
-          ("qwen3", "speed", "dense", "tile"), ("llama", "balanced", "odd", None)]
+          ("qwen3", "speed", "dense", "tile"), ("llama", "balanced", "odd", None), ("llama", "auto", "dense", None)]
 
 
 def _one_process(family, layout):
@@ -80,7 +80,13 @@ def _one_process(family, layout):
 def _sharded(family, policy, layout, extra, group):
     model = _model(family)
     options = {"offload": True} if extra == "offload" else {"tile_tokens": 4} if extra == "tile" else {}
-    remat.patch(model, policy=policy, sequence_parallel=group, **options)
+    if policy == "auto":  # planned per rank under the "memory" candidate's predicted peak
+        options = {"budget_bytes": _memory_candidate_peak(family, group), "seq_len": LENGTH, "batch_size": 2}
+    report = remat.patch(model, policy=policy, sequence_parallel=group, **options)
+    if policy == "auto":
+        plan = report.plan
+        assert plan.ranks == dist.get_world_size(group) and plan.peak_bytes <= plan.budget_bytes, plan.explain()
+        assert f"over {plan.ranks} ranks" in plan.explain() and plan.choice.startswith("memory"), plan.explain()
     if extra == "checkpointing":
         model.gradient_checkpointing_enable()
     shard = shard_batch(_batch(layout), group)
@@ -91,6 +97,21 @@ def _sharded(family, policy, layout, extra, group):
         dist.all_reduce(g, group=group)
     dist.all_reduce(loss.detach(), group=group)
     return loss.detach(), grads, model
+
+
+def _memory_candidate_peak(family, group):
+    """The predicted per-rank peak of remat.peak_plan's "memory" candidate for two rows of LENGTH
+    tokens over ``group``: a budget that the cheaper candidates (more bytes) exceed."""
+    from remat import peak_plan
+    from remat.replacement import MODULE_KINDS, unpatch
+    from remat.sequence_parallel import SequenceGroup
+
+    model = _model(family)
+    candidate = next(c for c in peak_plan.CANDIDATES if c[0] == "memory")
+    peak_plan.configure(model, candidate, MODULE_KINDS, None, None, SequenceGroup(group))
+    peak = remat.estimate(model, seq_len=LENGTH // dist.get_world_size(group), batch_size=2).peak_bytes
+    unpatch(model)
+    return peak
 
 
 def _saved_bytes(model, shard):
@@ -197,7 +218,7 @@ def _worker(rank, world, port, out_path):
                                   expected_grads.items() if name in grads)
             errors["grad_abs"] = max(float((grads[name] - g).abs().max()) for name, g in expected_grads.items()
                                      if name in grads)
-            if case[2] == "dense" and case[3] is None:
+            if case[2] == "dense" and case[3] is None and case[1] != "auto":
                 # The bytes a rank keeps against one process running a batch of the shard's length.
                 shard = shard_batch(_batch("dense"), group)
                 single = _model(case[0])

@@ -8,6 +8,7 @@ Face gradient checkpointing, or ``remat.patch`` with a policy) and estimated
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -18,6 +19,7 @@ import torch
 from remat import peak_plan
 from remat.estimator import estimate, on_fake_device
 from remat.replacement import MODULE_KINDS
+from remat.sequence_parallel import SequenceGroup
 
 SETUPS = ("stock", "stock+checkpointing", "remat:speed", "remat:balanced", "remat:memory", "remat:auto")
 # What a GPU's memory holds besides the tensors the estimate counts: the CUDA context (~0.5 GiB),
@@ -70,20 +72,49 @@ def build_model(config, *, lora_rank=0, dtype=torch.bfloat16, lora_targets="all-
     return on_fake_device(model)
 
 
-def set_up(model, setup, offload=False, tile_tokens=None):
+def set_up(model, setup, offload=False, tile_tokens=None, sequence_parallel=None):
     """Applies ``setup`` (one of :data:`SETUPS` but ``remat:auto``, which :func:`fit` searches per
     candidate) to a freshly built model, remat's with host offload of what its layers keep when
-    ``offload`` and MLPs tiled by ``tile_tokens``; returns the model."""
+    ``offload``, MLPs tiled by ``tile_tokens`` and, with ``sequence_parallel`` (a process group),
+    its attention split over the group's ranks; returns the model."""
     import remat
 
+    if sequence_parallel is not None and not setup.startswith("remat:"):
+        raise ValueError(f"{setup} is not estimated under sequence parallelism (stock attention runs through "
+                         "DeepSpeed's Ulysses wrapper, which the estimate does not simulate)")
     if setup == "stock":
         return model
     if setup == "stock+checkpointing":
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         return model
-    remat.patch(model, policy=setup.removeprefix("remat:"), offload=offload, tile_tokens=tile_tokens)
+    remat.patch(model, policy=setup.removeprefix("remat:"), offload=offload, tile_tokens=tile_tokens,
+                sequence_parallel=sequence_parallel)
     return model
+
+
+@contextlib.contextmanager
+def simulated_group(ranks):
+    """A ``torch.distributed`` group of ``ranks`` processes for estimating one rank's step on this
+    machine alone: PyTorch's fake process group (``torch.testing._internal.distributed.fake_pg``;
+    this process is rank 0 and collectives return at once), initialised for the block and destroyed
+    after. Yields the group; None for ``ranks == 1``. ValueError when torch.distributed is
+    initialised already (estimate inside a real run with ``remat.patch(policy="auto", seq_len=...,
+    sequence_parallel=group)`` instead)."""
+    if ranks == 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ValueError("sequence_parallel estimates run outside a distributed run (torch.distributed is "
+                         "initialised here)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 def _largest(fits, start, limit):
@@ -126,7 +157,7 @@ def _largest(fits, start, limit):
 
 def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=1, seq_len=None,
         setups=SETUPS, max_tokens=2**25, optimizer=None, offload=False, tile_tokens=None, host_memory=None,
-        lora_targets="all-linear"):
+        lora_targets="all-linear", sequence_parallel=1):
     """For each setup, the longest sequence (or, with ``seq_len`` given, the largest batch) whose
     training step's estimated device peak fits ``gpu_memory - reserve`` bytes.
 
@@ -147,6 +178,12 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
             many tokens (``remat.patch(tile_tokens=...)``); default None.
         host_memory: None (default: any), or the host bytes a step may hold (offloaded tensors):
             a length whose estimated host peak exceeds it does not fit.
+        sequence_parallel: the number of GPUs P sharing one sequence (Ulysses; default 1):
+            remat's setups are patched with ``sequence_parallel`` over a simulated group
+            (:func:`simulated_group`) and one rank's step (a shard of N / P tokens) is estimated;
+            ``gpu_memory`` and ``host_memory`` are per rank, and each row's length is the whole
+            sequence N. Parameters, gradients and optimizer states are counted whole on every
+            rank (no ZeRO sharding). The stock setups are not estimated then (a row says so).
 
     Returns:
         a list of :class:`FitRow`, one per setup.
@@ -164,16 +201,32 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         raise ValueError(f"unknown setups {unknown}; choose from {list(SETUPS)}")
-    limit = max(max_tokens // (seq_len if seq_len is not None else batch_size), 1)
+    if isinstance(sequence_parallel, bool) or not isinstance(sequence_parallel, int) or sequence_parallel < 1:
+        raise ValueError(f"sequence_parallel must be an int >= 1, got {sequence_parallel!r}")
+    if seq_len is not None and seq_len % sequence_parallel:
+        raise ValueError(f"seq_len ({seq_len}) must be a multiple of sequence_parallel ({sequence_parallel})")
+    ranks = sequence_parallel
+    shard_len = None if seq_len is None else seq_len // ranks  # one rank's tokens per sequence
+    limit = max(max_tokens // ranks // (shard_len if shard_len is not None else batch_size), 1)
     start = 1 if seq_len is not None else 1024
 
     def search(model):
         def fits(n):
-            shape = (n, seq_len) if seq_len is not None else (batch_size, n)
+            shape = (n, shard_len) if seq_len is not None else (batch_size, n)
             result = estimate(model, batch_size=shape[0], seq_len=shape[1], optimizer=optimizer)
             return result if within(result) else None
         return _largest(fits, start, limit)
 
+    with simulated_group(ranks) as group:
+        return _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, group, ranks, seq_len,
+                         batch_size, limit, optimizer, within, search)
+
+
+def _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, group, ranks, seq_len, batch_size,
+              limit, optimizer, within, search):
+    """:func:`fit`'s rows, per setup (its search runs inside the simulated group, if any)."""
+    source = None if group is None else SequenceGroup(group)
+    shard_len = None if seq_len is None else seq_len // ranks
     rows = []
     for setup in setups:
         note = ""
@@ -185,10 +238,10 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
             n, result = 0, None
             for candidate in reversed(peak_plan.CANDIDATES):
                 model = build_model(config, lora_rank=lora_rank, lora_targets=lora_targets)
-                peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS)
+                peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS, source)
                 if n:
                     beyond = min(n + max(1, n // 64), limit)
-                    shape = (beyond, seq_len) if seq_len is not None else (batch_size, beyond)
+                    shape = (beyond, shard_len) if seq_len is not None else (batch_size, beyond)
                     if beyond == n or not within(estimate(model, batch_size=shape[0], seq_len=shape[1],
                                                           optimizer=optimizer)):
                         continue
@@ -198,7 +251,7 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
         else:
             try:
                 model = set_up(build_model(config, lora_rank=lora_rank, lora_targets=lora_targets), setup, offload,
-                               tile_tokens)
+                               tile_tokens, group)
                 n, result = search(model)
             except Exception as error:  # a setup that cannot be built or estimated is reported, not fatal
                 rows.append(FitRow(setup, None, None, None, None, f"{type(error).__name__}: {error}"))
@@ -207,10 +260,12 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
             note = "; ".join(filter(None, (note, *(f"assumed {text}" for text in result.assumptions))))
         peak = result.peak_bytes if result is not None else None
         host = result.host_bytes if result is not None else None
+        if ranks > 1 and result is not None:
+            note = "; ".join(filter(None, (f"per rank of {ranks}", note)))
         if seq_len is not None:
             rows.append(FitRow(setup, seq_len if n else None, n, peak, host, note))
-        else:
-            rows.append(FitRow(setup, n, batch_size if n else None, peak, host, note))
+        else:  # the whole sequence: each of the ranks holds n tokens of it
+            rows.append(FitRow(setup, n * ranks, batch_size if n else None, peak, host, note))
     return rows
 
 
@@ -264,6 +319,8 @@ def main(argv):
                         help="remat's MLPs and attention run over tiles of this many tokens")
     parser.add_argument("--host-memory", default=None,
                         help="the host memory a step may hold for offloaded tensors, e.g. 512GB (default: any)")
+    parser.add_argument("--sequence-parallel", type=int, default=1, metavar="P",
+                        help="GPUs sharing one sequence (Ulysses): per-rank peaks, whole-sequence lengths")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     args = parser.parse_args(argv)
     import transformers
@@ -277,7 +334,8 @@ def main(argv):
                    batch_size=args.batch_size, seq_len=args.seq_len,
                    setups=[s.strip() for s in args.setups.split(",") if s.strip()],
                    optimizer="adam" if args.adam else None, offload=args.offload, tile_tokens=args.tile_tokens,
-                   host_memory=host_memory, lora_targets=_lora_targets(args.lora_targets))
+                   host_memory=host_memory, lora_targets=_lora_targets(args.lora_targets),
+                   sequence_parallel=args.sequence_parallel)
     except ValueError as error:
         print(f"python -m remat fit: {error}", file=sys.stderr)
         return 2

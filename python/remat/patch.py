@@ -98,8 +98,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             parameters, summed over the group (the data-parallel engine's job, as with DeepSpeed's
             Ulysses), are the one-process gradients. Needs whole decoder layers for every layer of
             the model, query heads divisible by the group size and KV heads divisible by it or
-            dividing it; not with ``policy="auto"`` yet (ValueError). Every fused layer keeps what
-            its policy keeps for its shard's tokens.
+            dividing it. With ``policy="auto"`` only with ``seq_len`` (the whole sequence's length)
+            and ``budget_bytes`` (per rank): each candidate is estimated for one rank's shard.
+            Every fused layer keeps what its policy keeps for its shard's tokens.
 
     All or nothing: when anything inside patch raises (the plan included), the model is left as it
     was and the exception propagates.
@@ -113,9 +114,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     group = None
     if sequence_parallel is not None:
         group = SequenceGroup(sequence_parallel)
-        if policy == "auto":
-            raise ValueError("sequence_parallel is not supported with policy='auto' yet: choose a policy (and "
-                             "model.gradient_checkpointing_enable() or offload=True for less memory)")
+        if policy == "auto" and seq_len is None:
+            raise ValueError("sequence_parallel with policy='auto' plans the device peak: give seq_len and "
+                             "budget_bytes (the layer-cost planner with example_inputs does not take it)")
         if not set(registry.PART_KINDS) <= set(modules):
             raise ValueError(f"sequence_parallel runs whole decoder layers: modules must include {registry.PART_KINDS}")
     if host_budget_bytes is not None and (policy != "auto" or seq_len is None):
@@ -144,8 +145,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
                              "example_inputs, budget_bytes_per_token, max_span and tile_tokens are not taken")
         budget = _device_budget(model, budget_bytes)
         peak = peak_plan.plan_peak(model, seq_len=seq_len, batch_size=batch_size, budget_bytes=budget,
-                                   modules=modules, backend=backend, host_budget_bytes=host_budget_bytes)
-        return peak_plan.install(model, peak, modules, backend)
+                                   modules=modules, backend=backend, host_budget_bytes=host_budget_bytes,
+                                   sequence_parallel=group)
+        return peak_plan.install(model, peak, modules, backend, group)
     # The planner measures configurations through remat.replacement and leaves the model unpatched.
     plan = model_plan.plan_model(model, example_inputs, budget_bytes=budget_bytes,
                                  budget_bytes_per_token=budget_bytes_per_token, cost=cost, backend=backend,

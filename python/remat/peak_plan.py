@@ -68,12 +68,15 @@ class PeakPlan:
     batch_size: int
     tried: list
     host_budget_bytes: int | None = None
+    # Under sequence parallelism: the ranks sharing the sequence; each keeps seq_len / ranks tokens.
+    ranks: int = 1
 
     def explain(self):
         """The plan in words: the predicted device peak and host bytes per candidate and why this
         one (the cheapest that fits)."""
         gib = 2**30
-        lines = [f"remat peak plan for {self.batch_size} x {self.seq_len} tokens, device budget "
+        shards = "" if self.ranks == 1 else f" over {self.ranks} ranks (per-rank peaks)"
+        lines = [f"remat peak plan for {self.batch_size} x {self.seq_len} tokens{shards}, device budget "
                  f"{self.budget_bytes / gib:.2f} GiB: {self.choice} (the cheapest candidate within it)"]
         for name, peak, host in self.tried:
             over = peak > self.budget_bytes or (self.host_budget_bytes is not None and host > self.host_budget_bytes)
@@ -85,20 +88,21 @@ class PeakPlan:
         return "\n".join(lines)
 
 
-def configure(model, candidate, modules, backend, tile_tokens):
-    """Patches ``model`` with one of :data:`CANDIDATES`; returns the PatchReport."""
+def configure(model, candidate, modules, backend, tile_tokens, sequence_parallel=None):
+    """Patches ``model`` with one of :data:`CANDIDATES` (and ``sequence_parallel``, a
+    remat.sequence_parallel.SequenceGroup, or None); returns the PatchReport."""
     _, policy, tiled, offload, checkpointing, prefetch = candidate
     tile = tile_tokens if tiled else None
 
     def finish(report):
         set_layer_options(model, report, offload=offload, tile_tokens=tile, checkpointing=checkpointing,
-                          prefetch=prefetch)
+                          prefetch=prefetch, sequence_parallel=sequence_parallel)
 
     return replace_modules(model, policy, modules, backend, finish=finish)
 
 
 def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=None, tile_tokens=None,
-              optimizer=None, host_budget_bytes=None):
+              optimizer=None, host_budget_bytes=None, sequence_parallel=None):
     """Estimates the candidates on ``model`` (patched and unpatched in turn; left unpatched) and
     returns the :class:`PeakPlan` of the first within ``budget_bytes``.
 
@@ -112,6 +116,9 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
         optimizer: passed to remat.estimate (None or "adam").
         host_budget_bytes: None (any), or the most host bytes a candidate may hold (its estimated
             host peak); a candidate over it does not fit.
+        sequence_parallel: None, or a remat.sequence_parallel.SequenceGroup of P ranks: the
+            candidates are patched with it and each rank's step (seq_len / P tokens, a multiple
+            of P required) is estimated; the budgets are per rank.
 
     Returns:
         :class:`PeakPlan`; ValueError when no candidate fits, naming the smallest peak (the floor).
@@ -122,12 +129,16 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
     if host_budget_bytes is not None and (isinstance(host_budget_bytes, bool) or not isinstance(host_budget_bytes, int)
                                           or host_budget_bytes < 0):
         raise ValueError(f"host_budget_bytes must be None or an int >= 0, got {host_budget_bytes!r}")
-    tile = min(tile_tokens or DEFAULT_TILE_TOKENS, seq_len * batch_size)
+    ranks = 1 if sequence_parallel is None else sequence_parallel.resolve()[1]
+    if seq_len % ranks:
+        raise ValueError(f"seq_len ({seq_len}) must be a multiple of the {ranks} ranks sharing it")
+    shard = seq_len // ranks
+    tile = min(tile_tokens or DEFAULT_TILE_TOKENS, shard * batch_size)
     tried = []
     for candidate in CANDIDATES:
-        configure(model, candidate, modules, backend, tile)
+        configure(model, candidate, modules, backend, tile, sequence_parallel)
         try:
-            result = estimate(model, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer)
+            result = estimate(model, seq_len=shard, batch_size=batch_size, optimizer=optimizer)
         finally:
             unpatch(model)
         tried.append((candidate[0], result.peak_bytes, result.host_bytes))
@@ -135,7 +146,7 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
             name, policy, tiled, offload, checkpointing, prefetch = candidate
             return PeakPlan(name, policy, tile if tiled else None, offload, checkpointing, prefetch,
                             result.peak_bytes, result.host_bytes, budget_bytes, seq_len, batch_size, tried,
-                            host_budget_bytes)
+                            host_budget_bytes, ranks)
     floor = min(peak for _, peak, _ in tried)
     host = "" if host_budget_bytes is None else f" and {host_budget_bytes} host bytes"
     raise ValueError(f"no configuration fits {budget_bytes} bytes{host} for {batch_size} x {seq_len} tokens: the "
@@ -143,10 +154,10 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
                      "the budget to at least that or shorten the sequence")
 
 
-def install(model, plan, modules, backend):
-    """Patches ``model`` with the plan's configuration; returns the PatchReport (plan on
-    ``report.plan``)."""
+def install(model, plan, modules, backend, sequence_parallel=None):
+    """Patches ``model`` with the plan's configuration (and ``sequence_parallel``, as planned);
+    returns the PatchReport (plan on ``report.plan``)."""
     candidate = next(c for c in CANDIDATES if c[0] == plan.choice)
-    report = configure(model, candidate, modules, backend, plan.tile_tokens)
+    report = configure(model, candidate, modules, backend, plan.tile_tokens, sequence_parallel)
     report.plan = plan
     return report
