@@ -139,3 +139,29 @@ def test_lora_targets_reach_peft_and_the_command(tmp_path, capsys):
     assert rows["remat:memory"]["max_seq_len"] > rows["stock"]["max_seq_len"]
     assert "assumed mixture-of-experts routing" in rows["remat:memory"]["note"]
     assert remat_main(["fit", str(path), "--gpu-memory", "64MB", "--lora-rank", "4", "--lora-targets", " , "]) == 2
+
+
+def test_sequence_parallel_rows_are_per_rank_peaks_of_whole_sequences():
+    """With --sequence-parallel P each row's length is the whole sequence N (a multiple of P) whose
+    rank step (N / P tokens, through a simulated group) fits; a P-rank step fits more than one
+    GPU's, and the stock setups are refused with the reason. The group is gone afterwards."""
+    import torch.distributed as dist
+
+    from remat.estimator import estimate
+    from remat.fit import simulated_group
+
+    gpu, reserve = 64 * 2**20, 4 * 2**20
+    single = fit(tiny_config(), gpu_memory=gpu, reserve=reserve, setups=("remat:memory",))[0]
+    rows = {r.setup: r for r in fit(tiny_config(), gpu_memory=gpu, reserve=reserve, sequence_parallel=2,
+                                    setups=("remat:memory", "stock"))}
+    assert not dist.is_initialized()
+    memory = rows["remat:memory"]
+    assert memory.max_seq_len % 2 == 0 and memory.max_seq_len > single.max_seq_len, (memory, single)
+    assert memory.peak_bytes <= gpu - reserve and "per rank of 2" in memory.note
+    with simulated_group(2) as group:  # one rank's shard of a longer sequence does not fit
+        model = build_model(tiny_config())
+        set_up(model, "remat:memory", sequence_parallel=group)
+        assert estimate(model, seq_len=int(memory.max_seq_len / 2 * 1.02) + 1).peak_bytes > gpu - reserve
+    assert rows["stock"].max_seq_len is None and "not estimated under sequence parallelism" in rows["stock"].note
+    with pytest.raises(ValueError, match="multiple of sequence_parallel"):
+        fit(tiny_config(), gpu_memory=gpu, reserve=reserve, seq_len=33, sequence_parallel=2)
