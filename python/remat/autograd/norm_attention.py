@@ -31,6 +31,8 @@ kept (or recomputed) q, k, v, their rank-r intermediates are recomputed from the
 and each adapter with dropout keeps only its 16-byte Philox (seed, offset).
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -111,29 +113,60 @@ def _rope_on_shard(q, k, cos, sin, inverse=False):
     return tuple(rope_rotate(t, cos32, sin32, table_batch_stride=batch_stride, inverse=inverse) for t in (q, k))
 
 
+def _head_chunks(num_heads, num_kv_heads, size):
+    """The head groups the Ulysses exchange runs one at a time: C = gcd(Hq / P, Hkv) chunks of Hq / C
+    query heads and their Hkv / C KV heads (each rank gets Hq / (C P) query heads of a chunk and the
+    KV heads they read), as (q heads, kv heads) slices. One chunk's exchanged tensors and core
+    scratch are 1/C of the whole call's: at Llama-3.1-8B's 32/8 heads over 8 ranks, the scattered
+    q, o, output gradient and dq (and the core's fp32 dq accumulator) of 4 chunks of one head per
+    rank instead of 4 heads. The price: KV heads shared by several chunks' ranks are sent to each
+    (Llama-3.1-8B on 8 ranks: each KV head to 4 ranks, the KV traffic 4x, as large as q's)."""
+    chunks = math.gcd(num_heads // size, num_kv_heads)
+    q_step, kv_step = num_heads // chunks, num_kv_heads // chunks
+    return [(slice(c * q_step, (c + 1) * q_step), slice(c * kv_step, (c + 1) * kv_step)) for c in range(chunks)]
+
+
 def _sequence_parallel_fwd(q, k, v, cos, sin, cu_seqlens, options, backend):
-    """:func:`_attention_fwd` over the ranks of ``options.sequence_parallel``: q, k, v are this rank's
-    shard [B, n, heads, D]; returns o of the shard [B, n, Hq, D] and the core's head-sharded lse."""
+    """:func:`_attention_fwd` over the ranks of ``options.sequence_parallel``, one head chunk at a
+    time (:func:`_head_chunks`): q, k, v are this rank's shard [B, n, heads, D]; returns o of the
+    shard [B, n, Hq, D] and the core's head-sharded lse (the chunks' in order)."""
     group, size = options.sequence_parallel
-    q, k = _rope_on_shard(q, k, cos, sin)
-    q, k, v = scatter_heads(q, group, size), scatter_kv_heads(k, group, size), scatter_kv_heads(v, group, size)
-    o, lse = _attention_fwd(q, k, v, None, None, cu_seqlens, None, options, backend, False)
-    return gather_heads(o, group, size), lse
+    o = q.new_empty(q.shape)
+    lses = []
+    for heads, kv_heads in _head_chunks(q.shape[2], k.shape[2], size):
+        q_c, k_c = _rope_on_shard(q[:, :, heads], k[:, :, kv_heads], cos, sin)
+        q_c, k_c, v_c = (scatter_heads(q_c, group, size), scatter_kv_heads(k_c, group, size),
+                         scatter_kv_heads(v[:, :, kv_heads], group, size))
+        o_c, lse_c = _attention_fwd(q_c, k_c, v_c, None, None, cu_seqlens, None, options, backend, False)
+        del q_c, k_c, v_c
+        o[:, :, heads] = gather_heads(o_c, group, size)
+        lses.append(lse_c)
+    return o, lses[0] if len(lses) == 1 else torch.cat(lses, dim=-2)
 
 
 def _sequence_parallel_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, options, backend):
     """dq, dk, dv of the shard [B, n, heads, D] from :func:`_sequence_parallel_fwd`'s inputs (q, k
-    before rope), its o and lse: the forward's all-to-alls re-run, o and dout scattered too."""
+    before rope), its o and lse, chunk by chunk: the forward's all-to-alls re-run, o and dout
+    scattered too, the gradients gathered back."""
     group, size = options.sequence_parallel
-    num_kv_heads = k.shape[2]
-    q, k = _rope_on_shard(q, k, cos, sin)
-    q, k, v = scatter_heads(q, group, size), scatter_kv_heads(k, group, size), scatter_kv_heads(v, group, size)
-    dq, dk, dv = _attention_bwd(scatter_heads(dout, group, size), q, k, v, scatter_heads(o, group, size), lse, None,
-                                None, cu_seqlens, None, options, backend, False)
-    del q, k, v
-    dq = gather_heads(dq, group, size)
-    dk, dv = (gather_kv_grads(g, group, size, num_kv_heads) for g in (dk, dv))
-    dq, dk = _rope_on_shard(dq, dk, cos, sin, inverse=True)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    chunks = _head_chunks(q.shape[2], k.shape[2], size)
+    lse_heads = lse.shape[-2] // len(chunks)  # lse [B, h, N] dense, [h, T] packed
+    for index, (heads, kv_heads) in enumerate(chunks):
+        q_c, k_c = _rope_on_shard(q[:, :, heads], k[:, :, kv_heads], cos, sin)
+        q_c, k_c, v_c = (scatter_heads(q_c, group, size), scatter_kv_heads(k_c, group, size),
+                         scatter_kv_heads(v[:, :, kv_heads], group, size))
+        lse_c = lse.narrow(-2, index * lse_heads, lse_heads).contiguous()
+        dq_c, dk_c, dv_c = _attention_bwd(scatter_heads(dout[:, :, heads], group, size), q_c, k_c, v_c,
+                                          scatter_heads(o[:, :, heads], group, size), lse_c, None, None, cu_seqlens,
+                                          None, options, backend, False)
+        del q_c, k_c, v_c
+        kv_count = kv_heads.stop - kv_heads.start
+        dq_c = gather_heads(dq_c, group, size)
+        dk_c, dv_c = (gather_kv_grads(g, group, size, kv_count) for g in (dk_c, dv_c))
+        dq[:, :, heads], dk[:, :, kv_heads] = _rope_on_shard(dq_c, dk_c, cos, sin, inverse=True)
+        dv[:, :, kv_heads] = dv_c
+        del dq_c, dk_c, dv_c
     return dq, dk, dv
 
 
