@@ -10,7 +10,9 @@ whole sequence for Hq / P query heads and their KV heads (:func:`scatter_heads`)
 core runs on those, and a second all-to-all brings o back to the rank's tokens
 (:func:`gather_heads`). Backward runs the transposed collectives. With fewer KV heads than ranks
 (GQA), each KV head is replicated to the P / Hkv ranks whose query heads read it, and the
-gradients of the replicas are summed, as DeepSpeed's Ulysses does.
+gradients of the replicas are summed, as DeepSpeed's Ulysses does. The exchange runs one group of
+heads at a time (remat.autograd.norm_attention._head_chunks), so what it holds at once is one
+group's.
 
 What a rank keeps for backward is the single-GPU contract for its n tokens (the same bytes: lse is
 kept head-sharded, ``[B, Hq / P, N]``, which is as large as ``[B, Hq, n]``); nothing an all-to-all
