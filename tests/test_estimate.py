@@ -109,6 +109,11 @@ def test_adam_states_add_two_fp32_copies_of_the_trainable_parameters():
     with_adam = estimate(model, seq_len=64, optimizer="adam")
     assert with_adam.breakdown["optimizer"] == 8 * trainable
     assert with_adam.peak_bytes == without.peak_bytes + 8 * trainable
+    # ZeRO-1/2: each of 8 ranks holds an eighth of every state (rounded up per parameter).
+    sharded = estimate(model, seq_len=64, optimizer="adam", optimizer_shards=8)
+    per_rank = sum(8 * -(-p.numel() // 8) for p in model.parameters() if p.requires_grad)
+    assert sharded.breakdown["optimizer"] == per_rank < 8 * trainable / 7
+    assert sharded.peak_bytes == without.peak_bytes + per_rank
 
 
 def _walk_and_engine_grads(model, ids):

@@ -644,10 +644,10 @@ def _fake_mode_of(tensors):
     return next(iter(modes.values()), None)
 
 
-def _check_estimate_arguments(model, seq_len, batch_size, optimizer, inputs):
+def _check_estimate_arguments(model, seq_len, batch_size, optimizer, inputs, optimizer_shards=1):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("optimizer_shards", optimizer_shards)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if optimizer not in (None, "adam"):
@@ -658,7 +658,8 @@ def _check_estimate_arguments(model, seq_len, batch_size, optimizer, inputs):
         raise ValueError("model has no parameters")
 
 
-def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=None, cuda_capability=(9, 0)):
+def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=None, cuda_capability=(9, 0),
+             optimizer_shards=1):
     """Predicts the device memory of one training step of ``model`` (forward and backward).
 
     The step is ``model(input_ids=ids, labels=ids, use_cache=False).loss.backward()`` with
@@ -680,11 +681,18 @@ def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=
             where the engine cannot run, fake CUDA tensors (None, default).
         cuda_capability: the compute capability of the GPU a fake CUDA model stands for (default
             (9, 0): H100/H200); remat picks its kernels for it (``remat.backend.simulated_gpu``).
+        optimizer_shards: with ``"adam"``, the ranks its states are partitioned over (ZeRO stage
+            1 or 2: each rank holds 1/shards of them; parameters and gradients are counted whole).
+            Default 1.
+
+    A model patched with ``sequence_parallel`` (remat.sequence_parallel): the step is one rank's,
+    ``seq_len`` its shard's tokens (the default inputs then carry position_ids); the all-to-alls
+    allocate their buffers and send nothing.
 
     Returns:
         :class:`Estimate` (``peak_bytes``, ``host_bytes``, ``phases``, ``breakdown``).
     """
-    _check_estimate_arguments(model, seq_len, batch_size, optimizer, inputs)
+    _check_estimate_arguments(model, seq_len, batch_size, optimizer, inputs, optimizer_shards)
     named = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     devices = {t.device for t in named.values()}
@@ -713,7 +721,8 @@ def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=
             on_target.enter_context(simulated_gpu(cuda_capability))
             on_target.enter_context(_capability_of_the_target(cuda_capability))
         with mode, on_target, _standing_in(model, stand_ins):
-            result = _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer, inputs, walk)
+            result = _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer, inputs, walk,
+                               optimizer_shards)
     finally:
         tracker.close()
     return result
@@ -756,7 +765,7 @@ def _standing_in(model, stand_ins):
             table[name] = t
 
 
-def _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer, inputs, walk):
+def _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer, inputs, walk, optimizer_shards=1):
     trainable = {id(p): p for p in model.parameters() if p.requires_grad}
     for t in (*model.parameters(), *model.buffers()):
         if t.numel():
@@ -766,7 +775,7 @@ def _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer
     if optimizer == "adam":
         for p in trainable.values():
             for _ in range(2):
-                state = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                state = torch.zeros(-(-p.numel() // optimizer_shards), dtype=torch.float32, device=p.device)
                 tracker.track(state, "optimizer")
                 states.append(state)
     if inputs is None:

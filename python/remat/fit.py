@@ -157,7 +157,7 @@ def _largest(fits, start, limit):
 
 def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=1, seq_len=None,
         setups=SETUPS, max_tokens=2**25, optimizer=None, offload=False, tile_tokens=None, host_memory=None,
-        lora_targets="all-linear", sequence_parallel=1):
+        lora_targets="all-linear", sequence_parallel=1, optimizer_shards=1):
     """For each setup, the longest sequence (or, with ``seq_len`` given, the largest batch) whose
     training step's estimated device peak fits ``gpu_memory - reserve`` bytes.
 
@@ -171,7 +171,8 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
         seq_len: fix the length and search the batch size instead (default None).
         setups: names from :data:`SETUPS` (default all).
         max_tokens: the search stops there (default 2**25).
-        optimizer: passed to ``estimate`` (None or "adam").
+        optimizer, optimizer_shards: passed to ``estimate`` (None or "adam"; the ranks Adam's
+            states are partitioned over, ZeRO-1/2, default 1).
         offload: remat's setups offload what their layers keep to host memory
             (``remat.patch(offload=True)``); the rows' ``host_bytes`` are then the host peak.
         tile_tokens: remat's setups run their MLPs and attention sub-blocks over tiles of that
@@ -213,17 +214,18 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
     def search(model):
         def fits(n):
             shape = (n, shard_len) if seq_len is not None else (batch_size, n)
-            result = estimate(model, batch_size=shape[0], seq_len=shape[1], optimizer=optimizer)
+            result = estimate(model, batch_size=shape[0], seq_len=shape[1], optimizer=optimizer,
+                              optimizer_shards=optimizer_shards)
             return result if within(result) else None
         return _largest(fits, start, limit)
 
     with simulated_group(ranks) as group:
         return _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, group, ranks, seq_len,
-                         batch_size, limit, optimizer, within, search)
+                         batch_size, limit, optimizer, optimizer_shards, within, search)
 
 
 def _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, group, ranks, seq_len, batch_size,
-              limit, optimizer, within, search):
+              limit, optimizer, optimizer_shards, within, search):
     """:func:`fit`'s rows, per setup (its search runs inside the simulated group, if any)."""
     source = None if group is None else SequenceGroup(group)
     shard_len = None if seq_len is None else seq_len // ranks
@@ -243,7 +245,7 @@ def _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, gro
                     beyond = min(n + max(1, n // 64), limit)
                     shape = (beyond, shard_len) if seq_len is not None else (batch_size, beyond)
                     if beyond == n or not within(estimate(model, batch_size=shape[0], seq_len=shape[1],
-                                                          optimizer=optimizer)):
+                                                          optimizer=optimizer, optimizer_shards=optimizer_shards)):
                         continue
                 found, found_result = search(model)
                 if found > n:
@@ -314,6 +316,8 @@ def main(argv):
     parser.add_argument("--seq-len", type=int, default=None, help="fix the length and search the batch size")
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated, from " + ", ".join(SETUPS))
     parser.add_argument("--adam", action="store_true", help="count fp32 Adam states of the trainable parameters")
+    parser.add_argument("--optimizer-shards", type=int, default=1, metavar="R",
+                        help="Adam's states partitioned over R ranks (ZeRO-1/2), default 1")
     parser.add_argument("--offload", action="store_true", help="remat's layers offload what they keep to the host")
     parser.add_argument("--tile-tokens", type=int, default=None,
                         help="remat's MLPs and attention run over tiles of this many tokens")
@@ -335,7 +339,7 @@ def main(argv):
                    setups=[s.strip() for s in args.setups.split(",") if s.strip()],
                    optimizer="adam" if args.adam else None, offload=args.offload, tile_tokens=args.tile_tokens,
                    host_memory=host_memory, lora_targets=_lora_targets(args.lora_targets),
-                   sequence_parallel=args.sequence_parallel)
+                   sequence_parallel=args.sequence_parallel, optimizer_shards=args.optimizer_shards)
     except ValueError as error:
         print(f"python -m remat fit: {error}", file=sys.stderr)
         return 2
