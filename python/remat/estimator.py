@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_leaves
 from remat.autograd.common import refuse_double_backward
 from remat.backend import simulated_gpu
 from remat.memory import _storage_of
-from remat.sequence_parallel import MODEL_FLAG
+from remat.sequences import SEQUENCE_PARALLEL_FLAG
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 CUDA_BLOCK_BYTES = 512
@@ -784,7 +784,7 @@ def _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer
             raise ValueError("model has no config.vocab_size; give the step's inputs")
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
         kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
-        if model.__dict__.get(MODEL_FLAG):  # patched with sequence_parallel: seq_len is one rank's shard
+        if model.__dict__.get(SEQUENCE_PARALLEL_FLAG):  # patched with sequence_parallel: seq_len is one rank's shard
             kwargs["position_ids"] = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
     else:
         kwargs = dict(inputs)

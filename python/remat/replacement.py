@@ -82,6 +82,7 @@ from remat.models import causal_lm, outputs, registry
 from remat.nn.adapters import carry_wrappers
 from remat.nn.layers import LAYER_POLICIES, PreNormDecoderLayer, check_runnable
 from remat.offload import HostOffload
+from remat.sequences import SEQUENCE_PARALLEL_FLAG
 
 # "loss": a causal LM's training loss through remat.linear_cross_entropy (remat.models.causal_lm).
 MODULE_KINDS = (*registry.PART_KINDS, "loss")
@@ -89,7 +90,7 @@ MODULE_KINDS = (*registry.PART_KINDS, "loss")
 STOCK = "stock"
 _ORIGINAL = "_remat_original"
 _HOOK = "_remat_patched"
-_SEQUENCE_PARALLEL = sequence_parallel.MODEL_FLAG
+_SEQUENCE_PARALLEL = SEQUENCE_PARALLEL_FLAG
 _CONFIGS = "_remat_saved_configs"
 _CHECKPOINT_SETTER = "_set_gradient_checkpointing"
 _COUNTING = "_remat_counts_checkpointed_layers"

@@ -37,9 +37,6 @@ import torch.distributed as dist
 from remat.sequences import SequenceLayout, padding_or_position_layout
 
 IGNORE_INDEX = -100
-# Set on a model patched with sequence_parallel (remat.replacement): its forward then requires
-# position_ids, and remat.estimate passes them.
-MODEL_FLAG = "_remat_sequence_parallel"
 
 
 def check_group(group):
