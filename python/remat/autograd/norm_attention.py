@@ -175,6 +175,19 @@ def _sequence_parallel_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, options,
 _FIRST_LORA_INPUT = 19
 
 
+def _accumulate(total, term):
+    """``total + term``, in place into ``total`` (a tensor this backward made) when its dtype is the
+    promoted one, else out of place (an fp32 LoRA term into bf16 keeps the fp32 sum, as stock's
+    autograd does); None terms are skipped."""
+    if term is None:
+        return total
+    if total is None:
+        return term
+    if torch.promote_types(total.dtype, term.dtype) == total.dtype:
+        return total.add_(term)
+    return total + term
+
+
 class NormAttentionFunction(torch.autograd.Function):
     """o = attention(rope(qn(norm(x) Wq^T + bq)), rope(kn(norm(x) Wk^T + bk)), norm(x) Wv^T + bv),
     with qn / kn the optional per-head norms (identity without ``options.qk_norm``); the
@@ -238,10 +251,15 @@ class NormAttentionFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         rows = x.reshape(batch * n, x.shape[-1])
         # The normalized input, recomputed for the projection weight gradients (and for q, k, v
-        # under keep_qkv=False), freed before the norm backward.
-        normed, _, _ = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, options.norm_backend)
+        # under keep_qkv=False), freed before the norm backward. With q, k, v kept it is first needed
+        # after the attention backward, and made only then; under sequence parallelism it is made
+        # again then rather than held through the attention's exchanges (one more norm pass).
+        normed = None
         if q is None:
+            normed, _, _ = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, options.norm_backend)
             q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape, adapters)
+            if options.sequence_parallel is not None:
+                normed = None
         q_in, k_in = q, k
         if options.qk_norm is not None:
             # The per-head norms and their statistics, recomputed from the pre-norm q and k.
@@ -261,18 +279,28 @@ class NormAttentionFunction(torch.autograd.Function):
             dq, d_q_norm = _head_norm_backward(dq, q, q_norm_weight, q_rstd, options)
             dk, d_k_norm = _head_norm_backward(dk, k, k_norm_weight, k_rstd, options)
         del q, k
+        if normed is None:
+            normed, _, _ = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, options.norm_backend)
         d_normed = None
         grads, lora_grads = [], {}
-        for target, (grad, weight, bias, need_w, need_b) in enumerate(
-                ((dq, w_q, b_q, need[3], need[6]), (dk, w_k, b_k, need[4], need[7]), (dv, w_v, b_v, need[5], need[8]))):
-            grad = grad.reshape(batch * n, -1)
+        # Each projection's gradient is released once used, and the input gradients are summed in
+        # place where the sum's dtype holds the term's (fresh GEMM outputs, never a caller's tensor): at
+        # most one [tokens, hidden] term beside the running sum.
+        projection_grads = [dq, dk, dv]
+        del dq, dk, dv
+        for target, (weight, bias, need_w, need_b) in enumerate(
+                ((w_q, b_q, need[3], need[6]), (w_k, b_k, need[4], need[7]), (w_v, b_v, need[5], need[8]))):
+            grad = projection_grads[target].reshape(batch * n, -1)
+            projection_grads[target] = None
             d_in, d_w, d_b = linear_grads(grad, normed, weight, True, need_w, need_b and bias is not None)
             d_lora, target_grads = lora.branch_grads(grad, normed, target, *adapters[:3], need[_FIRST_LORA_INPUT:],
                                                      adapters[3])
-            if d_lora is not None:
-                d_in = d_in + d_lora
+            del grad
+            d_in = _accumulate(d_in, d_lora)
+            del d_lora
             lora_grads.update(target_grads)
-            d_normed = d_in if d_normed is None else d_normed + d_in
+            d_normed = _accumulate(d_normed, d_in)
+            del d_in
             grads.append((d_w, d_b))
         del normed
         dx, d_norm_weight, d_norm_bias = norm_backward(d_normed.contiguous(), rows, norm_weight, mean, rstd,
