@@ -167,6 +167,9 @@ def _refusals(rank, group):
         # Shards of different lengths: rank 1 drops a token.
         "unequal shards": dict(input_ids=shard["input_ids"][:, :12 - rank],
                                position_ids=shard["position_ids"][:, :12 - rank]),
+        # A pad on rank 1's shard only (a right-padded batch cut by hand): rank 0 must raise too.
+        "pads on one rank": dict(shard, attention_mask=torch.ones_like(shard["input_ids"]).index_fill_(
+            1, torch.tensor([11]), 0 if rank == 1 else 1)),
     }
     messages = {}
     for name, arguments in calls.items():
@@ -174,6 +177,15 @@ def _refusals(rank, group):
             model(**arguments)
         except ValueError as error:
             messages[name] = str(error)
+    model.eval()
+    with torch.no_grad():
+        try:  # generation's cache: the stock layer would attend within the shard only
+            model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=True)
+        except ValueError as error:
+            messages["cache"] = str(error)
+        expected = model(**shard).loss
+    with torch.inference_mode():  # inference tensors have no version counter to key the layout on
+        messages["inference mode loss"] = float((model(**shard).loss - expected).abs())
     three_heads = _model("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=3)  # not split over 2
     try:
         remat.patch(three_heads, policy="memory", sequence_parallel=group)
@@ -265,6 +277,10 @@ def test_shards_equal_one_process(world, tmp_path):
             assert "padding mask with pads" in refusals["pads"]
             assert "does not take cu_seq_lens_q/k" in refusals["offsets"]
             assert "position_ids differ in shape" in refusals["unequal shards"]
+            assert "padding mask with pads" in refusals["pads on one rank"] and "rank(s) [1]" in refusals[
+                "pads on one rank"]
+            assert "takes no KV cache" in refusals["cache"]
+            assert refusals["inference mode loss"] == 0.0
             assert "query heads of" in refusals["heads"] and "(3)" in refusals["heads"]
         assert set(results) == set(CASES)
         for case, errors in results.items():

@@ -95,8 +95,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             as remat.sequence_parallel.shard_batch or DeepSpeed's UlyssesSPDataLoaderAdapter cut
             them), and each attention sub-block exchanges heads for tokens with two all-to-alls.
             Each rank's loss is its share of the whole sequence's, and the gradients of the
-            parameters, summed over the group (the data-parallel engine's job, as with DeepSpeed's
-            Ulysses), are the one-process gradients. Needs whole decoder layers for every layer of
+            parameters, summed over the group, are the one-process gradients (DDP and FSDP2
+            average over their group instead: scale each rank's loss by the group size there; the
+            sequence-parallel guide). Needs whole decoder layers for every layer of
             the model, query heads divisible by the group size and KV heads divisible by it or
             dividing it. With ``policy="auto"`` only with ``seq_len`` (the whole sequence's length)
             and ``budget_bytes`` (per rank): each candidate is estimated for one rank's shard.

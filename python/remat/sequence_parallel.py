@@ -8,11 +8,12 @@ per token (embedding, norms, projections, rope, MLP, the fused loss) runs on the
 attention sub-block (remat.autograd.norm_attention) an all-to-all over heads gives each rank the
 whole sequence for Hq / P query heads and their KV heads (:func:`scatter_heads`), the attention
 core runs on those, and a second all-to-all brings o back to the rank's tokens
-(:func:`gather_heads`). Backward runs the transposed collectives. With fewer KV heads than ranks
-(GQA), each KV head is replicated to the P / Hkv ranks whose query heads read it, and the
-gradients of the replicas are summed, as DeepSpeed's Ulysses does. The exchange runs one group of
-heads at a time (remat.autograd.norm_attention._head_chunks), so what it holds at once is one
-group's.
+(:func:`gather_heads`). Backward runs the transposed collectives. The exchange runs one group of
+heads at a time (remat.autograd.norm_attention._head_chunks: gcd(Hq / P, Hkv) groups), so what it
+holds at once is one group's; within a group that has fewer KV heads than ranks (always, with GQA
+and fewer KV heads than ranks; with chunking also otherwise), each KV head is replicated to the
+ranks whose query heads read it, and the gradients of the replicas are summed (in fp32, of the
+core's gradients in the inputs' dtype), as DeepSpeed's Ulysses does.
 
 What a rank keeps for backward is the single-GPU contract for its n tokens (the same bytes: lse is
 kept head-sharded, ``[B, Hq / P, N]``, which is as large as ``[B, Hq, n]``); nothing an all-to-all
@@ -23,8 +24,9 @@ The layout of the whole sequence (dense, or packed documents where positions res
 the position_ids of all ranks, gathered once per model forward (:func:`sequence_parallel_layout`);
 the layout must be the same on every rank, so each rank reads every shard's positions.
 
-Not taken (clear errors before any collective): a padding mask with pads (pad the sequence's end
-instead: :func:`shard_batch`), Hugging Face's ``cu_seq_lens_q/k`` (pass restarting position_ids),
+Not taken (clear errors on every rank, before the attention's collectives): a padding mask with
+pads on any rank (pad the sequence's end instead: :func:`shard_batch`), a KV cache (generation),
+Hugging Face's ``cu_seq_lens_q/k`` (pass restarting position_ids),
 packed documents in a batch of more than one row, attention dropout, the attention sub-block's
 query tiling (the MLP and loss still tile), layers remat does not fuse.
 """
@@ -160,7 +162,8 @@ def scatter_kv_heads(t, group, size):
 
 def gather_kv_grads(t, group, size, num_kv_heads):
     """The gradient of :func:`scatter_kv_heads`: ``t`` ``[B, P n, h, D]`` -> ``[B, n, Hkv, D]``, the
-    replicas' gradients summed (fp32 sum, rounded once)."""
+    replicas' gradients summed in fp32 and rounded once to ``t``'s dtype (each replica's gradient
+    is already in that dtype)."""
     gathered = gather_heads(t, group, size)
     replicas = kv_replicas(num_kv_heads, size)
     if replicas == 1:
@@ -170,17 +173,30 @@ def gather_kv_grads(t, group, size, num_kv_heads):
     return grouped.sum(3, dtype=torch.float32).to(t.dtype)
 
 
-def _gather_positions(position_ids, group, size):
+_PADS_MESSAGE = ("sequence_parallel does not take a padding mask with pads: pad the sequence's end "
+                 "(remat.sequence_parallel.shard_batch does, labels -100) or pack documents with restarting "
+                 "position_ids")
+
+
+def _gather_positions(position_ids, group, size, pads):
     """Every rank's position_ids ``[B or 1, n]``, concatenated in rank order: ``[B or 1, P n]``.
-    The shapes are compared first (one small all_gather), so that shards of different shapes raise
-    ValueError on every rank instead of hanging in the second gather."""
-    shape = torch.tensor(position_ids.shape, dtype=torch.int64, device=position_ids.device)
-    shapes = [torch.empty_like(shape) for _ in range(size)]
-    dist.all_gather(shapes, shape, group=group)
-    if any(not torch.equal(s, shapes[0]) for s in shapes):
-        raise ValueError(f"sequence_parallel: the ranks' position_ids differ in shape "
-                         f"({[tuple(s.tolist()) for s in shapes]}); every rank needs a shard of the same length "
-                         "(shard_batch pads the sequence's end to a multiple of the group size)")
+    First one small all_gather of each rank's shape and ``pads`` (whether its attention_mask has
+    pads), so that shards of different shapes, or pads on any rank, raise ValueError on every rank
+    instead of one rank raising while the others wait in the next collective."""
+    dims = position_ids.dim()
+    shape = list(position_ids.shape) + [1] * (2 - dims) if dims <= 2 else [0, 0]
+    facts = torch.tensor([dims, *shape, int(pads)], dtype=torch.int64, device=position_ids.device)
+    gathered = [torch.empty_like(facts) for _ in range(size)]
+    dist.all_gather(gathered, facts, group=group)
+    if any(int(f[3]) for f in gathered):
+        raise ValueError(f"{_PADS_MESSAGE} (pads on rank(s) {[r for r, f in enumerate(gathered) if int(f[3])]})")
+    shapes = [tuple(f[1:1 + min(int(f[0]), 2)].tolist()) if int(f[0]) <= 2 else f"{int(f[0])}-D" for f in gathered]
+    if any(int(f[0]) > 2 for f in gathered):
+        raise ValueError(f"sequence_parallel: position_ids must be [B, n] or [n], got shapes {shapes} on the ranks")
+    if any(not torch.equal(f[:3], gathered[0][:3]) for f in gathered):
+        raise ValueError(f"sequence_parallel: the ranks' position_ids differ in shape ({shapes}); every rank needs a "
+                         "shard of the same length (shard_batch pads the sequence's end to a multiple of the group "
+                         "size)")
     parts = [torch.empty_like(position_ids) for _ in range(size)]
     dist.all_gather(parts, position_ids.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
@@ -197,10 +213,6 @@ def sequence_parallel_layout(batch, n, attention_mask, position_ids, source, off
     if any(v is not None for v in offsets.values()):
         raise ValueError("sequence_parallel does not take cu_seq_lens_q/k: pass each shard's position_ids, "
                          "restarting at 0 where a packed document starts")
-    if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
-        raise ValueError("sequence_parallel does not take a padding mask with pads: pad the sequence's end "
-                         "(remat.sequence_parallel.shard_batch does, labels -100) or pack documents with "
-                         "restarting position_ids")
     if position_ids is None:
         raise ValueError("sequence_parallel needs each shard's position_ids (its tokens' places in the whole "
                          "sequence; remat.sequence_parallel.shard_batch and DeepSpeed's UlyssesSPDataLoaderAdapter "
@@ -211,18 +223,24 @@ def sequence_parallel_layout(batch, n, attention_mask, position_ids, source, off
     group, size = source.resolve()
     if _estimating(position_ids):  # remat.estimate: dense rows, no positions to read
         return SequenceLayout(None, None, None, None, (group, size))
-    key = (id(position_ids), position_ids._version, id(group), batch, n)
+    # Pads on one rank's shard only (a right-padded batch cut by hand) are refused on every rank:
+    # the flag travels in the first gather.
+    pads = attention_mask is not None and not bool(attention_mask.to(torch.bool).all())
+    # Inference tensors have no version counter: their layouts are not reused (gathered per layer).
+    key = None if position_ids.is_inference() else (
+        id(position_ids), position_ids._version, id(attention_mask), id(group), batch, n)
     last = _LAST.get("entry")
-    if last is not None and last[0] == key and last[1]() is position_ids:
+    if key is not None and last is not None and last[0] == key and last[1]() is position_ids:
         return last[2]
-    positions = _gather_positions(position_ids, group, size)
+    positions = _gather_positions(position_ids, group, size, pads)
     whole = padding_or_position_layout(None, positions, batch, size * n)
     if whole is not None and whole.cu_seqlens is not None and batch != 1:
         raise ValueError("sequence_parallel with packed documents (restarting position_ids) takes one row "
                          f"(B = 1), got B = {batch}")
     cu_seqlens, max_seqlen = (None, None) if whole is None else (whole.cu_seqlens, whole.max_seqlen)
     layout = SequenceLayout(None, cu_seqlens, max_seqlen, None, (group, size))
-    _LAST["entry"] = (key, weakref.ref(position_ids), layout)
+    if key is not None:
+        _LAST["entry"] = (key, weakref.ref(position_ids), layout)
     return layout
 
 

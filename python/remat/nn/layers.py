@@ -194,6 +194,11 @@ class PreNormDecoderLayer(nn.Module):
         """
         cache = given_cache(kwargs)
         if cache is not None:
+            if self.sequence_parallel is not None:
+                # The stock layer would attend within this rank's shard only: wrong, silently.
+                raise ValueError("a layer patched with sequence_parallel takes no KV cache (generation attends "
+                                 "within each rank's shard): pass use_cache=False, or unpatch the model "
+                                 "(remat.unpatch) to generate")
             refuse_static_cache(cache)
             given = dict(attention_mask=attention_mask, position_ids=position_ids,
                          position_embeddings=position_embeddings)
