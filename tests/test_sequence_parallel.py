@@ -191,6 +191,12 @@ def _refusals(rank, group):
         remat.patch(three_heads, policy="memory", sequence_parallel=group)
     except ValueError as error:
         messages["heads"] = str(error)
+    # policy="auto" with budgets that differ per rank: both plan under the smaller one (rank 1's).
+    model = _model("llama")
+    budget = 10**15 if rank == 0 else _memory_candidate_peak("llama", group)
+    plan = remat.patch(model, policy="auto", budget_bytes=budget, seq_len=LENGTH, batch_size=2,
+                       sequence_parallel=group).plan
+    messages["auto plan"] = (plan.budget_bytes, plan.choice, budget)
     return messages
 
 
@@ -263,6 +269,7 @@ def _free_port():
 def test_shards_equal_one_process(world, tmp_path):
     out_path = str(tmp_path / "sp")
     mp.spawn(_worker, args=(world, _free_port(), out_path), nprocs=world, join=True)
+    auto_plans = []
     for rank in range(world):
         results = torch.load(f"{out_path}.{rank}")
         refusals = results.pop("refusals", None)
@@ -282,6 +289,7 @@ def test_shards_equal_one_process(world, tmp_path):
             assert "takes no KV cache" in refusals["cache"]
             assert refusals["inference mode loss"] == 0.0
             assert "query heads of" in refusals["heads"] and "(3)" in refusals["heads"]
+            auto_plans.append(refusals["auto plan"])
         assert set(results) == set(CASES)
         for case, errors in results.items():
             assert errors["missing"] == [], (case, errors)
@@ -290,6 +298,10 @@ def test_shards_equal_one_process(world, tmp_path):
             if "saved" in errors:
                 sharded, single = errors["saved"]
                 assert sharded == single > 0, (case, rank, sharded, single)
+    if world == 2:  # rank 0 alone, with its huge budget, would keep everything ("speed")
+        (budget_0, choice_0, given_0), (budget_1, choice_1, given_1) = auto_plans
+        assert budget_0 == budget_1 == given_1 < given_0 and choice_0 == choice_1, auto_plans
+        assert not choice_0.startswith("speed"), auto_plans
 
 
 def test_refused_without_torch_distributed():

@@ -100,7 +100,8 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             sequence-parallel guide). Needs whole decoder layers for every layer of
             the model, query heads divisible by the group size and KV heads divisible by it or
             dividing it. With ``policy="auto"`` only with ``seq_len`` (the whole sequence's length)
-            and ``budget_bytes`` (per rank): each candidate is estimated for one rank's shard.
+            and ``budget_bytes`` (per rank; the ranks plan under the smallest of theirs, so they
+            agree): each candidate is estimated for one rank's shard.
             Every fused layer keeps what its policy keeps for its shard's tokens.
 
     All or nothing: when anything inside patch raises (the plan included), the model is left as it
@@ -145,6 +146,8 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             raise ValueError("policy='auto' with seq_len plans the device peak from budget_bytes alone: "
                              "example_inputs, budget_bytes_per_token, max_span and tile_tokens are not taken")
         budget = _device_budget(model, budget_bytes)
+        if group is not None:  # every rank plans the same: the group's smallest budgets
+            budget, host_budget_bytes = group.smallest(budget), group.smallest(host_budget_bytes)
         peak = peak_plan.plan_peak(model, seq_len=seq_len, batch_size=batch_size, budget_bytes=budget,
                                    modules=modules, backend=backend, host_budget_bytes=host_budget_bytes,
                                    sequence_parallel=group)

@@ -90,6 +90,25 @@ class SequenceGroup:
                                    "Accelerate does inside prepare with ParallelismConfig(sp_backend='deepspeed'))")
         return group, check_group(group)
 
+    def smallest(self, value):
+        """The smallest ``value`` over the group's ranks (an int, or None for no limit: None only
+        if it is None on every rank), by one ``all_reduce(MIN)`` that every rank must call.
+        remat.patch(policy="auto", seq_len=..., sequence_parallel=...) plans each rank on its own,
+        so the ranks agree on the budgets first: the same plan on every rank recomputes, and so
+        exchanges, the same tensors in backward (ranks with other GPUs or budgets would otherwise
+        issue different collectives)."""
+        group, _ = self.resolve()
+        backend = str(dist.get_backend(group))
+        on_cuda = "nccl" in backend and "gloo" not in backend  # NCCL reduces CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        reduced = torch.tensor([_NO_LIMIT if value is None else int(value)], dtype=torch.int64, device=device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group)
+        smallest = int(reduced.item())
+        return None if smallest == _NO_LIMIT else smallest
+
+
+_NO_LIMIT = 2**63 - 1
+
 
 def check_heads(num_heads, num_kv_heads, size, where="the model"):
     """Raises ValueError unless ``size`` ranks can split ``num_heads`` query heads evenly and the
