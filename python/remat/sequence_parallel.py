@@ -56,6 +56,10 @@ def check_group(group):
     return dist.get_world_size(group)
 
 
+# SequenceGroup.smallest's stand-in for None (no limit) in its int64 all-reduce.
+_NO_LIMIT = 2**63 - 1
+
+
 class SequenceGroup:
     """Where the fused layers of a model patched with ``sequence_parallel`` find their group:
     the ProcessGroup given to remat.patch, or with ``"deepspeed"`` DeepSpeed's sequence-parallel
@@ -105,9 +109,6 @@ class SequenceGroup:
         dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group)
         smallest = int(reduced.item())
         return None if smallest == _NO_LIMIT else smallest
-
-
-_NO_LIMIT = 2**63 - 1
 
 
 def check_heads(num_heads, num_kv_heads, size, where="the model"):
@@ -209,7 +210,7 @@ def _gather_positions(position_ids, group, size, pads):
     dist.all_gather(gathered, facts, group=group)
     if any(int(f[3]) for f in gathered):
         raise ValueError(f"{_PADS_MESSAGE} (pads on rank(s) {[r for r, f in enumerate(gathered) if int(f[3])]})")
-    shapes = [tuple(f[1:1 + min(int(f[0]), 2)].tolist()) if int(f[0]) <= 2 else f"{int(f[0])}-D" for f in gathered]
+    shapes = [tuple(f[1:1 + int(f[0])].tolist()) if int(f[0]) <= 2 else f"{int(f[0])}-D" for f in gathered]
     if any(int(f[0]) > 2 for f in gathered):
         raise ValueError(f"sequence_parallel: position_ids must be [B, n] or [n], got shapes {shapes} on the ranks")
     if any(not torch.equal(f[:3], gathered[0][:3]) for f in gathered):
@@ -242,15 +243,15 @@ def sequence_parallel_layout(batch, n, attention_mask, position_ids, source, off
     group, size = source.resolve()
     if _estimating(position_ids):  # remat.estimate: dense rows, no positions to read
         return SequenceLayout(None, None, None, None, (group, size))
-    # Pads on one rank's shard only (a right-padded batch cut by hand) are refused on every rank:
-    # the flag travels in the first gather.
-    pads = attention_mask is not None and not bool(attention_mask.to(torch.bool).all())
     # Inference tensors have no version counter: their layouts are not reused (gathered per layer).
     key = None if position_ids.is_inference() else (
         id(position_ids), position_ids._version, id(attention_mask), id(group), batch, n)
     last = _LAST.get("entry")
     if key is not None and last is not None and last[0] == key and last[1]() is position_ids:
         return last[2]
+    # Read once per layout (the mask is part of the key), not per layer: pads on one rank's shard only
+    # (a right-padded batch cut by hand) are refused on every rank, the flag travelling in the first gather.
+    pads = attention_mask is not None and not bool(attention_mask.to(torch.bool).all())
     positions = _gather_positions(position_ids, group, size, pads)
     whole = padding_or_position_layout(None, positions, batch, size * n)
     if whole is not None and whole.cu_seqlens is not None and batch != 1:
