@@ -63,14 +63,33 @@ def _batch(layout):
 CASES = [(family, policy, layout, None)
          for family in ("llama", "qwen3", "qwen3_moe") for policy in ("speed", "balanced", "memory")
          for layout in ("dense", "packed")]
-CASES += [("llama", "balanced", "dense", "checkpointing"), ("llama", "memory", "packed", "offload"),
+CASES += [("llama", "memory", "dense", "lora"), ("qwen3", "memory", "packed", "lora"),
+          ("llama", "balanced", "dense", "checkpointing"), ("llama", "memory", "packed", "offload"),
           ("qwen3", "speed", "dense", "tile"), ("llama", "balanced", "odd", None), ("llama", "auto", "dense", None)]
 
 
-def _one_process(family, layout):
+def _with_lora(model):
+    """PEFT LoRA on every linear layer, B not zero and with PEFT's lora_bias (so the head chunks'
+    slices of B and its bias show in the gradients)."""
+    import peft
+
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                             lora_bias=True)
+    return peft.get_peft_model(model, config)
+
+
+def _model_for(family, extra):
+    """The tiny model of a case: with ``extra == "lora"`` q/k/v/o biases and PEFT LoRA adapters."""
+    if extra == "lora":
+        return _with_lora(_model(family, attention_bias=True))
+    return _model(family)
+
+
+def _one_process(family, layout, extra=None):
     """Loss and gradients of the stock model on the whole batch in one process (Hugging Face's
     own attention, which splits packed rows by their restarting positions)."""
-    model = _model(family)
+    model = _model_for(family, extra)
     batch = _batch(layout)
     loss = model(**batch).loss
     loss.backward()
@@ -78,7 +97,7 @@ def _one_process(family, layout):
 
 
 def _sharded(family, policy, layout, extra, group):
-    model = _model(family)
+    model = _model_for(family, extra)
     options = {"offload": True} if extra == "offload" else {"tile_tokens": 4} if extra == "tile" else {}
     if policy == "auto":  # planned per rank under the "memory" candidate's predicted peak
         options = {"budget_bytes": _memory_candidate_peak(family, group), "seq_len": LENGTH, "batch_size": 2}
@@ -230,7 +249,7 @@ def _worker(rank, world, port, out_path):
     try:
         results = {}
         for case in CASES:
-            expected_loss, expected_grads = _one_process(case[0], case[2])
+            expected_loss, expected_grads = _one_process(case[0], case[2], case[3])
             loss, grads, model = _sharded(*case, group)
             errors = {"loss": float((loss - expected_loss).abs()), "missing": sorted(set(expected_grads) - set(grads))}
             errors["grads"] = max(float(((grads[name] - g).abs() / (g.abs() + 1e-3)).max()) for name, g in

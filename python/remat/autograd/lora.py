@@ -216,6 +216,89 @@ def branch_grads(grad, x, target, layout, tensors, rngs, needs, backend, row_off
     return d_x, branch_weight_grads(grad, x, d_intermediates, layout, tensors, rngs, needs, backend, row_offset)
 
 
+def output_slice(layout, tensors, target, rows):
+    """The flat tensors with the B and bias of projection ``target``'s adapters cut to the output
+    features ``rows`` (a slice of B's rows): the branches of that slice of the projection's output,
+    for :func:`add_branches` and :func:`branch_grads` (A and the rank-r intermediate are whole)."""
+    sliced = list(tensors)
+    for index in _targets(layout, target):
+        first = TENSORS_PER_ADAPTER * index
+        sliced[first + 1] = tensors[first + 1][rows]
+        if tensors[first + 2] is not None:
+            sliced[first + 2] = tensors[first + 2][rows]
+    return tuple(sliced)
+
+
+class SlicedBranchGrads:
+    """The backward of the LoRA branches of projections whose output gradient arrives in slices of
+    output features, one at a time (the head chunks of sequence-parallel attention,
+    remat.autograd.norm_attention): the rank-r intermediate ``A(drop(x))`` of each adapter is made
+    once from x (the same for every slice), each slice's gradient gives its rows of B's and the
+    bias's gradients and adds into the gradient of the intermediate (fp32, ``[rows, r]``), and
+    :meth:`finish` makes A's gradient and the input gradient once, from x again. So x (the
+    normalized input, ``[rows, in]``) is needed twice per call, never while slices arrive, and no
+    ``[rows, in]`` input-gradient term is made per slice. Row chunks as :func:`branch_grads`'s."""
+
+    def __init__(self, x, layout, tensors, rngs, needs, backend):
+        self.layout, self.tensors, self.rngs, self.needs, self.backend = layout, tensors, rngs, needs, backend
+        self.intermediates, self.d_intermediates, self.grads = {}, {}, {}
+        self.chunks = _row_chunks(x.shape[0], x.shape[1])
+        for index, slot in enumerate(layout):
+            a = _adapter(tensors, index)[0]
+            h = x.new_empty(x.shape[0], a.shape[0], dtype=a.dtype)
+            for start, end in self.chunks:
+                h[start:end] = F.linear(_dropped(x[start:end].to(a.dtype), slot, rngs[index], backend, start), a)
+            self.intermediates[index] = h
+
+    def __bool__(self):
+        return bool(self.layout)
+
+    def _add(self, key, rows, part):
+        if key not in self.grads:
+            self.grads[key] = torch.zeros(self.tensors[key].shape, dtype=torch.float32, device=part.device)
+        self.grads[key][rows] += part
+
+    def add_slice(self, grad, target, rows):
+        """grad ``[rows, features]``: the gradient of projection ``target``'s output features
+        ``rows`` (a slice)."""
+        for index in _targets(self.layout, target):
+            slot, first = self.layout[index], TENSORS_PER_ADAPTER * index
+            _, b, bias = _adapter(self.tensors, index)
+            b_rows = b[rows]
+            d_intermediate = self.d_intermediates.get(index)
+            if d_intermediate is None:
+                d_intermediate = self.d_intermediates[index] = grad.new_zeros(grad.shape[0], b.shape[1],
+                                                                              dtype=torch.float32)
+            for start, end in _row_chunks(grad.shape[0], max(grad.shape[1], b.shape[1])):
+                d_branch = grad[start:end].to(b.dtype) * slot.scaling
+                d_intermediate[start:end] += d_branch @ b_rows
+                if self.needs[first + 1]:
+                    self._add(first + 1, rows, d_branch.t() @ self.intermediates[index][start:end])
+                if bias is not None and self.needs[first + 2]:
+                    self._add(first + 2, rows, d_branch.sum(0))
+
+    def finish(self, x, d_x):
+        """Adds the branches' input gradient into ``d_x`` ``[rows, in]`` (in place, row chunk by
+        row chunk) and returns {flat tensor index: gradient} in the tensors' dtypes; x as given to
+        the constructor (recomputed by the caller)."""
+        for index, d_intermediate in self.d_intermediates.items():
+            slot, first = self.layout[index], TENSORS_PER_ADAPTER * index
+            a = _adapter(self.tensors, index)[0]
+            for start, end in self.chunks:
+                d_int = d_intermediate[start:end].to(a.dtype)
+                if self.needs[first]:
+                    dropped = _dropped(x[start:end].to(a.dtype), slot, self.rngs[index], self.backend, start)
+                    self._add(first, slice(None), d_int.t() @ dropped)
+                    del dropped
+                d_dropped = d_int @ a
+                if self.rngs[index] is not None:
+                    rng = _shifted(self.rngs[index], start * a.shape[1])
+                    d_dropped = ops_for("dropout", self.backend).philox_dropout(d_dropped.contiguous(), rng,
+                                                                                slot.dropout_p)
+                d_x[start:end] += d_dropped.to(d_x.dtype)
+        return {key: grad.to(self.tensors[key].dtype) for key, grad in self.grads.items()}
+
+
 def grads_tuple(grads, count):
     """The flat tensors' gradients in input order (None where not computed)."""
     return tuple(grads.get(i) for i in range(count))
