@@ -138,17 +138,29 @@ def _saved_bytes(model, shard):
     return saved_bytes(lambda: model(**shard).loss)
 
 
-def _functional_errors(rank, world, group, num_heads, num_kv_heads, packed, keep_qkv):
+def _functional_errors(rank, world, group, num_heads, num_kv_heads, packed, keep_qkv, fused=False):
     """remat.norm_attention on this rank's shard with sequence_parallel against the whole sequence
     in one call: (largest output error, largest gradient error), the weight gradients summed over
-    the group. Odd sizes: hidden 20, head dim 6, two documents of 5 and 7 tokens per 12."""
+    the group. Odd sizes: hidden 20, head dim 6, two documents of 5 and 7 tokens per 12. ``fused``
+    (keep_qkv=False): LoRA adapters (with B biases, fp32, rank 3) on q, k, v and the output
+    projection, which is fused into the sharded call (``w_o``, ``b_o``) and applied after the whole
+    call (remat.lora_linear)."""
     torch.manual_seed(0)
     rows, length, hidden, head_dim = (1 if packed else 2), 12, 20, 6
     x = torch.randn(rows, length, hidden)
     weights = [torch.randn(hidden) + 1] + [torch.randn(h * head_dim, hidden) * 0.3
                                            for h in (num_heads, num_kv_heads, num_kv_heads)]
-    for w in weights:
+    out = [torch.randn(hidden + 3, num_heads * head_dim) * 0.3, torch.randn(hidden + 3)] if fused else []
+    adapter_tensors = []
+    if fused:
+        for width_in, width_out in ((hidden, num_heads * head_dim), *[(hidden, num_kv_heads * head_dim)] * 2,
+                                    (num_heads * head_dim, hidden + 3)):
+            adapter_tensors.append([torch.randn(3, width_in) * 0.3, torch.randn(width_out, 3) * 0.3,
+                                    torch.randn(width_out) * 0.1])
+    leaves = weights + out + [t for trio in adapter_tensors for t in trio]
+    for w in leaves:
         w.requires_grad_(True)
+    adapters = [[remat.LoRAAdapter(a, b, bias, 0.5)] for a, b, bias in adapter_tensors]
     positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]) if packed else torch.arange(length)
     angles = positions[None, :, None] / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)
     cos, sin = angles.cos(), angles.sin()
@@ -156,15 +168,18 @@ def _functional_errors(rank, world, group, num_heads, num_kv_heads, packed, keep
     if packed:
         options["cu_seqlens"] = torch.tensor([0, 5, 12], dtype=torch.int32)
     whole_x = x.clone().requires_grad_(True)
-    o = remat.norm_attention(whole_x, *weights, rope=(cos, sin), **options)
+    o = remat.norm_attention(whole_x, *weights, rope=(cos, sin), lora=adapters[:3] or None, **options)
+    if fused:
+        o = remat.lora_linear(o.reshape(rows, length, -1), *out, adapters[3])
     grad = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
-    expected = torch.autograd.grad(o, [whole_x, *weights], grad)
+    expected = torch.autograd.grad(o, [whole_x, *leaves], grad)
     n = length // world
     part = slice(rank * n, (rank + 1) * n)
     shard = x[:, part].clone().requires_grad_(True)
+    extra = dict(w_o=out[0], b_o=out[1], lora=adapters) if fused else {}
     o_shard = remat.norm_attention(shard, *weights, rope=(cos[:, part], sin[:, part]), sequence_parallel=group,
-                                   **options)
-    grads = torch.autograd.grad(o_shard, [shard, *weights], grad[:, part].contiguous())
+                                   **options, **extra)
+    grads = torch.autograd.grad(o_shard, [shard, *leaves], grad[:, part].contiguous())
     for g in grads[1:]:
         dist.all_reduce(g, group=group)
     errors = [float((grads[0] - expected[0][:, part]).abs().max())]
@@ -265,8 +280,8 @@ def _worker(rank, world, port, out_path):
                 local = dict(shard, position_ids=shard["position_ids"] - shard["position_ids"][:, :1])
                 errors["saved"] = (_saved_bytes(model, shard), _saved_bytes(single, local))
             results[case] = errors
-        functional_cases = [(4, 4, True, True), (4, 2, False, False)] if world == 2 else [(8, 1, True, False),
-                                                                                           (4, 2, False, True)]
+        functional_cases = ([(4, 4, True, True), (4, 2, False, False), (4, 2, True, False, True)] if world == 2 else
+                            [(8, 1, True, False), (4, 2, False, True), (8, 4, False, False, True)])
         results["functional"] = {case: _functional_errors(rank, world, group, *case) for case in functional_cases}
         results["estimate"] = _estimate_and_peak(group)
         if world == 2:
@@ -342,3 +357,14 @@ def test_heads_rule():
         check_heads(12, 4, 8)
     with pytest.raises(ValueError, match="KV heads"):
         check_heads(24, 3, 8)
+
+
+def test_fused_out_projection_needs_sequence_parallel():
+    """w_o (the fused output projection) is taken only under sequence_parallel with keep_qkv=False:
+    elsewhere a clear error before any kernel, as is b_o without w_o."""
+    x = torch.randn(1, 4, 8)
+    weights = [torch.ones(8), torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8)]
+    with pytest.raises(ValueError, match="only with sequence_parallel and keep_qkv=False"):
+        remat.norm_attention(x, *weights, num_heads=2, keep_qkv=False, w_o=torch.randn(8, 8))
+    with pytest.raises(ValueError, match="b_o needs w_o"):
+        remat.norm_attention(x, *weights, num_heads=2, b_o=torch.randn(8))

@@ -229,6 +229,39 @@ def output_slice(layout, tensors, target, rows):
     return tuple(sliced)
 
 
+def intermediate_grads(grad, target, layout, tensors):
+    """{adapter index: the gradient of its rank-r intermediate ``[rows, r]`` (in B's dtype)} for the
+    adapters of projection ``target`` from the gradient of its output grad ``[rows, out]`` (row
+    chunks as :func:`branch_input_grad`'s, whose first half this is)."""
+    d_intermediates = {}
+    for index in _targets(layout, target):
+        slot = layout[index]
+        b = _adapter(tensors, index)[1]
+        whole = grad.new_empty(grad.shape[0], b.shape[1], dtype=b.dtype)
+        for start, end in _row_chunks(grad.shape[0], max(grad.shape[1], b.shape[1])):
+            whole[start:end] = (grad[start:end].to(b.dtype) * slot.scaling) @ b
+        d_intermediates[index] = whole
+    return d_intermediates
+
+
+def add_input_grad_columns(into, d_intermediates, columns, layout, tensors, rngs, backend):
+    """Adds the input features ``columns`` (a slice) of the branches' input gradient into ``into``
+    ``[rows, width of columns]``, in place: ``d_intermediate @ A[:, columns]``, through the dropout
+    mask of those features (made for whole rows of a row chunk at a time: a mask element's Philox
+    counter follows its place in the row-major input), summed over the adapters in
+    ``d_intermediates`` (from :func:`intermediate_grads`)."""
+    for index, d_intermediate in d_intermediates.items():
+        slot, a = layout[index], _adapter(tensors, index)[0]
+        for start, end in _row_chunks(into.shape[0], a.shape[1]):
+            if rngs[index] is None:
+                part = d_intermediate[start:end] @ a[:, columns]
+            else:
+                rng = _shifted(rngs[index], start * a.shape[1])
+                part = ops_for("dropout", backend).philox_dropout((d_intermediate[start:end] @ a).contiguous(), rng,
+                                                                  slot.dropout_p)[:, columns]
+            into[start:end] += part.to(into.dtype)
+
+
 class SlicedBranchGrads:
     """The backward of the LoRA branches of projections whose output gradient arrives in slices of
     output features, one at a time (the head chunks of sequence-parallel attention,
@@ -237,21 +270,22 @@ class SlicedBranchGrads:
     bias's gradients and adds into the gradient of the intermediate (fp32, ``[rows, r]``), and
     :meth:`finish` makes A's gradient and the input gradient once, from x again. So x (the
     normalized input, ``[rows, in]``) is needed twice per call, never while slices arrive, and no
-    ``[rows, in]`` input-gradient term is made per slice. Row chunks as :func:`branch_grads`'s."""
+    ``[rows, in]`` input-gradient term is made per slice. ``targets``: the projections (of the
+    layout) that read x. Row chunks as :func:`branch_grads`'s."""
 
-    def __init__(self, x, layout, tensors, rngs, needs, backend):
+    def __init__(self, x, layout, tensors, rngs, needs, backend, targets):
         self.layout, self.tensors, self.rngs, self.needs, self.backend = layout, tensors, rngs, needs, backend
         self.intermediates, self.d_intermediates, self.grads = {}, {}, {}
         self.chunks = _row_chunks(x.shape[0], x.shape[1])
-        for index, slot in enumerate(layout):
-            a = _adapter(tensors, index)[0]
+        for index in (i for target in targets for i in _targets(layout, target)):
+            slot, a = layout[index], _adapter(tensors, index)[0]
             h = x.new_empty(x.shape[0], a.shape[0], dtype=a.dtype)
             for start, end in self.chunks:
                 h[start:end] = F.linear(_dropped(x[start:end].to(a.dtype), slot, rngs[index], backend, start), a)
             self.intermediates[index] = h
 
     def __bool__(self):
-        return bool(self.layout)
+        return bool(self.intermediates)
 
     def _add(self, key, rows, part):
         if key not in self.grads:

@@ -25,11 +25,9 @@ head-sharded (``[B, Hq / P, P n]``, or ``[Hq / P, T]`` packed: as many bytes). q
 with the shard's rope tables before the all-to-all that gives each rank every token of its heads
 (the rotated copies and everything an all-to-all makes are temporaries, never saved). Backward
 recomputes and re-scatters q, k, v, scatters o and the output gradient, and gathers dq, dk, dv back.
-The exchange runs one head chunk at a time (:func:`_head_chunks`); with keep_qkv=False the
-projections do too, in forward and backward: a chunk's q, k, v are projected from the normalized
-input (their output features of Wq, Wk, Wv, and of each LoRA B), exchanged, and in backward their
-gradients consumed (input gradient summed into d normed, weight gradients of those features) before
-the next chunk, so q, k, v and dq, dk, dv are never whole.
+The exchange runs one head chunk at a time (:func:`_head_chunks`). This Function runs sequence
+parallelism with keep_qkv=True; with keep_qkv=False remat.autograd.norm_attention_parallel runs
+the projections chunk by chunk too (q, k, v and their gradients never whole).
 
 LoRA adapters on q/k/v (remat.autograd.lora) add no per-token bytes: their branches are part of the
 kept (or recomputed) q, k, v, their rank-r intermediates are recomputed from the normalized input,
@@ -203,193 +201,6 @@ def _sequence_parallel_bwd(dout, q, k, v, o, lse, cos, sin, cu_seqlens, options,
     return dq, dk, dv
 
 
-def _chunk_columns(heads, kv_heads, head_dim):
-    """The output features of the q, k and v projections that make one head chunk."""
-    return (slice(heads.start * head_dim, heads.stop * head_dim),
-            *[slice(kv_heads.start * head_dim, kv_heads.stop * head_dim)] * 2)
-
-
-def _project_chunk(normed, weights, biases, columns, shape, adapters):
-    """q, k, v of one head chunk, [B, n, heads of the chunk, D]: the projections' output features
-    ``columns`` (:func:`_chunk_columns`) with their LoRA branches (B and bias cut to those
-    features; remat.autograd.lora.output_slice)."""
-    batch, n, _, _, head_dim = shape
-    layout, tensors, rngs, backend = adapters
-    projections = []
-    for target, (w, b, cols) in enumerate(zip(weights, biases, columns)):
-        sliced = lora.output_slice(layout, tensors, target, cols)
-        base = F.linear(normed, w[cols], None if b is None else b[cols])
-        projections.append(lora.add_branches(base, normed, target, layout, sliced, rngs, backend).view(
-            batch, n, -1, head_dim))
-    return projections
-
-
-def _chunked_sequence_parallel_fwd(normed, weights, biases, q_norm_weight, k_norm_weight, cos, sin, cu_seqlens,
-                                   adapters, options, backend):
-    """The attention of this rank's shard for keep_qkv=False under sequence parallelism, one head
-    chunk at a time from projection to exchanged output: q, k, v of a chunk (:func:`_project_chunk`)
-    exist only while it runs, never whole. normed: the normalized input rows [B n, hidden]. Returns o
-    [B, n, Hq, D] and the head-sharded lse, as :func:`_sequence_parallel_fwd`."""
-    batch, n, hq, hkv, head_dim = options.shape
-    o = normed.new_empty(batch, n, hq, head_dim)
-    lses = []
-    for heads, kv_heads in _head_chunks(hq, hkv, options.sequence_parallel[1]):
-        qkv = _project_chunk(normed, weights, biases, _chunk_columns(heads, kv_heads, head_dim), options.shape,
-                             adapters)
-        if options.qk_norm is not None:
-            qkv[0], _ = _head_norm(qkv[0], q_norm_weight, options)
-            qkv[1], _ = _head_norm(qkv[1], k_norm_weight, options)
-        o[:, :, heads], lse_c = _chunk_fwd(qkv, cos, sin, cu_seqlens, options, backend)
-        lses.append(lse_c)
-    return o, lses[0] if len(lses) == 1 else torch.cat(lses, dim=-2)
-
-
-def _normalized(rows, norm_weight, norm_bias, options):
-    """The normalized input rows [B n, hidden], recomputed (bitwise the forward's: the same kernel)."""
-    return norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, options.norm_backend)[0]
-
-
-def _add_product(total, a, b):
-    """``total + a @ b`` (None ``total``: ``a @ b``), in place into ``total`` through one GEMM with
-    the sum where the dtypes agree (no [rows, hidden] temporary beside the sum)."""
-    if total is None:
-        return a @ b
-    if total.dtype == a.dtype == b.dtype:
-        return total.addmm_(a, b)
-    return _accumulate(total, a @ b)
-
-
-def _chunked_sequence_parallel_bwd(dout, rows, norm_weight, norm_bias, weights, biases, head_norm_weights, o, lse,
-                                   cos, sin, cu_seqlens, adapters, need, options, backend):
-    """The backward of :func:`_chunked_sequence_parallel_fwd` up to the normalized input, one head
-    chunk at a time: the chunk's q, k, v recomputed from the normalized input, the chunk's attention
-    backward (:func:`_chunk_bwd`), then its projection gradients consumed at once (the input
-    gradient summed into d normed by one GEMM each, the weight gradients of the chunk's output
-    features, the LoRA B gradients of those features; remat.autograd.lora.SlicedBranchGrads). What
-    the whole-tensor path holds at its peak, q, k, v and dq, dk, dv of the shard, is one chunk's
-    here. The normalized input is recomputed where needed and never held through an exchange: for
-    each chunk's projections, after its attention backward only for weight gradients (full
-    fine-tuning), and once each before and after the chunks for the LoRA branches (their rank-r
-    intermediates, A's and the input's gradients). need: the Function's needs_input_grad. Returns
-    (d normed [B n, hidden], [(d W, d b)] per projection, (d q-norm weight, d k-norm weight),
-    {LoRA flat index: gradient})."""
-    batch, n, hq, hkv, head_dim = options.shape
-    layout, tensors, rngs, norm_backend = adapters
-    chunks = _head_chunks(hq, hkv, options.sequence_parallel[1])
-    normed = _normalized(rows, norm_weight, norm_bias, options)
-    branches = lora.SlicedBranchGrads(normed, layout, tensors, rngs, need[_FIRST_LORA_INPUT:], norm_backend)
-    d_normed = None
-    weight_grads = [[None, None] for _ in weights]
-    head_norm_grads = [None, None]
-    for index, (heads, kv_heads) in enumerate(chunks):
-        columns = _chunk_columns(heads, kv_heads, head_dim)
-        if normed is None:
-            normed = _normalized(rows, norm_weight, norm_bias, options)
-        attention_in = _project_chunk(normed, weights, biases, columns, options.shape, adapters)
-        normed = None
-        # Only the per-head norms' backward needs the pre-norm q, k of the chunk: without them the
-        # chunk's projections are the core's inputs alone and die once exchanged (_chunk_bwd).
-        projections, statistics = list(attention_in), [None, None]
-        if options.qk_norm is not None:
-            for i in (0, 1):
-                attention_in[i], statistics[i] = _head_norm(projections[i], head_norm_weights[i], options)
-        else:
-            projections = None
-        grads = list(_chunk_bwd(dout[:, :, heads], attention_in, o[:, :, heads], _lse_chunk(lse, index, len(chunks)),
-                                cos, sin, cu_seqlens, options, backend))
-        if options.qk_norm is not None:
-            for i in (0, 1):
-                grads[i], d_weight = _head_norm_backward(grads[i], projections[i], head_norm_weights[i],
-                                                         statistics[i], options)
-                head_norm_grads[i] = d_weight.float() if head_norm_grads[i] is None else head_norm_grads[i] + d_weight
-        del projections, statistics
-        if any(need[3:6]):
-            normed = _normalized(rows, norm_weight, norm_bias, options)
-        for target, cols in enumerate(columns):
-            grad = grads[target].reshape(batch * n, -1)
-            grads[target] = None
-            weight, bias = weights[target], biases[target]
-            d_normed = _add_product(d_normed, grad, weight[cols])
-            if need[3 + target]:
-                if weight_grads[target][0] is None:
-                    weight_grads[target][0] = torch.empty_like(weight)
-                weight_grads[target][0][cols] = grad.t() @ normed
-            if bias is not None and need[6 + target]:
-                if weight_grads[target][1] is None:
-                    weight_grads[target][1] = torch.empty_like(bias)
-                weight_grads[target][1][cols] = grad.sum(0)
-            branches.add_slice(grad, target, cols)
-            del grad
-        normed = None
-    lora_grads = {}
-    if branches:
-        lora_grads = branches.finish(_normalized(rows, norm_weight, norm_bias, options), d_normed)
-    head_norm_grads = [None if g is None else g.to(w.dtype) for g, w in zip(head_norm_grads, head_norm_weights)]
-    return d_normed, weight_grads, head_norm_grads, lora_grads
-
-
-def _prepared_dout(dout, empty):
-    """The incoming gradient of o with the empty queries' rows zeroed, contiguous in D."""
-    dout = without_empty_queries(dout, empty)
-    return dout if dout.stride(-1) == 1 else dout.contiguous()
-
-
-def _whole_bwd(dout, rows, norm_weight, norm_bias, weights, biases, head_norm_weights, q, k, v, o, lse, rng, cos, sin,
-               cu_seqlens, adapters, need, options, backend, rotate_once):
-    """The backward of the whole-tensor paths (one process; or q, k, v kept under sequence
-    parallelism) up to the normalized input; q, k, v: the kept projections, or None (recomputed
-    here). Returns what :func:`_chunked_sequence_parallel_bwd` returns."""
-    batch, n = options.shape[:2]
-    # The normalized input, recomputed for the projection weight gradients (and for q, k, v
-    # under keep_qkv=False), freed before the norm backward. With q, k, v kept it is first needed
-    # after the attention backward, and made only then; under sequence parallelism it is made
-    # again then rather than held through the attention's exchanges (one more norm pass).
-    normed = None
-    if q is None:
-        normed = _normalized(rows, norm_weight, norm_bias, options)
-        q, k, v = _project(normed, weights, biases, options.shape, adapters)
-    q_in, k_in = q, k
-    if options.qk_norm is not None:
-        # The per-head norms and their statistics, recomputed from the pre-norm q and k.
-        q_in, q_rstd = _head_norm(q, head_norm_weights[0], options)
-        k_in, k_rstd = _head_norm(k, head_norm_weights[1], options)
-    if options.sequence_parallel is None:
-        dq, dk, dv = _attention_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, rng, options, backend,
-                                    rotate_once)
-    else:
-        dq, dk, dv = _sequence_parallel_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, options, backend)
-    del q_in, k_in, v
-    d_q_norm = d_k_norm = None
-    if options.qk_norm is not None:
-        dq, d_q_norm = _head_norm_backward(dq, q, head_norm_weights[0], q_rstd, options)
-        dk, d_k_norm = _head_norm_backward(dk, k, head_norm_weights[1], k_rstd, options)
-    del q, k
-    if normed is None:
-        normed = _normalized(rows, norm_weight, norm_bias, options)
-    d_normed = None
-    grads, lora_grads = [], {}
-    # Each projection's gradient is released once used, and the input gradients are summed in
-    # place where the sum's dtype holds the term's (fresh GEMM outputs, never a caller's tensor): at
-    # most one [tokens, hidden] term beside the running sum.
-    projection_grads = [dq, dk, dv]
-    del dq, dk, dv
-    for target, (weight, bias) in enumerate(zip(weights, biases)):
-        grad = projection_grads[target].reshape(batch * n, -1)
-        projection_grads[target] = None
-        d_in, d_w, d_b = linear_grads(grad, normed, weight, True, need[3 + target],
-                                      need[6 + target] and bias is not None)
-        d_lora, target_grads = lora.branch_grads(grad, normed, target, *adapters[:3], need[_FIRST_LORA_INPUT:],
-                                                 adapters[3])
-        del grad
-        d_in = _accumulate(d_in, d_lora)
-        del d_lora
-        lora_grads.update(target_grads)
-        d_normed = _accumulate(d_normed, d_in)
-        del d_in
-        grads.append((d_w, d_b))
-    return d_normed, grads, (d_q_norm, d_k_norm), lora_grads
-
-
 # The position of the first LoRA tensor among NormAttentionFunction.forward's inputs (after x, the
 # ten weights and biases, cos, sin, cu_seqlens, empty, options, backend, rotate_once and lora_layout).
 _FIRST_LORA_INPUT = 19
@@ -427,17 +238,7 @@ class NormAttentionFunction(torch.autograd.Function):
         rows = x.reshape(batch * n, x.shape[-1])
         lora_rngs = lora.draw_rngs(lora_layout, x.device)
         adapters = (lora_layout, lora_tensors, lora_rngs, options.norm_backend)
-        rng = attention_rng_state(backend, x.device) if attention.dropout_p > 0 else None
-        ctx.rotate_once = rotate_once
-        if options.sequence_parallel is not None and not options.keep_qkv:
-            # One head chunk at a time from projection to output: q, k, v never whole (nor kept).
-            normed, mean, rstd = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps,
-                                              options.norm_backend)
-            o, lse = _chunked_sequence_parallel_fwd(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), q_norm_weight,
-                                                    k_norm_weight, cos, sin, cu_seqlens, adapters, options, backend)
-            del normed
-            q = k = v = None
-        elif options.tile_tokens:
+        if options.tile_tokens:
             q, k, v, mean, rstd = norm_attention_tiled.project_tiled(rows, norm_weight, norm_bias, (w_q, w_k, w_v),
                                                                      (b_q, b_k, b_v), shape, adapters, options)
         else:
@@ -445,19 +246,20 @@ class NormAttentionFunction(torch.autograd.Function):
                                               options.norm_backend)
             q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape, adapters)
             del normed
-        if q is not None:
-            q_in, k_in = q, k
-            if options.qk_norm is not None:
-                q_in, _ = _head_norm(q, q_norm_weight, options)
-                k_in, _ = _head_norm(k, k_norm_weight, options)
-            if options.sequence_parallel is None:
-                o, lse = _attention_fwd(q_in, k_in, v, cos, sin, cu_seqlens, rng, options, backend, ctx.rotate_once)
-            else:
-                o, lse = _sequence_parallel_fwd(q_in, k_in, v, cos, sin, cu_seqlens, options, backend)
-            del q_in, k_in
-            if not options.keep_qkv:
-                q = k = v = None
+        q_in, k_in = q, k
+        if options.qk_norm is not None:
+            q_in, _ = _head_norm(q, q_norm_weight, options)
+            k_in, _ = _head_norm(k, k_norm_weight, options)
+        rng = attention_rng_state(backend, x.device) if attention.dropout_p > 0 else None
+        ctx.rotate_once = rotate_once
+        if options.sequence_parallel is None:
+            o, lse = _attention_fwd(q_in, k_in, v, cos, sin, cu_seqlens, rng, options, backend, ctx.rotate_once)
+        else:
+            o, lse = _sequence_parallel_fwd(q_in, k_in, v, cos, sin, cu_seqlens, options, backend)
         zero_empty_queries_(o, empty)
+        del q_in, k_in
+        if not options.keep_qkv:
+            q = k = v = None
         ctx.save_for_backward(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v, q_norm_weight, k_norm_weight,
                               mean, rstd, q, k, v, o, lse, rng, cos, sin, cu_seqlens, empty, *lora_tensors,
                               *lora_rngs)
@@ -475,18 +277,61 @@ class NormAttentionFunction(torch.autograd.Function):
         options, backend, lora_layout = ctx.options, ctx.backend, ctx.lora_layout
         lora_count = lora.TENSORS_PER_ADAPTER * len(lora_layout)
         adapters = (lora_layout, lora_saved[:lora_count], lora_saved[lora_count:], options.norm_backend)
-        batch, n = options.shape[:2]
+        shape = options.shape
+        batch, n, hq, hkv, head_dim = shape
         need = ctx.needs_input_grad
         rows = x.reshape(batch * n, x.shape[-1])
-        if q is None and options.sequence_parallel is not None:
-            d_normed, grads, (d_q_norm, d_k_norm), lora_grads = _chunked_sequence_parallel_bwd(
-                _prepared_dout(dout, empty), rows, norm_weight, norm_bias, (w_q, w_k, w_v), (b_q, b_k, b_v),
-                (q_norm_weight, k_norm_weight), o, lse, cos, sin, cu_seqlens, adapters, need, options, backend)
+        # The normalized input, recomputed for the projection weight gradients (and for q, k, v
+        # under keep_qkv=False), freed before the norm backward. With q, k, v kept it is first needed
+        # after the attention backward, and made only then (under sequence parallelism, the only
+        # case there, so it is not held through the attention's exchanges).
+        normed = None
+        if q is None:
+            normed, _, _ = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, options.norm_backend)
+            q, k, v = _project(normed, (w_q, w_k, w_v), (b_q, b_k, b_v), shape, adapters)
+        q_in, k_in = q, k
+        if options.qk_norm is not None:
+            # The per-head norms and their statistics, recomputed from the pre-norm q and k.
+            q_in, q_rstd = _head_norm(q, q_norm_weight, options)
+            k_in, k_rstd = _head_norm(k, k_norm_weight, options)
+        dout = without_empty_queries(dout, empty)
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        if options.sequence_parallel is None:
+            dq, dk, dv = _attention_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, rng, options, backend,
+                                        ctx.rotate_once)
         else:
-            d_normed, grads, (d_q_norm, d_k_norm), lora_grads = _whole_bwd(
-                _prepared_dout(dout, empty), rows, norm_weight, norm_bias, (w_q, w_k, w_v), (b_q, b_k, b_v),
-                (q_norm_weight, k_norm_weight), q, k, v, o, lse, rng, cos, sin, cu_seqlens, adapters, need, options,
-                backend, ctx.rotate_once)
+            dq, dk, dv = _sequence_parallel_bwd(dout, q_in, k_in, v, o, lse, cos, sin, cu_seqlens, options, backend)
+        del q_in, k_in, v
+        d_q_norm = d_k_norm = None
+        if options.qk_norm is not None:
+            dq, d_q_norm = _head_norm_backward(dq, q, q_norm_weight, q_rstd, options)
+            dk, d_k_norm = _head_norm_backward(dk, k, k_norm_weight, k_rstd, options)
+        del q, k
+        if normed is None:
+            normed, _, _ = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, options.norm_backend)
+        d_normed = None
+        grads, lora_grads = [], {}
+        # Each projection's gradient is released once used, and the input gradients are summed in
+        # place where the sum's dtype holds the term's (fresh GEMM outputs, never a caller's tensor): at
+        # most one [tokens, hidden] term beside the running sum.
+        projection_grads = [dq, dk, dv]
+        del dq, dk, dv
+        for target, (weight, bias, need_w, need_b) in enumerate(
+                ((w_q, b_q, need[3], need[6]), (w_k, b_k, need[4], need[7]), (w_v, b_v, need[5], need[8]))):
+            grad = projection_grads[target].reshape(batch * n, -1)
+            projection_grads[target] = None
+            d_in, d_w, d_b = linear_grads(grad, normed, weight, True, need_w, need_b and bias is not None)
+            d_lora, target_grads = lora.branch_grads(grad, normed, target, *adapters[:3], need[_FIRST_LORA_INPUT:],
+                                                     adapters[3])
+            del grad
+            d_in = _accumulate(d_in, d_lora)
+            del d_lora
+            lora_grads.update(target_grads)
+            d_normed = _accumulate(d_normed, d_in)
+            del d_in
+            grads.append((d_w, d_b))
+        del normed
         dx, d_norm_weight, d_norm_bias = norm_backward(d_normed.contiguous(), rows, norm_weight, mean, rstd,
                                                         options.norm, norm_bias is not None, options.norm_backend)
         return (dx.view(x.shape), d_norm_weight if need[1] else None, d_norm_bias if need[2] else None,

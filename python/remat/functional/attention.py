@@ -7,6 +7,7 @@ import torch
 from remat import checks
 from remat.autograd.attention import AttentionFunction, VarlenAttentionFunction
 from remat.autograd.norm_attention import NormAttentionFunction
+from remat.autograd.norm_attention_parallel import ParallelNormAttentionFunction
 from remat.backend import default_backend
 from remat.functional.lora import check_lora
 from remat.ops.attention import cpu_flash_attention
@@ -184,10 +185,11 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
                    b_k=None, b_v=None, norm="rms", eps=None, qk_norm=None, q_norm_weight=None, k_norm_weight=None,
                    qk_eps=None, causal=True, scale=None, rope=None, window=None, softcap=None, dropout_p=0.0,
                    deterministic=None, keep_qkv=True, lora=None, backend=None, cu_seqlens=None, max_seqlen=None,
-                   empty_queries=None, tile_tokens=None, sequence_parallel=None):
+                   empty_queries=None, tile_tokens=None, sequence_parallel=None, w_o=None, b_o=None):
     """The pre-norm attention sub-block of a transformer layer in one fused Function: the norm, the
     q/k/v projections, rotary embedding and flash attention, up to the attention output (the
-    output projection and residual add are the caller's).
+    output projection and residual add are the caller's; under sequence_parallel with keep_qkv=False
+    the output projection can be fused in: ``w_o``).
 
     ``o = attention(rope(qn(norm(x) w_q^T + b_q)), rope(kn(norm(x) w_k^T + b_k)), norm(x) w_v^T + b_v)``
 
@@ -212,7 +214,8 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
             (self-attention: M = N).
         keep_qkv: True keeps q, k, v for backward; False recomputes them there with the three
             projection GEMMs (what a "memory" layer policy does).
-        lora: None, or ``(q_adapters, k_adapters, v_adapters)``, each None or a sequence of
+        lora: None, or ``(q_adapters, k_adapters, v_adapters)`` (and ``o_adapters`` with ``w_o``:
+            four), each None or a sequence of
             :class:`remat.autograd.lora.LoRAAdapter` (``a`` ``[r, H]``, ``b`` ``[width, r]``,
             optional ``bias``, ``scaling``, ``dropout_p``): LoRA branches
             ``scaling * b(a(dropout(norm(x))))`` added to that projection with PEFT's arithmetic
@@ -247,11 +250,20 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
             P, and Hkv a multiple of P or P a multiple of Hkv. Not with attention dropout,
             empty_queries or tile_tokens (ValueError). Results equal one process running the
             whole sequence (up to rounding); the backward's all-to-alls run inside this call's
-            backward, which every rank must run.
+            backward, which every rank must run. With keep_qkv=False the projections run one head
+            chunk at a time too (remat.autograd.norm_attention_parallel): q, k, v and their
+            gradients never exist whole on the rank.
+        w_o, b_o: None (default), or the attention output projection ``[out, Hq * D]`` (and its
+            bias ``[out]``) fused into the call: returns ``o W_o^T + b_o`` (plus its LoRA branches,
+            the fourth entry of ``lora``) ``[B, N, out]`` instead of o. Only with sequence_parallel
+            and keep_qkv=False (ValueError otherwise), where it saves memory: the gradient of o is
+            then made one head chunk at a time from the output's gradient, never whole (8 GiB at a
+            million tokens per rank and 4096 features). Nothing more is saved (the projection's
+            input is the saved o).
 
     Returns:
         o ``[B, N, Hq, D]`` in x's dtype (the autocast dtype under autocast); ``[1, T, Hq, D]``
-        with cu_seqlens.
+        with cu_seqlens; with w_o the projected ``[B, N, out]`` (``[1, T, out]``).
 
     Saved for backward: x, the fp32 norm statistics, o, fp32 lse ``[B, Hq, N]``, with keep_qkv
     also q, k, v (16 bytes of RNG state with dropout; the caller's rope tables). The normalized
@@ -282,7 +294,12 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         checks.check_weight(b, name, (width,), x, optional=True)
     eps = checks.check_norm(norm, norm_weight, norm_bias, eps, x)
     qk_eps = _check_qk_norm(qk_norm, q_norm_weight, k_norm_weight, qk_eps, head_dim, x)
-    lora_layout, lora_tensors = check_lora(lora, (hidden,) * 3, (q_width, kv_width, kv_width), x, ("q", "k", "v"))
+    out_width = _check_out_projection(w_o, b_o, q_width, keep_qkv, sequence_parallel, x)
+    if out_width is None:
+        lora_layout, lora_tensors = check_lora(lora, (hidden,) * 3, (q_width, kv_width, kv_width), x, ("q", "k", "v"))
+    else:
+        lora_layout, lora_tensors = check_lora(lora, (hidden,) * 3 + (q_width,),
+                                               (q_width, kv_width, kv_width, out_width), x, ("q", "k", "v", "o"))
     if cu_seqlens is None and max_seqlen is not None:
         raise ValueError("max_seqlen needs cu_seqlens")
     ranks = _check_sequence_parallel(sequence_parallel, num_heads, num_kv_heads, dropout_p, empty_queries,
@@ -310,8 +327,8 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         x = x.contiguous()
     cos, sin = rope if rope is not None else (None, None)
     (_, *lora_tensors), _ = checks.autocast_cast(x, *lora_tensors)
-    (x, *params), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k, b_v,
-                                                      q_norm_weight, k_norm_weight)
+    (x, *params, w_o, b_o), autocast_off = checks.autocast_cast(x, norm_weight, norm_bias, w_q, w_k, w_v, b_q, b_k,
+                                                                b_v, q_norm_weight, k_norm_weight, w_o, b_o)
     # The core's call: under sequence parallelism every token of the group's shards, Hq / P query
     # heads and their KV heads, rope rotated before (remat.autograd.norm_attention).
     sizes = ((ranks * n if cu_seqlens is None else max_seqlen,) * 2
@@ -325,6 +342,9 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
                                    core.options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen, tile or None,
                                    None if ranks == 1 else (sequence_parallel, ranks))
     with autocast_off:
+        if ranks > 1 and not keep_qkv:
+            return ParallelNormAttentionFunction.apply(x, *params, w_o, b_o, cos, sin, cu_seqlens, options, core.name,
+                                                       lora_layout, *lora_tensors)
         return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, empty, options, core.name,
                                            core.rotate_once, lora_layout, *lora_tensors)
 
@@ -356,6 +376,22 @@ def _check_sequence_parallel(group, num_heads, num_kv_heads, dropout_p, empty_qu
     if tile_tokens is not None:
         raise ValueError("sequence_parallel does not tile the attention sub-block: tile_tokens must be None")
     return ranks
+
+
+def _check_out_projection(w_o, b_o, q_width, keep_qkv, sequence_parallel, x):
+    """The fused output projection's width (None without ``w_o``), after checking it."""
+    if w_o is None:
+        if b_o is not None:
+            raise ValueError("b_o needs w_o")
+        return None
+    if sequence_parallel is None or keep_qkv is not False:
+        raise ValueError("w_o (the fused output projection) is taken only with sequence_parallel and keep_qkv=False, "
+                         "where it keeps the gradient of o one head chunk at a time; elsewhere apply the projection "
+                         "to the returned o")
+    checks.check_matrix(w_o, "w_o")
+    checks.check_weight(w_o, "w_o", (w_o.shape[0], q_width), x)
+    checks.check_weight(b_o, "b_o", (w_o.shape[0],), x, optional=True)
+    return w_o.shape[0]
 
 
 def _check_attention_tile(tile, options, cu_seqlens, lora_layout):

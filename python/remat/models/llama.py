@@ -120,7 +120,7 @@ class LlamaLayer(PreNormDecoderLayer):
         projections += [getattr(self.mlp, f"{p}_proj") for p in ("gate", "up", "down")]
         return attention_dropout + adapters.lora_bytes_per_call(projections)
 
-    def attention_output(self, x, position_ids, position_embeddings, layout=None):
+    def attention_output(self, x, position_ids, position_embeddings, layout=None, out_projection=None):
         attn, norm = self.self_attn, self.input_layernorm
         rope = attn.rope_for(x.shape[1], x.device, position_ids, position_embeddings)
         projections = [adapters.read_projection(getattr(attn, f"{p}_proj")) for p in "qkv"]
@@ -128,15 +128,31 @@ class LlamaLayer(PreNormDecoderLayer):
             qk_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
             return adapters.checkpointed(
                 lambda t: adapters.unfused_attention(norm, attn, t, rope, qk_norms, layout), x)
-        weights, biases = adapters.weights_like(projections, x)
+        fused = {}
+        if out_projection is not None:  # o_proj fused (fused_out_projection): its weights and adapters
+            projections.append(out_projection)
+            fused = {"w_o": checks.cast_like(out_projection.weight, x), "b_o": checks.cast_like(out_projection.bias, x)}
+        weights, biases = adapters.weights_like(projections[:3], x)
         return functional.norm_attention(
             x, checks.vector_like(norm.weight, x), *weights, b_q=biases[0], b_k=biases[1], b_v=biases[2],
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, norm="rms", eps=norm.eps_for(x),
             causal=attn.causal, scale=attn.scale, rope=rope, window=attn.window, softcap=attn.softcap,
             dropout_p=attn.dropout if attn.training else 0.0, keep_qkv=self.keeps_qkv,
             lora=adapters.lora_argument(projections), backend=attn.backend, **self.extra_attention_arguments(x),
-            **varlen_arguments(layout),
+            **varlen_arguments(layout), **fused,
             **self.attention_tile_arguments(layout, attn.causal, attn.window, attn.dropout if attn.training else 0.0))
+
+    def fused_out_projection(self, layout):
+        """o_proj, fused into the attention sub-block's call under sequence parallelism with policy
+        "memory" (the gradient of o is then made one head chunk at a time, never whole: see
+        functional.norm_attention's ``w_o``) when o_proj is a plain or PEFT LoRA linear layer, the
+        q/k/v projections too, and this family's out_proj is o_proj alone; None otherwise."""
+        if (layout is None or layout.sequence_parallel is None or self.keeps_qkv
+                or type(self).out_proj is not LlamaLayer.out_proj):
+            return None
+        attn = self.self_attn
+        projections = [adapters.read_projection(getattr(attn, f"{p}_proj")) for p in "qkvo"]
+        return None if any(p.generic for p in projections) else projections[3]
 
     def extra_attention_arguments(self, x):
         """Further keyword arguments of functional.norm_attention for input x (none here; Qwen3 adds

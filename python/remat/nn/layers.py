@@ -156,6 +156,14 @@ class PreNormDecoderLayer(nn.Module):
         stream (a family's post-norm included)."""
         raise NotImplementedError
 
+    def fused_out_projection(self, layout):
+        """The output projection (remat.nn.adapters.Projection) that :meth:`attention_output`
+        fuses into its call for ``layout`` (it then takes ``out_projection=`` and returns what
+        :meth:`out_proj` would), or None: :meth:`out_proj` runs after it. A family fuses where
+        functional.norm_attention takes ``w_o`` (sequence parallelism, policy "memory") and its
+        out_proj is the projection alone; none does by default."""
+        return None
+
     def mlp_block(self, h):
         """The MLP sub-block's output for the residual stream h (pre-norm included, and a family's
         post-norm; through functional.norm_mlp or norm_gelu_mlp with
@@ -226,14 +234,19 @@ class PreNormDecoderLayer(nn.Module):
         when it has offsets), then the residual adds and the MLP over the ``[B, N]`` tokens, pads
         included (their attention output is 0, their output projection out_proj(0), as stock's)."""
         batch, n, _ = x.shape
+        fused = self.fused_out_projection(layout)
+        fused_argument = {} if fused is None else {"out_projection": fused}
         if layout is None or layout.cu_seqlens is None:
-            o = self.attention_output(x, position_ids, position_embeddings, layout)
-            attended = self.out_proj(o.reshape(batch, n, -1))
+            o = self.attention_output(x, position_ids, position_embeddings, layout, **fused_argument)
+            attended = o if fused is not None else self.out_proj(o.reshape(batch, n, -1))
         else:
             packed, position_ids, position_embeddings = pack_sequences(x, position_ids, position_embeddings, layout)
-            o = self.attention_output(packed, position_ids, position_embeddings, layout)
+            o = self.attention_output(packed, position_ids, position_embeddings, layout, **fused_argument)
             # The projection runs in packed order (it keeps the attention's own o for backward);
             # its output, which nothing keeps, goes back to the [B, N] places.
-            attended = unpack_sequences(self.out_proj(o.reshape(1, packed.shape[1], -1)), layout, batch, n)
+            attended = unpack_sequences(o if fused is not None else self.out_proj(o.reshape(1, packed.shape[1], -1)),
+                                        layout, batch, n)
         h = x + self._dropout(attended)
+        # What the projection returned dies before the MLP runs (o lives on only where it is saved).
+        del o, attended
         return h + self._dropout(self.mlp_block(h))
