@@ -304,7 +304,9 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         raise ValueError("max_seqlen needs cu_seqlens")
     ranks = _check_sequence_parallel(sequence_parallel, num_heads, num_kv_heads, dropout_p, empty_queries,
                                      tile_tokens)
-    if cu_seqlens is None or ranks > 1:
+    # A group given, even of one rank, runs the sequence-parallel paths (their rope and offset rules).
+    sharded = sequence_parallel is not None
+    if cu_seqlens is None or sharded:
         checks.check_rope(rope, batch, n, n, head_dim, x.device)  # sequence parallel: the shard's tokens
     if cu_seqlens is not None:
         if batch != 1:
@@ -312,7 +314,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
         total = ranks * n  # offsets of the whole sequence under sequence parallelism
         max_seqlen, _ = checks.check_varlen_offsets(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, total, total,
                                                     x.device)
-        if ranks == 1:
+        if not sharded:
             checks.check_varlen_rope(rope, n, max_seqlen, head_dim, x.device)
     if not isinstance(keep_qkv, bool):
         raise TypeError("keep_qkv must be a bool")
@@ -335,14 +337,14 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
              + (num_heads // ranks, max(num_kv_heads // ranks, 1), head_dim))
     recorded = _backward_can_follow(x, *params, cos, sin, *lora_tensors)
     core = choose_core(backend, x, batch, sizes, attention_options, varlen=cu_seqlens is not None,
-                       rope=cos is not None and ranks == 1, backward_can_follow=recorded)
+                       rope=cos is not None and not sharded, backward_can_follow=recorded)
     # The PyTorch cores are attention only: the norm kernels then take the device's default backend.
     norm_name = default_backend(x.device) if core.name in ("aten", "cudnn") else core.name
     options = NormAttentionOptions((batch, n, num_heads, num_kv_heads, head_dim), norm, float(eps),
                                    core.options, keep_qkv, norm_name, qk_norm, qk_eps, max_seqlen, tile or None,
-                                   None if ranks == 1 else (sequence_parallel, ranks))
+                                   (sequence_parallel, ranks) if sharded else None)
     with autocast_off:
-        if ranks > 1 and not keep_qkv:
+        if sharded and not keep_qkv:
             return ParallelNormAttentionFunction.apply(x, *params, w_o, b_o, cos, sin, cu_seqlens, options, core.name,
                                                        lora_layout, *lora_tensors)
         return NormAttentionFunction.apply(x, *params, cos, sin, cu_seqlens, empty, options, core.name,
