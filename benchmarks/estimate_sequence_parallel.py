@@ -4,10 +4,11 @@ parallelism, estimated"; issue 30).
 Estimated, not run: the model is built from its Hugging Face config (``benchmarks/configs``) on
 fake CUDA tensors, patched as remat.peak_plan's most frugal candidate ("memory" layers, checkpointed,
 their inputs offloaded to the host without prefetch, MLP and loss tiled by 8,192 tokens; attention
-untiled, which sequence parallelism does not tile), with its attention split over P ranks of
+untiled, which sequence parallelism does not tile, but its projections and o_proj run one head
+group at a time: remat.autograd.norm_attention_parallel), with its attention split over P ranks of
 PyTorch's fake process group (remat.fit.simulated_group), and ``remat.estimate`` runs one rank's
 step on its shard of N / P tokens. Each row is one estimate at the length given, not a search: a
-LoRA estimate at a million tokens per rank takes about ten minutes here (the LoRA backward's row
+LoRA estimate at a million tokens per rank takes about seven to thirteen minutes here (the LoRA backward's row
 chunks), so the lengths below were picked from the peaks' linear growth in the length and each
 confirmed by its own estimate. No GPU has checked these peaks.
 
@@ -34,14 +35,14 @@ from remat.sequence_parallel import SequenceGroup
 CONFIG = os.path.join(os.path.dirname(__file__), "configs", "llama-3.1-8b.json")
 GIB = 2**30
 # (training, ranks P, tokens per rank n): the longest whole sequences N = P n that fit 80 GB less the
-# 3 GiB reserve (77 GiB), found from the linear growth of the peak and confirmed here, and the one
-# that does not fit (a million tokens per rank on 8 ranks: N = 8,388,608).
+# 3 GiB reserve (77 GiB), found from the linear growth of the peak and confirmed here, and a million
+# tokens per rank on 8 ranks for LoRA (N = 8,388,608: issue 30's target).
 ROWS = [
-    ("lora", 8, 819_200),
+    ("lora", 8, 1_146_880),
     ("lora", 8, 1_048_576),
-    ("full", 8, 540_672),
-    ("lora", 32, 458_752),
-    ("full", 32, 344_064),
+    ("full", 8, 770_048),
+    ("lora", 32, 557_056),
+    ("full", 32, 425_984),
 ]
 LORA_RANK = 32
 
