@@ -265,7 +265,7 @@ def add_input_grad_columns(into, d_intermediates, columns, layout, tensors, rngs
 class SlicedBranchGrads:
     """The backward of the LoRA branches of projections whose output gradient arrives in slices of
     output features, one at a time (the head chunks of sequence-parallel attention,
-    remat.autograd.norm_attention): the rank-r intermediate ``A(drop(x))`` of each adapter is made
+    remat.autograd.norm_attention_parallel): the rank-r intermediate ``A(drop(x))`` of each adapter is made
     once from x (the same for every slice), each slice's gradient gives its rows of B's and the
     bias's gradients and adds into the gradient of the intermediate (fp32, ``[rows, r]``), and
     :meth:`finish` makes A's gradient and the input gradient once, from x again. So x (the

@@ -131,8 +131,8 @@ def _head_chunks(num_heads, num_kv_heads, size):
 
 def _chunk_fwd(qkv, cos, sin, cu_seqlens, options, backend):
     """One head chunk of the Ulysses attention: qkv, a list [q_c, k_c, v_c] of this rank's shard
-    [B, n, heads of the chunk, D] (q, k before rope), emptied here so that the shard's copies die
-    once exchanged (the caller passes its only references) -> (o of the chunk on the shard [B, n,
+    [B, n, heads of the chunk, D] (q, k before rope), emptied here so that, where the caller passes
+    its only references, the shard's copies die once exchanged -> (o of the chunk on the shard [B, n,
     heads, D], the core's lse of the chunk, head-sharded). Rope is applied on the shard, then one
     all-to-all per tensor gives this rank every token of its heads of the chunk, and one brings o
     back."""
@@ -283,8 +283,8 @@ class NormAttentionFunction(torch.autograd.Function):
         rows = x.reshape(batch * n, x.shape[-1])
         # The normalized input, recomputed for the projection weight gradients (and for q, k, v
         # under keep_qkv=False), freed before the norm backward. With q, k, v kept it is first needed
-        # after the attention backward, and made only then (under sequence parallelism, the only
-        # case there, so it is not held through the attention's exchanges).
+        # after the attention backward and made only then (so, under sequence parallelism, it is not
+        # held through the attention's exchanges).
         normed = None
         if q is None:
             normed, _, _ = norm_forward(rows, norm_weight, norm_bias, options.norm, options.eps, options.norm_backend)
