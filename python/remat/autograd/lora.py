@@ -139,24 +139,15 @@ def branch_input_grad(grad, x_dtype, target, layout, tensors, rngs, backend, row
     indices = _targets(layout, target)
     if not indices:
         return None, {}
-    in_features = _adapter(tensors, indices[0])[0].shape[1]
-    chunks = _row_chunks(grad.shape[0], max(grad.shape[1], in_features))
-    d_x, d_intermediates = None, {}
+    width = max(grad.shape[1], _adapter(tensors, indices[0])[0].shape[1])
+    d_intermediates = intermediate_grads(grad, target, layout, tensors, width)
+    chunks = _row_chunks(grad.shape[0], width)
+    d_x = None
     for start, end in chunks:
         d_x_chunk = None
-        for index in indices:
-            slot = layout[index]
-            a, b, _ = _adapter(tensors, index)
-            d_intermediate = (grad[start:end].to(b.dtype) * slot.scaling) @ b
-            if len(chunks) == 1:
-                d_intermediates[index] = d_intermediate
-            else:
-                whole = d_intermediates.get(index)
-                if whole is None:
-                    whole = d_intermediates[index] = d_intermediate.new_empty(grad.shape[0], d_intermediate.shape[1])
-                whole[start:end] = d_intermediate
-            d_dropped = d_intermediate @ a
-            del d_intermediate
+        for index, d_intermediate in d_intermediates.items():
+            slot, a = layout[index], _adapter(tensors, index)[0]
+            d_dropped = d_intermediate[start:end] @ a
             if rngs[index] is not None:
                 rng = _shifted(rngs[index], (row_offset + start) * a.shape[1])
                 d_dropped = ops_for("dropout", backend).philox_dropout(d_dropped.contiguous(), rng, slot.dropout_p)
@@ -229,18 +220,21 @@ def output_slice(layout, tensors, target, rows):
     return tuple(sliced)
 
 
-def intermediate_grads(grad, target, layout, tensors):
+def intermediate_grads(grad, target, layout, tensors, chunk_width=None):
     """{adapter index: the gradient of its rank-r intermediate ``[rows, r]`` (in B's dtype)} for the
-    adapters of projection ``target`` from the gradient of its output grad ``[rows, out]`` (row
-    chunks as :func:`branch_input_grad`'s, whose first half this is)."""
+    adapters of projection ``target`` from the gradient of its output grad ``[rows, out]``, over row
+    chunks of ``[rows, chunk_width]`` fp32 temporaries (default: the gradient's width), the first
+    half of :func:`branch_input_grad`."""
     d_intermediates = {}
     for index in _targets(layout, target):
-        slot = layout[index]
-        b = _adapter(tensors, index)[1]
-        whole = grad.new_empty(grad.shape[0], b.shape[1], dtype=b.dtype)
-        for start, end in _row_chunks(grad.shape[0], max(grad.shape[1], b.shape[1])):
+        slot, b = layout[index], _adapter(tensors, index)[1]
+        chunks = _row_chunks(grad.shape[0], chunk_width or max(grad.shape[1], b.shape[1]))
+        if len(chunks) == 1:
+            d_intermediates[index] = (grad.to(b.dtype) * slot.scaling) @ b
+            continue
+        whole = d_intermediates[index] = grad.new_empty(grad.shape[0], b.shape[1], dtype=b.dtype)
+        for start, end in chunks:
             whole[start:end] = (grad[start:end].to(b.dtype) * slot.scaling) @ b
-        d_intermediates[index] = whole
     return d_intermediates
 
 

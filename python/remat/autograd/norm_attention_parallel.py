@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from remat.autograd import lora
-from remat.autograd.common import refuse_double_backward
+from remat.autograd.common import linear_grads, refuse_double_backward
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.autograd.norm_attention import (
     _accumulate,
@@ -129,8 +129,7 @@ class _OutputGradient:
     def weight_grads(self, o, w_o, b_o, need, lora_needs):
         """(d W_o, d b_o, {LoRA flat index: gradient}) of the output projection from the kept o."""
         o_rows = o.reshape(self.rows.shape[0], -1)
-        d_weight = self.rows.t() @ o_rows if need[0] else None
-        d_bias = self.rows.sum(0) if b_o is not None and need[1] else None
+        _, d_weight, d_bias = linear_grads(self.rows, o_rows, w_o, False, need[0], b_o is not None and need[1])
         grads = lora.branch_weight_grads(self.rows, o_rows, self.d_intermediates, self.layout, self.tensors, self.rngs,
                                          lora_needs, self.backend)
         return d_weight, d_bias, grads
@@ -217,14 +216,14 @@ class ParallelNormAttentionFunction(torch.autograd.Function):
                 grads[target] = None
                 weight, bias = weights[target], biases[target]
                 d_normed = _add_product(d_normed, grad, weight[cols])
-                if need[3 + target]:
-                    if projection_grads[target][0] is None:
-                        projection_grads[target][0] = torch.empty_like(weight)
-                    projection_grads[target][0][cols] = grad.t() @ normed
-                if bias is not None and need[6 + target]:
-                    if projection_grads[target][1] is None:
-                        projection_grads[target][1] = torch.empty_like(bias)
-                    projection_grads[target][1][cols] = grad.sum(0)
+                # The chunk's rows of the weight and bias gradients.
+                _, *parts = linear_grads(grad, normed, weight[cols], False, need[3 + target],
+                                         bias is not None and need[6 + target])
+                for slot, (part, whole) in enumerate(zip(parts, (weight, bias))):
+                    if part is not None:
+                        if projection_grads[target][slot] is None:
+                            projection_grads[target][slot] = torch.empty_like(whole)
+                        projection_grads[target][slot][cols] = part
                 branches.add_slice(grad, target, cols)
                 del grad
             normed = None

@@ -126,8 +126,9 @@ class LlamaLayer(PreNormDecoderLayer):
         projections = [adapters.read_projection(getattr(attn, f"{p}_proj")) for p in "qkv"]
         if any(p.generic for p in projections):
             qk_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
-            return adapters.checkpointed(
-                lambda t: adapters.unfused_attention(norm, attn, t, rope, qk_norms, layout), x)
+            o = adapters.checkpointed(lambda t: adapters.unfused_attention(norm, attn, t, rope, qk_norms, layout), x)
+            # Unfused here, so the projection a fused call would have made runs after it.
+            return o if out_projection is None else self.out_proj(o.reshape(*o.shape[:2], -1))
         fused = {}
         if out_projection is not None:  # o_proj fused (fused_out_projection): its weights and adapters
             projections.append(out_projection)
@@ -145,14 +146,13 @@ class LlamaLayer(PreNormDecoderLayer):
     def fused_out_projection(self, layout):
         """o_proj, fused into the attention sub-block's call under sequence parallelism with policy
         "memory" (the gradient of o is then made one head chunk at a time, never whole: see
-        functional.norm_attention's ``w_o``) when o_proj is a plain or PEFT LoRA linear layer, the
-        q/k/v projections too, and this family's out_proj is o_proj alone; None otherwise."""
+        functional.norm_attention's ``w_o``) when o_proj is a plain or PEFT LoRA linear layer and
+        this family's out_proj is o_proj alone; None otherwise."""
         if (layout is None or layout.sequence_parallel is None or self.keeps_qkv
                 or type(self).out_proj is not LlamaLayer.out_proj):
             return None
-        attn = self.self_attn
-        projections = [adapters.read_projection(getattr(attn, f"{p}_proj")) for p in "qkvo"]
-        return None if any(p.generic for p in projections) else projections[3]
+        projection = adapters.read_projection(self.self_attn.o_proj)
+        return None if projection.generic else projection
 
     def extra_attention_arguments(self, x):
         """Further keyword arguments of functional.norm_attention for input x (none here; Qwen3 adds
