@@ -8,6 +8,7 @@ from test_estimate import measured_peak
 
 import remat
 from remat import peak_plan
+from remat.nn.layers import PreNormDecoderLayer
 from remat.replacement import MODULE_KINDS
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +53,9 @@ def test_each_budget_gets_the_cheapest_fitting_configuration_and_the_real_step_s
         report = remat.patch(model, policy="auto", budget_bytes=budget, seq_len=SEQ)
         plan = report.plan
         expected = next(name for name in names if peaks[name] <= budget)
-        assert plan.choice == expected and plan.peak_bytes == peaks[expected] <= budget
+        assert plan.choice == expected and plan.peak_bytes <= budget
+        if plan.base is None:  # every layer on the candidate (a mix is tested below)
+            assert plan.peak_bytes == peaks[expected]
         actual = measured_peak(model, 1, SEQ)
         # torch.utils.checkpoint stashes the CPU RNG state (5,056 bytes) per checkpointed layer,
         # made outside the dispatcher, which the estimate does not see (host memory on a GPU).
@@ -64,8 +67,53 @@ def test_each_budget_gets_the_cheapest_fitting_configuration_and_the_real_step_s
             torch.testing.assert_close(grad, stock_grads[name], rtol=1e-4, atol=2e-6)
         chosen.append(names.index(plan.choice))
         text = plan.explain()
-        assert plan.choice in text and "<- chosen" in text
+        assert f"{plan.label} " in text and "<- chosen" in text
     assert chosen == sorted(chosen) and len(set(chosen)) >= 3  # tighter budgets, more frugal plans
+
+
+def layer_settings(model):
+    """(policy, checkpointed, offloaded, tile) per fused decoder layer, in forward order."""
+    return [(layer.policy, layer.gradient_checkpointing, layer._offload is not None, layer.tile_tokens)
+            for layer in model.modules() if isinstance(layer, PreNormDecoderLayer)]
+
+
+def mixed_peak(candidate, base, layers, mixed_from, seq_len, model_fn=llama):
+    model = model_fn()
+    peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS, base=base,
+                        mixed_layers=layers, mixed_from=mixed_from)
+    return remat.estimate(model, seq_len=seq_len).peak_bytes
+
+
+@pytest.mark.parametrize("frugal", ["balanced", "memory", "memory+tiled+offload+checkpointed"])
+def test_a_budget_between_two_candidates_gets_the_fewest_first_layers_on_the_frugal_one(frugal):
+    # Between two candidates' peaks: the first m layers take the frugal one (they keep less, and
+    # the first layers' kept tensors are held for most of the step), m the fewest whose estimated
+    # step fits; the real step (CPU) within the prediction and the budget, gradients = stock's.
+    peaks = candidate_peaks()
+    names = [c[0] for c in peak_plan.CANDIDATES]
+    candidate = peak_plan.CANDIDATES[names.index(frugal)]
+    base = next(c for c in reversed(peak_plan.CANDIDATES[:names.index(frugal)]) if peaks[c[0]] > peaks[frugal])
+    budget = (peaks[base[0]] + peaks[frugal]) // 2
+    model = llama()
+    plan = remat.patch(model, policy="auto", budget_bytes=budget, seq_len=SEQ).plan
+    layers = CONFIG["num_hidden_layers"]
+    assert (plan.choice, plan.base, plan.mixed_from) == (frugal, base[0], "first") and 0 < plan.mixed_layers < layers
+    m = plan.mixed_layers
+    tile = min(peak_plan.DEFAULT_TILE_TOKENS, SEQ)
+    assert layer_settings(model) == [(c[1], c[4], c[3], tile if c[2] else None)
+                                     for c in [candidate] * m + [base] * (layers - m)]
+    # The fewest: one layer less on the frugal candidate does not fit; the plan's is its estimate.
+    assert mixed_peak(candidate, base, m, "first", SEQ) == plan.peak_bytes <= budget
+    assert mixed_peak(candidate, base, m - 1, "first", SEQ) > budget
+    actual = measured_peak(model, 1, SEQ)
+    unseen = RNG_STATE_BYTES * m if candidate[4] else 0
+    assert actual <= budget + unseen and abs(actual - plan.peak_bytes) <= 0.01 * actual
+    stock_loss, stock_grads = step_grads(llama())
+    loss, grads = step_grads(model)
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, stock_grads[name], rtol=1e-4, atol=2e-6)
+    assert f"{plan.label} " in plan.explain() and f"the first {m} of {layers} layers" in plan.label
 
 
 def test_a_budget_below_the_floor_is_refused_naming_it_and_leaves_the_model_alone():
@@ -87,6 +135,15 @@ def test_peak_planning_arguments():
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match="seq_len"):
             remat.patch(model, policy="auto", budget_bytes=10**9, seq_len=bad)
+    # A mix: candidates of one prefetch, a count of layers, the first or the last ones.
+    *_, checkpointed, no_prefetch = peak_plan.CANDIDATES
+    for mix, match in ((dict(base=checkpointed, mixed_layers=2), "prefetch differently"),
+                       (dict(base=peak_plan.CANDIDATES[0], mixed_layers=5), "mixed_layers must be"),
+                       (dict(base=peak_plan.CANDIDATES[0], mixed_layers=2, mixed_from="middle"), "mixed_from")):
+        candidate = no_prefetch if "prefetch" in match else checkpointed
+        with pytest.raises(ValueError, match=match):
+            peak_plan.configure(model, candidate, MODULE_KINDS, None, 1024, **mix)
+        assert not any(isinstance(m, PreNormDecoderLayer) for m in model.modules())
 
 
 def test_a_fake_cuda_model_is_planned_without_a_gpu_and_offloads_when_it_must():
@@ -120,3 +177,31 @@ def test_a_fake_cuda_model_is_planned_without_a_gpu_and_offloads_when_it_must():
         remat.patch(model, policy="auto", budget_bytes=tight, seq_len=8192, host_budget_bytes=-1)
     with pytest.raises(ValueError, match="host_budget_bytes is for"):
         remat.patch(model, policy="memory", host_budget_bytes=10**9)
+
+
+def test_a_tiling_mix_takes_the_last_layers_whose_backward_runs_first():
+    # memory -> memory+tiled keeps the same bytes and shrinks the backward working set, which counts on
+    # top of every earlier layer's kept tensors: the last layers take the tile (fake CUDA, 4 tiles).
+    from remat.estimator import on_fake_device
+
+    config = transformers.LlamaConfig(**{**CONFIG, "num_hidden_layers": 6})
+
+    def fake_llama():
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        return on_fake_device(model)
+
+    seq = 4 * peak_plan.DEFAULT_TILE_TOKENS
+    names = [c[0] for c in peak_plan.CANDIDATES]
+    base, candidate = peak_plan.CANDIDATES[names.index("memory")], peak_plan.CANDIDATES[names.index("memory+tiled")]
+    peaks = [mixed_peak(candidate, base, m, "last", seq, fake_llama) for m in (0, 6)]
+    budget = sum(peaks) // 2
+    model = fake_llama()
+    plan = remat.patch(model, policy="auto", budget_bytes=budget, seq_len=seq).plan
+    m = plan.mixed_layers
+    assert (plan.choice, plan.base, plan.mixed_from) == ("memory+tiled", "memory", "last") and 0 < m < 6
+    assert [s[3] for s in layer_settings(model)] == [None] * (6 - m) + [peak_plan.DEFAULT_TILE_TOKENS] * m
+    assert mixed_peak(candidate, base, m, "last", seq, fake_llama) == plan.peak_bytes <= budget
+    assert mixed_peak(candidate, base, m - 1, "last", seq, fake_llama) > budget
+    # The first m layers tiled instead would not fit.
+    assert mixed_peak(candidate, base, m, "first", seq, fake_llama) > budget

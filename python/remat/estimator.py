@@ -111,10 +111,10 @@ class Estimate:
     assumptions: tuple = ()
 
     def __str__(self):
-        parts = ", ".join(f"{kind} {_size(self.breakdown.get(kind, 0))}" for kind in KINDS)
+        parts = ", ".join(f"{kind} {format_bytes(self.breakdown.get(kind, 0))}" for kind in KINDS)
         assumed = "".join(f"; assumed: {text}" for text in self.assumptions)
-        return (f"peak {_size(self.peak_bytes)} on {self.device} in the {self.peak_phase} ({parts}); "
-                f"host {_size(self.host_bytes)}; {self.tokens} tokens{assumed}")
+        return (f"peak {format_bytes(self.peak_bytes)} on {self.device} in the {self.peak_phase} ({parts}); "
+                f"host {format_bytes(self.host_bytes)}; {self.tokens} tokens{assumed}")
 
 
 # One set per estimate running (innermost last): what the step assumed where fake tensors lack data.
@@ -236,9 +236,9 @@ def cross_entropy_scratch_bytes(op, args, device_type):
     return scratch
 
 
-def _size(nbytes):
-    """``nbytes`` in GiB from 1 GiB up, else in MiB."""
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+def format_bytes(nbytes, digits=2):
+    """``nbytes`` in GiB from 1 GiB up, else in MiB, with ``digits`` decimals (default 2)."""
+    return f"{nbytes / 2**30:.{digits}f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.{digits}f} MiB"
 
 
 class LiveBytes(TorchDispatchMode):

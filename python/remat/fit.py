@@ -17,7 +17,7 @@ import sys
 import torch
 
 from remat import peak_plan
-from remat.estimator import estimate, on_fake_device
+from remat.estimator import estimate, format_bytes, on_fake_device
 from remat.replacement import MODULE_KINDS
 from remat.sequence_parallel import SequenceGroup
 
@@ -271,14 +271,10 @@ def _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, gro
     return rows
 
 
-def _size(nbytes):
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
 def _table(rows, gpu_memory, reserve, searching_batch):
     gib = 2**30
-    lines = [f"GPU memory {_size(gpu_memory)}, reserve {_size(reserve)} kept free "
-             f"(CUDA context, workspaces, fragmentation): {_size(gpu_memory - reserve)} usable",
+    lines = [f"GPU memory {format_bytes(gpu_memory, 1)}, reserve {format_bytes(reserve, 1)} kept free "
+             f"(CUDA context, workspaces, fragmentation): {format_bytes(gpu_memory - reserve, 1)} usable",
              f"{'setup':<22}{'max batch' if searching_batch else 'max seq len':>14}{'peak GiB':>11}{'host GiB':>11}"]
     for row in rows:
         value = row.max_batch_size if searching_batch else row.max_seq_len

@@ -18,15 +18,27 @@ the largest backward working set, the loss), is within the budget:
 7. the same without prefetch: a layer's input comes back when its backward starts, not one layer
    ahead (one layer's input on the device instead of two; compute waits for that copy).
 
-Every layer gets the same configuration: a per-layer mix (some layers offloaded or checkpointed,
-others not) is not searched yet. A budget below the last candidate's peak raises ValueError naming
-that floor.
+When candidate k is the first that fits and candidate k - 1 does not, the plan then searches a
+per-layer mix of the two: m layers take k, the other layers k - 1, for the smallest m whose step
+fits (each probe is an estimate of the whole step; the plan is always one that was estimated to
+fit, m = every layer when no mix does). Layers cost alike, so fewer layers on k is a faster step.
+Which m layers: where k keeps less than k - 1 (a policy that recomputes more, offload,
+checkpointing), the first m in forward order: a layer's kept tensors are held from its forward to
+its backward, and at every moment of the step the layers before the running one hold theirs, so
+the earliest layers' bytes are held for the most of the step (the last layer's are held for no
+other layer's backward, and a checkpointed last layer re-makes at once what it did not keep). Where
+k only shrinks the working set (tiling), the last m: the backward working set counts on top of the
+kept tensors of every earlier layer, so it matters most in the layers whose backward runs first.
+Candidates 6 and 7 differ only in prefetch, which the layers share (remat.offload.HostOffload): no
+mix of those. A budget below the last candidate's peak raises ValueError naming that floor.
 """
 
 import dataclasses
+import math
 
-from remat.estimator import estimate
-from remat.replacement import replace_modules, set_layer_options, unpatch
+from remat.estimator import estimate, format_bytes
+from remat.model_plan import decoder_layers
+from remat.replacement import fused_layers, replace_modules, set_layer_options, unpatch
 
 # (name, policy, tile the MLP and attention, offload, checkpoint, prefetch), cheapest first.
 CANDIDATES = (
@@ -38,6 +50,9 @@ CANDIDATES = (
     ("memory+tiled+offload+checkpointed", "memory", True, True, True, True),
     ("memory+tiled+offload+checkpointed, no prefetch", "memory", True, True, True, False),
 )
+# Interpolated probes of a mix search before it bisects (a step's peak is close to linear in the
+# number of layers that take the more frugal candidate, so the first probe is usually the answer).
+INTERPOLATED_PROBES = 2
 # Tokens per tile: [8192, 14336] bf16 MLP temporaries are 224 MiB each, GEMMs that still fill a GPU,
 # and a query tile of 8192 keeps the attention backward's calls large.
 DEFAULT_TILE_TOKENS = 8192
@@ -52,7 +67,10 @@ class PeakPlan:
         policy, tile_tokens, offload, checkpointing, prefetch: what it sets on the layers.
         peak_bytes, host_bytes: the estimate of the chosen configuration's step.
         budget_bytes: the device budget; host_budget_bytes: the host budget (None: any).
-        tried: (name, peak_bytes, host_bytes) of every candidate estimated, in order.
+        tried: (name, peak_bytes, host_bytes) of every candidate and mix estimated, in order.
+        base: None when every layer runs ``choice``; else the candidate the other layers run (the
+            one before ``choice``), and ``mixed_layers`` layers run ``choice``: the first ones in
+            forward order (``mixed_from == "first"``) or the last ones (``"last"``).
     """
 
     choice: str
@@ -70,33 +88,82 @@ class PeakPlan:
     host_budget_bytes: int | None = None
     # Under sequence parallelism: the ranks sharing the sequence; each keeps seq_len / ranks tokens.
     ranks: int = 1
+    base: str | None = None
+    mixed_layers: int | None = None
+    mixed_from: str = "first"
+    # The model's decoder layers (remat.model_plan.decoder_layers).
+    layers: int = 0
+
+    @property
+    def label(self):
+        """The plan's name in :meth:`explain`: the candidate, or the mix ("memory+tiled+offload on
+        the first 12 of 32 layers, memory+tiled on the rest")."""
+        return self.choice if self.base is None else mix_label(self.choice, self.base, self.mixed_layers,
+                                                               self.layers, self.mixed_from)
 
     def explain(self):
         """The plan in words: the predicted device peak and host bytes per candidate and why this
         one (the cheapest that fits)."""
-        gib = 2**30
         shards = "" if self.ranks == 1 else f" over {self.ranks} ranks (per-rank peaks)"
+        label = self.label
         lines = [f"remat peak plan for {self.batch_size} x {self.seq_len} tokens{shards}, device budget "
-                 f"{self.budget_bytes / gib:.2f} GiB: {self.choice} (the cheapest candidate within it)"]
+                 f"{format_bytes(self.budget_bytes)}: {label} (the cheapest within it)"]
+        width = max(48, *(len(name) for name, _, _ in self.tried))
         for name, peak, host in self.tried:
             over = peak > self.budget_bytes or (self.host_budget_bytes is not None and host > self.host_budget_bytes)
-            mark = "<- chosen" if name == self.choice else ("over budget" if over else "")
-            lines.append(f"  {name:<48} device peak {peak / gib:8.2f} GiB  host {host / gib:8.2f} GiB  {mark}")
-        lines.append("  cost order: recompute grows down the list (speed: none; balanced: MLP gate/up GEMMs; memory: "
-                     "+ q/k/v; checkpointed: + the layer's forward); tiling adds none; offload adds host copies "
-                     "(overlapped on a GPU, not measured; without prefetch compute waits for each layer's copy)")
+            mark = "<- chosen" if name == label else ("over budget" if over else "")
+            sizes = f"device peak {format_bytes(peak):>11}  host {format_bytes(host):>11}"
+            lines.append(f"  {name:<{width}} {sizes}  {mark}")
+        lines.append("  cost order: recompute grows down the candidates (speed: none; balanced: MLP gate/up GEMMs; "
+                     "memory: + q/k/v; checkpointed: + the layer's forward); tiling adds none; offload adds host "
+                     "copies (overlapped on a GPU, not measured; without prefetch compute waits for each layer's "
+                     "copy); a mix costs in proportion to the layers on the later candidate")
         return "\n".join(lines)
 
 
-def configure(model, candidate, modules, backend, tile_tokens, sequence_parallel=None):
+def mix_label(choice, base, mixed_layers, layers, mixed_from):
+    """The name of a per-layer mix: ``mixed_layers`` of ``layers`` decoder layers (the first or the
+    last, ``mixed_from``) run candidate ``choice``, the rest ``base``."""
+    return f"{choice} on the {mixed_from} {mixed_layers} of {layers} layers, {base} on the rest"
+
+
+def configure(model, candidate, modules, backend, tile_tokens, sequence_parallel=None, *, base=None,
+              mixed_layers=None, mixed_from="first"):
     """Patches ``model`` with one of :data:`CANDIDATES` (and ``sequence_parallel``, a
-    remat.sequence_parallel.SequenceGroup, or None); returns the PatchReport."""
-    _, policy, tiled, offload, checkpointing, prefetch = candidate
-    tile = tile_tokens if tiled else None
+    remat.sequence_parallel.SequenceGroup, or None); returns the PatchReport.
+
+    With ``base`` (another candidate of the same prefetch) a per-layer mix: ``mixed_layers``
+    decoder layers, the first or the last in forward order (``mixed_from``), run ``candidate``,
+    the others ``base``. The fused loss is tiled when either is."""
+    if base is None:
+        layer_configs = None
+        policy = candidate[1]
+    else:
+        if base[5] != candidate[5]:
+            raise ValueError(f"{candidate[0]!r} and {base[0]!r} prefetch differently: the layers share one "
+                             "HostOffload, so they cannot be mixed")
+        if mixed_from not in ("first", "last"):
+            raise ValueError(f"mixed_from must be 'first' or 'last', got {mixed_from!r}")
+        names = [name for name, _ in decoder_layers(model)]
+        if not (isinstance(mixed_layers, int) and 0 <= mixed_layers <= len(names)):
+            raise ValueError(f"mixed_layers must be an int in [0, {len(names)}], got {mixed_layers!r}")
+        chosen = range(mixed_layers) if mixed_from == "first" else range(len(names) - mixed_layers, len(names))
+        layer_configs = {name: candidate if index in chosen else base for index, name in enumerate(names)}
+        policy = {name: config[1] for name, config in layer_configs.items()}
+    configs = [candidate] if layer_configs is None else layer_configs.values()
+    offload = any(config[3] for config in configs)
+    tile = tile_tokens if any(config[2] for config in configs) else None
 
     def finish(report):
-        set_layer_options(model, report, offload=offload, tile_tokens=tile, checkpointing=checkpointing,
-                          prefetch=prefetch, sequence_parallel=sequence_parallel)
+        set_layer_options(model, report, offload=offload, tile_tokens=tile, prefetch=candidate[5],
+                          sequence_parallel=sequence_parallel)
+        for name, layer in fused_layers(model, report):
+            _, _, tiled, offloaded, checkpointing, _ = candidate if layer_configs is None else layer_configs[name]
+            layer.tile_tokens = tile_tokens if tiled else None
+            if not offloaded:
+                layer.__dict__.pop("_offload", None)  # the class default: no offload
+            if checkpointing:
+                layer.gradient_checkpointing = True
 
     return replace_modules(model, policy, modules, backend, finish=finish)
 
@@ -135,18 +202,33 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
     shard = seq_len // ranks
     tile = min(tile_tokens or DEFAULT_TILE_TOKENS, shard * batch_size)
     tried = []
-    for candidate in CANDIDATES:
-        configure(model, candidate, modules, backend, tile, sequence_parallel)
+
+    def probe(candidate, **mix):
+        configure(model, candidate, modules, backend, tile, sequence_parallel, **mix)
         try:
             result = estimate(model, seq_len=shard, batch_size=batch_size, optimizer=optimizer)
         finally:
             unpatch(model)
+        return result
+
+    def fits(result):
+        host_fits = host_budget_bytes is None or result.host_bytes <= host_budget_bytes
+        return result.peak_bytes <= budget_bytes and host_fits
+
+    layers = len(decoder_layers(model))
+    previous = None
+    for candidate in CANDIDATES:
+        result = probe(candidate)
         tried.append((candidate[0], result.peak_bytes, result.host_bytes))
-        if result.peak_bytes <= budget_bytes and (host_budget_bytes is None or result.host_bytes <= host_budget_bytes):
+        if fits(result):
             name, policy, tiled, offload, checkpointing, prefetch = candidate
-            return PeakPlan(name, policy, tile if tiled else None, offload, checkpointing, prefetch,
+            plan = PeakPlan(name, policy, tile if tiled else None, offload, checkpointing, prefetch,
                             result.peak_bytes, result.host_bytes, budget_bytes, seq_len, batch_size, tried,
-                            host_budget_bytes, ranks)
+                            host_budget_bytes, ranks, layers=layers)
+            if previous is not None and previous[0][5] == prefetch and layers > 1:
+                _search_mix(plan, candidate, previous, probe, fits)
+            return plan
+        previous = candidate, result
     floor = min(peak for _, peak, _ in tried)
     host = "" if host_budget_bytes is None else f" and {host_budget_bytes} host bytes"
     raise ValueError(f"no configuration fits {budget_bytes} bytes{host} for {batch_size} x {seq_len} tokens: the "
@@ -154,10 +236,46 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
                      "the budget to at least that or shorten the sequence")
 
 
+def _search_mix(plan, candidate, previous, probe, fits):
+    """Finds the fewest layers on ``candidate`` (the rest on ``previous``'s candidate, which did
+    not fit) whose step fits, by probes (``probe(candidate, base=, mixed_layers=, mixed_from=)``
+    returns an Estimate, ``fits`` says whether it is within the budgets); records every probe in
+    ``plan.tried`` and, if a mix fits, sets it on ``plan``. Interpolates the peak between the
+    bracket's ends for :data:`INTERPOLATED_PROBES` probes, then bisects."""
+    base, base_result = previous
+    layers = plan.layers
+    mixed_from = "last" if candidate[1:] == (base[1], True, *base[3:]) and not base[2] else "first"
+    low, low_peak = 0, base_result.peak_bytes  # does not fit
+    high, high_peak, found = layers, plan.peak_bytes, None  # fits
+    probes = 0
+    while high - low > 1:
+        if probes < INTERPOLATED_PROBES and low_peak > high_peak:
+            # The smallest m on the line through the bracket's ends whose peak is within the budget.
+            share = (low_peak - plan.budget_bytes) / (low_peak - high_peak)
+            m = min(max(low + math.ceil((high - low) * share), low + 1), high - 1)
+        else:
+            m = (low + high) // 2
+        probes += 1
+        result = probe(candidate, base=base, mixed_layers=m, mixed_from=mixed_from)
+        plan.tried.append((mix_label(candidate[0], base[0], m, layers, mixed_from), result.peak_bytes,
+                           result.host_bytes))
+        if fits(result):
+            high, high_peak, found = m, result.peak_bytes, result
+        else:
+            low, low_peak = m, result.peak_bytes
+    if found is not None:
+        plan.base, plan.mixed_layers, plan.mixed_from = base[0], high, mixed_from
+        plan.peak_bytes, plan.host_bytes = found.peak_bytes, found.host_bytes
+
+
 def install(model, plan, modules, backend, sequence_parallel=None):
     """Patches ``model`` with the plan's configuration (and ``sequence_parallel``, as planned);
     returns the PatchReport (plan on ``report.plan``)."""
     candidate = next(c for c in CANDIDATES if c[0] == plan.choice)
-    report = configure(model, candidate, modules, backend, plan.tile_tokens, sequence_parallel)
+    mix = {}
+    if plan.base is not None:
+        mix = dict(base=next(c for c in CANDIDATES if c[0] == plan.base), mixed_layers=plan.mixed_layers,
+                   mixed_from=plan.mixed_from)
+    report = configure(model, candidate, modules, backend, plan.tile_tokens, sequence_parallel, **mix)
     report.plan = plan
     return report

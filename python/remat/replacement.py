@@ -130,8 +130,7 @@ def set_layer_options(model, report, *, offload=False, tile_tokens=None, checkpo
     (``checkpointing``: the layer keeps its input, re-run in backward) and sequence parallelism
     (``sequence_parallel``: a remat.sequence_parallel.SequenceGroup; ValueError when a Hugging Face
     layer of the model runs unfused, or a layer's heads cannot be split over a group given now)."""
-    named = dict(model.named_modules())
-    layers = [named[name] for name, _, _ in report.replaced if isinstance(named.get(name), PreNormDecoderLayer)]
+    layers = [layer for _, layer in fused_layers(model, report)]
     if sequence_parallel is not None:
         _check_sequence_parallel_layers(model, layers, sequence_parallel)
         model.__dict__[_SEQUENCE_PARALLEL] = True  # its forward then requires position_ids (MaskCheckedForward)
@@ -147,6 +146,13 @@ def set_layer_options(model, report, *, offload=False, tile_tokens=None, checkpo
             layer._offload_index = index
         if checkpointing:
             layer.gradient_checkpointing = True
+
+
+def fused_layers(model, report):
+    """(qualified name, layer) of the fused decoder layers (remat.nn.layers.PreNormDecoderLayer)
+    ``report`` names, in model order."""
+    named = dict(model.named_modules())
+    return [(name, named[name]) for name, _, _ in report.replaced if isinstance(named.get(name), PreNormDecoderLayer)]
 
 
 def replace_modules(model, policy, modules=MODULE_KINDS, backend=None, finish=None):
