@@ -140,7 +140,7 @@ def gelu_mlp(backend, recompute):
     return Case(f"gelu_mlp-{backend}-{recompute}", build, "remat.gelu_mlp")
 
 
-def norm_mlp(backend, recompute, with_lora):
+def norm_mlp(backend, recompute, with_lora, tile_tokens=None):
     def build(stock):
         x, nw, wg, wu, wd, a, b = _leaves(stock, _values(7, (6, 16), (16,), (24, 16), (24, 16), (16, 24), (2, 16),
                                                          (24, 2), scale=(1, 1, .3, .3, .3, .3, .3)))
@@ -153,19 +153,22 @@ def norm_mlp(backend, recompute, with_lora):
             return run, leaves
         lora = (None, [remat.LoRAAdapter(a, b, None, 0.5)], None) if with_lora else None
         return (lambda: remat.norm_mlp(x, nw, wg, wu, wd, eps=1e-6, recompute=recompute, lora=lora,
-                                       backend=backend)), leaves
-    return Case(f"norm_mlp-{backend}-{recompute}{'-lora' * with_lora}", build, "remat.norm_mlp")
+                                       backend=backend, tile_tokens=tile_tokens)), leaves
+    tiled = f"-tile={tile_tokens}" if tile_tokens else ""
+    return Case(f"norm_mlp-{backend}-{recompute}{'-lora' * with_lora}{tiled}", build, "remat.norm_mlp")
 
 
-def norm_gelu_mlp(backend):
+def norm_gelu_mlp(backend, tile_tokens=None):
     def build(stock):
         x, nw, nb, wf, bf, wp, bp = _leaves(stock, _values(8, (6, 16), (16,), (16,), (24, 16), (24,), (16, 24), (16,),
                                                            scale=(1, 1, .1, .3, .1, .3, .1)))
         leaves = [x, nw, nb, wf, bf, wp, bp]
         if stock:
             return (lambda: F.linear(F.gelu(F.linear(layer_norm_reference(x, nw, nb, 1e-5), wf, bf)), wp, bp)), leaves
-        return (lambda: remat.norm_gelu_mlp(x, nw, nb, wf, bf, wp, bp, backend=backend)), leaves
-    return Case(f"norm_gelu_mlp-{backend}", build, "remat.norm_gelu_mlp")
+        return (lambda: remat.norm_gelu_mlp(x, nw, nb, wf, bf, wp, bp, backend=backend,
+                                            tile_tokens=tile_tokens)), leaves
+    tiled = f"-tile={tile_tokens}" if tile_tokens else ""
+    return Case(f"norm_gelu_mlp-{backend}{tiled}", build, "remat.norm_gelu_mlp")
 
 
 def moe(backend):
@@ -369,7 +372,8 @@ def entry_cases():
     cases += [gated_mlp("torch", "none", biases=True), gelu_mlp("torch", "activation"),
               norm_mlp("torch", "activation", True), norm_attention("torch", False, True),
               norm_attention("cpp" if "cpp" in BACKENDS else "torch", False, True, tile_tokens=2),
-              linear_cross_entropy("cpp" if "cpp" in BACKENDS else "torch", tile_tokens=4), attention("aten"),
+              linear_cross_entropy("cpp" if "cpp" in BACKENDS else "torch", tile_tokens=4),
+              norm_mlp("torch", "block", True, tile_tokens=4), norm_gelu_mlp("torch", tile_tokens=4), attention("aten"),
               attention("aten", rope=True), under_checkpoint(norm_mlp("torch", "activation", True)),
               under_checkpoint(rms_norm("cpp", True)),
               checkpoint_sequential()]

@@ -1,6 +1,7 @@
-"""Sequence tiling of the pre-norm gated MLP (remat.norm_mlp(tile_tokens=T), remat.patch(tile_tokens=T)):
-equal to the untiled call under the 2x rule, the same saved bytes, no [tokens, intermediate]
-tensor beyond a tile, odd remainders."""
+"""Sequence tiling of the pre-norm gated MLP (remat.norm_mlp(tile_tokens=T), remat.patch(tile_tokens=T))
+and of the plain (GPT-2) one (remat.norm_gelu_mlp(tile_tokens=T)): equal to the untiled call under
+the 2x rule, the same saved bytes, no [tokens, intermediate] tensor beyond a tile, odd remainders;
+a patched GPT-2 runs its MLPs tiled and equals stock."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from remat.autograd.lora import LoRAAdapter
 from remat.memory import saved_bytes
 
 from _checks import assert_within_2x_of_stock
-from helpers import DTYPES, eager_gated, grads
+from helpers import DTYPES, eager_gated, gpt2_model, grads, loss_and_grads
 
 ROWS, HIDDEN, INTER, RANK = 13, 96, 200, 4
 
@@ -199,3 +200,104 @@ def test_tile_tokens_arguments_are_checked():
     adapters = dropout_adapters(torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="multiple of 4"):
         remat.norm_mlp(x, nw, wg, wu, wd, lora=adapters, tile_tokens=6)
+
+
+# The plain pre-norm MLP (GPT-2's): proj(gelu(fc(norm(x)))).
+
+
+def gelu_case(dtype, norm, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS, HIDDEN, generator=gen).to(dtype)
+    nw = (1 + 0.2 * torch.randn(HIDDEN, generator=gen)).to(dtype)
+    nb = (0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype) if norm == "layer" else None
+    w_fc = (torch.randn(INTER, HIDDEN, generator=gen) / 10).to(dtype)
+    b_fc = (0.1 * torch.randn(INTER, generator=gen)).to(dtype)
+    w_proj = (torch.randn(HIDDEN, INTER, generator=gen) / 14).to(dtype)
+    b_proj = (0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype)
+    dy = torch.randn(ROWS, HIDDEN, generator=gen).to(dtype)
+    return [x, nw, nb, w_fc, b_fc, w_proj, b_proj], dy
+
+
+def gelu_fn(norm, recompute, backend, tile):
+    def fn(x, nw, nb, w_fc, b_fc, w_proj, b_proj):
+        return remat.norm_gelu_mlp(x, nw, nb, w_fc, b_fc, w_proj, b_proj, norm=norm, approximate="tanh",
+                                   recompute=recompute, backend=backend, tile_tokens=tile)
+    return fn
+
+
+def gelu_reference(norm):
+    def ref(x, nw, nb, w_fc, b_fc, w_proj, b_proj):
+        normed = F.rms_norm(x, (HIDDEN,), nw, 1e-6) if norm == "rms" else F.layer_norm(x, (HIDDEN,), nw, nb, 1e-5)
+        return F.linear(F.gelu(F.linear(normed, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)
+    return ref
+
+
+@pytest.mark.parametrize("tile", [1, 5, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm,recompute", [("layer", "block"), ("rms", "activation")])
+@pytest.mark.parametrize("backend", mlp_backends())
+def test_tiled_norm_gelu_mlp_matches_float64_reference(backend, norm, recompute, dtype, tile):
+    tensors, dy = gelu_case(dtype, norm)
+    got = grads(gelu_fn(norm, recompute, backend, tile), tensors, dy)
+    stock = grads(gelu_reference(norm), tensors, dy)
+    want = grads(gelu_reference(norm), [None if t is None else t.double() for t in tensors], dy.double())
+    for i, (g, s, w) in enumerate(zip(got, stock, want, strict=True)):
+        assert_within_2x_of_stock(f"output {i}", g, s, w, dtype)
+
+
+@pytest.mark.parametrize("recompute", ["block", "activation"])
+def test_tiled_norm_gelu_mlp_keeps_the_same_bytes_and_no_intermediate_beyond_a_tile(recompute):
+    rows, tile = 64, 8
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(rows, HIDDEN, generator=gen), torch.ones(HIDDEN), torch.zeros(HIDDEN),
+               torch.randn(INTER, HIDDEN, generator=gen), torch.zeros(INTER), torch.randn(HIDDEN, INTER, generator=gen),
+               torch.zeros(HIDDEN)]
+    leaves = [t.requires_grad_() for t in tensors]
+    untiled_bytes = saved_bytes(gelu_fn("layer", recompute, None, None), *leaves)
+    assert saved_bytes(gelu_fn("layer", recompute, None, tile), *leaves) == untiled_bytes
+    sizes = {}
+    for tiled in (None, tile):
+        with LargestTensor() as forward:
+            y = gelu_fn("layer", recompute, None, tiled)(*leaves)
+        with LargestTensor() as backward:
+            y.backward(torch.ones_like(y))
+        sizes[tiled] = (forward.largest, backward.largest)
+    # Untiled, fc's output and the activation reach [rows, intermediate]; tiled, no per-token
+    # tensor but the [rows, hidden] ones and [tile, intermediate] temporaries (with "activation",
+    # fc's output is kept whole by contract).
+    assert sizes[None][1] >= rows * INTER
+    bound = max(rows * HIDDEN, tile * INTER, INTER * HIDDEN)
+    assert sizes[tile][1] <= bound
+    if recompute == "block":
+        assert sizes[tile][0] <= bound and sizes[None][0] >= rows * INTER
+
+
+def test_norm_gelu_mlp_tile_tokens_are_checked():
+    tensors, _ = gelu_case(torch.float32, "layer")
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="tile_tokens"):
+            gelu_fn("layer", "block", None, bad)(*tensors)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("policy", ["speed", "memory"])
+def test_patched_gpt2_tiles_its_mlps_and_matches_stock(policy, monkeypatch):
+    from remat.autograd import mlp as mlp_module
+
+    rows_seen = []
+    original = mlp_module._gelu_mlp_rows_backward
+    monkeypatch.setattr(mlp_module, "_gelu_mlp_rows_backward",
+                        lambda ctx, x, *a: rows_seen.append(x.shape[0]) or original(ctx, x, *a))
+    ids = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(3))
+    stock_loss, stock_grads = loss_and_grads(gpt2_model(), ids)
+    model = gpt2_model()
+    remat.patch(model, policy=policy, tile_tokens=4)
+    loss, got = loss_and_grads(model, ids)
+    # 46 rows per layer: eleven tiles of 4 and one of 2, in every layer's backward.
+    assert sorted(rows_seen) == sorted(([4] * 11 + [2]) * model.config.n_layer)
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)
+    assert got.keys() == stock_grads.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, stock_grads[name], rtol=1e-4, atol=2e-6, msg=name)

@@ -75,8 +75,8 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             ``report.offload``); bitwise the same gradients. Default False. Not with
             ``policy="auto"`` yet (its checkpointed spans run in remat's own executor).
         tile_tokens: None (default), an int >= 1, or ``"auto"`` (each call's tile chosen from the
-            free memory, remat.tiles): every fused decoder layer's gated MLP runs
-            over tiles of that many tokens in forward and backward (remat.norm_mlp), so no
+            free memory, remat.tiles): every fused decoder layer's MLP runs over tiles of that
+            many tokens in forward and backward (remat.norm_mlp, remat.norm_gelu_mlp), so no
             ``[tokens, intermediate]`` tensor exists beyond one tile, and so does its attention
             sub-block (remat.norm_attention: backward over query tiles) where the call is causal
             without a sliding window, dense and without attention dropout (otherwise it runs

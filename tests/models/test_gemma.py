@@ -413,3 +413,56 @@ def test_patched_gemma3_on_the_default_backend(dtype):
     assert_within_2x_of_stock("logits", got[0][real], base[0][real], want[0][real], dtype)
     for name in want[2]:
         assert_within_2x_of_stock(name, got[2][name], base[2][name], want[2][name], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_memory_policy_sandwich_mlp_runs_tiled(kind, dtype, monkeypatch):
+    # Under "memory" Gemma's MLP with both sandwich norms is one Function; with tile_tokens it runs
+    # over token tiles in both passes (22 rows, tiles of 4: five of 4 and one of 2) and equals the
+    # float64 stock model under the 2x rule, keeping the same bytes.
+    from remat.models import gemma
+
+    rows_seen = []
+    original = gemma._sandwich_rows_backward
+    monkeypatch.setattr(gemma, "_sandwich_rows_backward",
+                        lambda ctx, h, *a: rows_seen.append(h.shape[0]) or original(ctx, h, *a))
+    reference, stock, patched = (gemma_model(kind, d) for d in (torch.float64, dtype, dtype))
+    remat.patch(patched, policy="memory", tile_tokens=4)
+    ids, mask, labels = batch()
+    real = mask.bool()
+    want, base, got = (logits_and_grads(m, ids, mask, labels) for m in (reference, stock, patched))
+    assert sorted(rows_seen) == sorted(([4] * 5 + [2]) * 2)  # two layers
+    assert_within_2x_of_stock("loss", got[1].reshape(1), base[1].reshape(1), want[1].reshape(1), dtype)
+    assert_within_2x_of_stock("logits", got[0][real], base[0][real], want[0][real], dtype)
+    for name in want[2]:
+        assert_within_2x_of_stock(name, got[2][name], base[2][name], want[2][name], dtype)
+    layer = GemmaLayer(HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, qk_norm=kind == "gemma3", policy="memory", dtype=dtype)
+    x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=dtype, requires_grad=True)
+    untiled = saved_bytes(layer, x)
+    layer.tile_tokens = 4
+    assert saved_bytes(layer, x) == untiled
+
+
+def test_tiled_sandwich_mlp_makes_no_intermediate_beyond_a_tile():
+    from test_tiling import LargestTensor
+
+    from remat.models.gemma import _SandwichMLPFunction
+
+    rows, tile = 64, 8
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, HIDDEN, generator=gen, requires_grad=True)
+    pre, post = (torch.zeros(HIDDEN, requires_grad=True) for _ in range(2))
+    w_gate, w_up = (torch.randn(INTER, HIDDEN, generator=gen, requires_grad=True) for _ in range(2))
+    w_down = torch.randn(HIDDEN, INTER, generator=gen, requires_grad=True)
+    sizes, results = {}, {}
+    for tiled in (0, tile):
+        with LargestTensor() as forward:
+            y = _SandwichMLPFunction.apply(h, pre, w_gate, w_up, w_down, post, 1e-6, "gelu_tanh", "torch", tiled)
+        with LargestTensor() as backward:
+            results[tiled] = torch.autograd.grad(y, (h, pre, w_gate, w_up, w_down, post), torch.ones_like(y))
+        sizes[tiled] = (forward.largest, backward.largest)
+    bound = max(rows * HIDDEN, tile * INTER, INTER * HIDDEN)
+    assert min(sizes[0]) >= rows * INTER and max(sizes[tile]) <= bound
+    for got, want in zip(results[tile], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -121,6 +121,39 @@ def sequence_tiles(rows, tile):
     return [(start, min(start + tile, rows)) for start in range(0, rows, tile)]
 
 
+def into_rows(whole, part, start, rows):
+    """Writes a tile's rows ``part`` (from row ``start``) of a kept tensor into ``whole``, made as
+    ``rows`` rows like ``part`` when None (at the first tile); returns ``whole`` (None for a None
+    part; an empty part, such as a norm's absent mean, is returned as it is)."""
+    if part is None:
+        return None
+    if whole is None:
+        whole = part.new_empty(rows, *part.shape[1:]) if part.numel() else part
+    if part.numel():
+        whole[start:start + part.shape[0]] = part
+    return whole
+
+
+def tiled_rows_backward(x, tiles, needs_dx, grad_dtypes, rows_backward):
+    """A row-wise Function's backward over ``tiles`` (remat.autograd.common.sequence_tiles):
+    ``rows_backward(start, end)`` returns the Function's gradient tuple for those rows, the input
+    rows' gradient first. That one is written tile by tile into a whole ``[rows, ...]`` tensor like
+    ``x`` (when ``needs_dx``); every other gradient is summed over the tiles in fp32 and rounded
+    once to its entry of ``grad_dtypes`` (None entries: no gradient)."""
+    dx = torch.empty_like(x) if needs_dx else None
+    sums = None
+    for start, end in tiles:
+        grads = rows_backward(start, end)
+        if dx is not None:
+            dx[start:end] = grads[0]
+        tile_sums = [None if g is None else g.float() for g in grads[1:]]
+        del grads
+        sums = tile_sums if sums is None else [a if b is None else a.add_(b) for a, b in zip(sums, tile_sums,
+                                                                                             strict=True)]
+        del tile_sums
+    return (dx, *(None if grad is None else grad.to(dtype) for grad, dtype in zip(sums, grad_dtypes, strict=True)))
+
+
 def linear_grads(grad_out, inp, weight, needs_input, needs_weight, needs_bias):
     """Gradients of out = inp W^T + b for 2-D grad_out [rows, out], inp [rows, in], weight
     [out, in]: (d_inp, dW, db), None where not needed."""

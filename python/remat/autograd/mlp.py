@@ -26,7 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from remat.autograd import lora
-from remat.autograd.common import linear_grads, refuse_double_backward, sequence_tiles
+from remat.autograd.common import (
+    into_rows,
+    linear_grads,
+    refuse_double_backward,
+    sequence_tiles,
+    tiled_rows_backward,
+)
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.ops import ops_for
 
@@ -186,7 +192,7 @@ class NormGatedMLPFunction(torch.autograd.Function):
                     activation, recompute, fused, adapters, start)
                 y[start:end] = y_t
                 del y_t
-                mean, rstd, gate, up = (_into(whole, part, start, rows) for whole, part in
+                mean, rstd, gate, up = (into_rows(whole, part, start, rows) for whole, part in
                                         ((mean, mean_t), (rstd, rstd_t), (gate, gate_t), (up, up_t)))
         if mean is not None and mean.numel() == 0:
             mean = None
@@ -211,33 +217,13 @@ class NormGatedMLPFunction(torch.autograd.Function):
         tiles = sequence_tiles(x.shape[0], ctx.tile)
         if len(tiles) == 1:
             return _norm_mlp_rows_backward(ctx, saved, dy, need)
-        dx = torch.empty_like(x) if need[0] else None
-        sums = None
-        for start, end in tiles:
+
+        def rows_backward(start, end):
             rows = slice(start, end)
             tile_saved = (x[rows], *saved[1:8], *(t[rows] if t is not None else None for t in saved[8:12]), lora_saved)
-            grads = _norm_mlp_rows_backward(ctx, tile_saved, dy[rows], need, start)
-            if dx is not None:
-                dx[rows] = grads[0]
-            # Weight gradients: summed in fp32 over the tiles, rounded once at the end.
-            tile_sums = [None if g is None else g.float() for g in grads[1:]]
-            del grads
-            sums = tile_sums if sums is None else [a if b is None else a.add_(b) for a, b in zip(sums, tile_sums,
-                                                                                                 strict=True)]
-            del tile_sums
-        return (dx, *(None if grad is None else grad.to(dtype) for grad, dtype in zip(sums, ctx.grad_dtypes,
-                                                                                       strict=True)))
+            return _norm_mlp_rows_backward(ctx, tile_saved, dy[rows], need, start)
 
-
-def _into(whole, part, start, rows):
-    """Writes a tile's rows of a kept tensor into its whole-size tensor (made at the first tile)."""
-    if part is None:
-        return None
-    if whole is None:
-        whole = part.new_empty(rows, *part.shape[1:]) if part.numel() else part
-    if part.numel():
-        whole[start:start + part.shape[0]] = part
-    return whole
+        return tiled_rows_backward(x, tiles, need[0], ctx.grad_dtypes, rows_backward)
 
 
 def _norm_mlp_rows(ops, x, norm_weight, norm_bias, w_gate, w_up, w_down, b_gate, b_up, b_down, norm, eps,
@@ -322,22 +308,40 @@ def _gate_up(normed, w_gate, w_up, b_gate, b_up, adapters, row_offset=0):
 class NormGELUMLPFunction(torch.autograd.Function):
     """y = proj(act(fc(norm(x)))): the pre-norm plain (GPT-2) MLP sub-block. Keeps x and the fp32
     norm statistics (recompute="block"; the fc GEMM is recomputed in backward) or also the
-    pre-activation (recompute="activation"); the normalized input is always recomputed."""
+    pre-activation (recompute="activation"); the normalized input is always recomputed.
+
+    Sequence tiling (``tile`` rows, 0 = none), as NormGatedMLPFunction's: forward and backward run
+    over tiles of rows, so no [rows, intermediate] tensor (fc's output, the activation, their
+    gradients) exists beyond one tile; what is kept is unchanged (fc's output, with "activation",
+    is written per tile into a whole-size tensor); weight gradients are summed in fp32."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, norm, eps, activation, recompute,
-                backend):
+                backend, tile=0):
         ops = ops_for("mlp", backend)
-        normed, mean, rstd = norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
-        pre = F.linear(normed, w_fc, b_fc)
-        del normed
-        y = F.linear(ops.act_fwd(pre, activation), w_proj, b_proj)
+        rows = x.shape[0]
+        tiles = sequence_tiles(rows, tile)
+        if len(tiles) == 1:
+            y, mean, rstd, pre = _gelu_mlp_rows(ops, x, norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, norm,
+                                                eps, activation, recompute, backend)
+        else:
+            y = x.new_empty(rows, w_proj.shape[0])
+            mean = rstd = pre = None
+            for start, end in tiles:
+                y_t, mean_t, rstd_t, pre_t = _gelu_mlp_rows(ops, x[start:end], norm_weight, norm_bias, w_fc, b_fc,
+                                                            w_proj, b_proj, norm, eps, activation, recompute, backend)
+                y[start:end] = y_t
+                del y_t
+                mean, rstd, pre = (into_rows(whole, part, start, rows) for whole, part in
+                                   ((mean, mean_t), (rstd, rstd_t), (pre, pre_t)))
         if mean is not None and mean.numel() == 0:
             mean = None
-        ctx.save_for_backward(x, norm_weight, norm_bias, w_fc, b_fc, w_proj, mean, rstd,
-                              pre if recompute == "activation" else None)
-        ctx.norm, ctx.eps, ctx.activation, ctx.backend = norm, eps, activation, backend
+        ctx.save_for_backward(x, norm_weight, norm_bias, w_fc, b_fc, w_proj, mean, rstd, pre)
+        ctx.norm, ctx.eps, ctx.activation, ctx.backend, ctx.tile = norm, eps, activation, backend, tile
         ctx.has_bias = (norm_bias is not None, b_fc is not None, b_proj is not None)
+        # The dtypes of the tiled backward's summed gradients (every tensor input after x).
+        ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (
+            norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, *(None,) * 6))
         return y
 
     @staticmethod
@@ -345,20 +349,46 @@ class NormGELUMLPFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, norm_weight, norm_bias, w_fc, b_fc, w_proj, mean, rstd, pre = ctx.saved_tensors
         need = ctx.needs_input_grad
-        ops = ops_for("mlp", ctx.backend)
-        # The normalized input, recomputed into a temporary for the fc weight gradient.
-        normed, _, _ = norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
-        if pre is None:
-            pre = F.linear(normed, w_fc, b_fc)
         dy = dy.contiguous()
-        dpre, h = ops.act_bwd(dy @ w_proj, pre, ctx.activation, need[5])
-        del pre
-        _, d_w_proj, d_b_proj = linear_grads(dy, h, w_proj, False, need[5], need[6] and ctx.has_bias[2])
-        del h
-        d_normed, d_w_fc, d_b_fc = linear_grads(dpre, normed, w_fc, True, need[3], need[4] and ctx.has_bias[1])
-        del normed
-        dx, d_norm_weight, d_norm_bias = norm_backward(d_normed.contiguous(), x, norm_weight, mean, rstd, ctx.norm,
-                                                         ctx.has_bias[0], ctx.backend)
-        return (dx, d_norm_weight if need[1] else None, d_norm_bias if need[2] else None, d_w_fc, d_b_fc, d_w_proj,
-                d_b_proj, None, None, None, None, None)
+        params = (norm_weight, norm_bias, w_fc, b_fc, w_proj)
+        tiles = sequence_tiles(x.shape[0], ctx.tile)
+        if len(tiles) == 1:
+            return _gelu_mlp_rows_backward(ctx, x, *params, mean, rstd, pre, dy, need)
 
+        def rows_backward(start, end):
+            rows = slice(start, end)
+            return _gelu_mlp_rows_backward(ctx, x[rows], *params, *(None if t is None else t[rows]
+                                                                    for t in (mean, rstd, pre)), dy[rows], need)
+
+        return tiled_rows_backward(x, tiles, need[0], ctx.grad_dtypes, rows_backward)
+
+
+def _gelu_mlp_rows(ops, x, norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, norm, eps, activation, recompute,
+                   backend):
+    """NormGELUMLPFunction's forward of rows x: (y, mean, rstd, fc's output or None), fc's output
+    kept with recompute="activation" only."""
+    normed, mean, rstd = norm_forward(x, norm_weight, norm_bias, norm, eps, backend)
+    pre = F.linear(normed, w_fc, b_fc)
+    del normed
+    y = F.linear(ops.act_fwd(pre, activation), w_proj, b_proj)
+    return y, mean, rstd, pre if recompute == "activation" else None
+
+
+def _gelu_mlp_rows_backward(ctx, x, norm_weight, norm_bias, w_fc, b_fc, w_proj, mean, rstd, pre, dy, need):
+    """NormGELUMLPFunction's gradient tuple for rows x (with those rows of mean, rstd, the kept fc
+    output or None, and dy)."""
+    ops = ops_for("mlp", ctx.backend)
+    # The normalized input, recomputed into a temporary for the fc weight gradient.
+    normed, _, _ = norm_forward(x, norm_weight, norm_bias, ctx.norm, ctx.eps, ctx.backend)
+    if pre is None:
+        pre = F.linear(normed, w_fc, b_fc)
+    dpre, h = ops.act_bwd(dy @ w_proj, pre, ctx.activation, need[5])
+    del pre
+    _, d_w_proj, d_b_proj = linear_grads(dy, h, w_proj, False, need[5], need[6] and ctx.has_bias[2])
+    del h
+    d_normed, d_w_fc, d_b_fc = linear_grads(dpre, normed, w_fc, True, need[3], need[4] and ctx.has_bias[1])
+    del normed, dpre
+    dx, d_norm_weight, d_norm_bias = norm_backward(d_normed.contiguous(), x, norm_weight, mean, rstd, ctx.norm,
+                                                     ctx.has_bias[0], ctx.backend)
+    return (dx, d_norm_weight if need[1] else None, d_norm_bias if need[2] else None, d_w_fc, d_b_fc, d_w_proj,
+            d_b_proj, None, None, None, None, None, None)

@@ -142,7 +142,7 @@ def norm_mlp(x, norm_weight, w_gate, w_up, w_down, *, norm_bias=None, norm="rms"
 
 
 def norm_gelu_mlp(x, norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, *, norm="layer", eps=None,
-                  approximate="none", recompute="block", backend=None):
+                  approximate="none", recompute="block", backend=None, tile_tokens=None):
     """Pre-norm plain MLP sub-block (GPT-2): ``proj(gelu(fc(norm(x))))``, keeping x and the fp32
     norm statistics for backward; the normalized input is recomputed in backward, never stored.
 
@@ -155,6 +155,10 @@ def norm_gelu_mlp(x, norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, *, norm
         recompute: ``"block"`` (default; the fc GEMM is recomputed) or ``"activation"`` (also
             keeps fc's output).
         backend: as for :func:`rms_norm`; the GEMMs are PyTorch's.
+        tile_tokens: None (default), an int >= 1 or ``"auto"`` (remat.tiles): forward and backward
+            run over tiles of that many tokens, as :func:`norm_mlp`'s, so no
+            ``[tokens, intermediate]`` tensor exists beyond one tile (weight gradients summed over
+            the tiles in fp32; what is kept is unchanged).
 
     Returns:
         ``[..., H]`` (the MLP output; add the residual outside).
@@ -162,13 +166,16 @@ def norm_gelu_mlp(x, norm_weight, norm_bias, w_fc, b_fc, w_proj, b_proj, *, norm
     checks.check_input(x)
     checks.check_choice(approximate, "approximate", checks.GELU_APPROXIMATIONS)
     checks.check_choice(recompute, "recompute", ("block", "activation"))
+    tile = checks.check_tile_tokens(tile_tokens)
     eps = checks.check_norm(norm, norm_weight, norm_bias, eps, x)
     hidden = checks.check_plain_mlp_weights(x, w_fc, b_fc, w_proj, b_proj)
+    # A tile's working set: fc's output, the activation and their gradients, [tile, I] each.
+    tile = resolve_tile_tokens(tile, x.numel() // hidden, 4 * w_fc.shape[0] * x.element_size(), x.device)
     name = resolve_backend(backend, x)
     activation = "gelu" if approximate == "none" else "gelu_tanh"
     (x_rows, *params), autocast_off = checks.autocast_cast(checks.as_rows(x), norm_weight, norm_bias, w_fc, b_fc,
                                                            w_proj,
                                                      b_proj)
     with autocast_off:
-        y = NormGELUMLPFunction.apply(x_rows, *params, norm, float(eps), activation, recompute, name)
+        y = NormGELUMLPFunction.apply(x_rows, *params, norm, float(eps), activation, recompute, name, tile)
     return y.view(*x.shape[:-1], hidden)

@@ -18,7 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from remat import checks, functional
-from remat.autograd.common import linear_grads, refuse_double_backward
+from remat.autograd.common import (
+    into_rows,
+    linear_grads,
+    refuse_double_backward,
+    sequence_tiles,
+    tiled_rows_backward,
+)
 from remat.autograd.norm import norm_backward, norm_forward
 from remat.backend import resolve_backend
 from remat.hf import rope_type_of
@@ -30,6 +36,7 @@ from remat.nn.mlp import SwiGLUMLP
 from remat.nn.norm import GemmaRMSNorm, is_gemma_rms_norm
 from remat.ops import ops_for
 from remat.sequences import varlen_arguments
+from remat.tiles import resolve_tile_tokens
 
 
 class _PostNormLinearFunction(torch.autograd.Function):
@@ -62,44 +69,80 @@ class _SandwichMLPFunction(torch.autograd.Function):
     """y = gemma_norm_post(down(act(gate(n)) * up(n))) with n = gemma_norm_pre(h): Gemma's MLP
     sub-block between its two norms, keeping only h and the two fp32 rstd; backward recomputes
     the pre-norm, the gate/up GEMMs, the activation and the down GEMM (for the post-norm's
-    backward), then every gradient. h rows [R, H]; no biases (Gemma has none)."""
+    backward), then every gradient. h rows [R, H]; no biases (Gemma has none).
+
+    Sequence tiling (``tile`` rows, 0 = none), as remat.norm_mlp's: forward and backward run over
+    tiles of rows, so no [rows, intermediate] tensor exists beyond one tile; the rstd are written
+    per tile into whole-size tensors; weight gradients are summed over the tiles in fp32."""
 
     @staticmethod
-    def forward(ctx, h, pre_weight, w_gate, w_up, w_down, post_weight, eps, activation, backend):
+    def forward(ctx, h, pre_weight, w_gate, w_up, w_down, post_weight, eps, activation, backend, tile=0):
         ops = ops_for("mlp", backend)
-        normed, _, rstd_pre = norm_forward(h, pre_weight, None, "gemma", eps, backend)
-        gate, up = F.linear(normed, w_gate), F.linear(normed, w_up)
-        del normed
-        m = F.linear(ops.glu_fwd(gate, up, activation), w_down)
-        del gate, up
-        y, _, rstd_post = norm_forward(m, post_weight, None, "gemma", eps, backend)
+        params = (pre_weight, w_gate, w_up, w_down, post_weight, eps, activation, backend)
+        rows = h.shape[0]
+        tiles = sequence_tiles(rows, tile)
+        if len(tiles) == 1:
+            y, rstd_pre, rstd_post = _sandwich_rows(ops, h, *params)
+        else:
+            y = rstd_pre = rstd_post = None
+            for start, end in tiles:
+                y_t, rstd_pre_t, rstd_post_t = _sandwich_rows(ops, h[start:end], *params)
+                y, rstd_pre, rstd_post = (into_rows(whole, part, start, rows) for whole, part in
+                                          ((y, y_t), (rstd_pre, rstd_pre_t), (rstd_post, rstd_post_t)))
+                del y_t
         ctx.save_for_backward(h, pre_weight, w_gate, w_up, w_down, post_weight, rstd_pre, rstd_post)
-        ctx.eps, ctx.activation, ctx.backend = eps, activation, backend
+        ctx.eps, ctx.activation, ctx.backend, ctx.tile = eps, activation, backend, tile
+        ctx.grad_dtypes = (pre_weight.dtype, w_gate.dtype, w_up.dtype, w_down.dtype, post_weight.dtype,
+                           None, None, None, None)
         return y
 
     @staticmethod
     @refuse_double_backward("remat's Gemma MLP sub-block")
     def backward(ctx, dy):
         h, pre_weight, w_gate, w_up, w_down, post_weight, rstd_pre, rstd_post = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        ops = ops_for("mlp", ctx.backend)
-        normed, _, _ = norm_forward(h, pre_weight, None, "gemma", ctx.eps, ctx.backend)
-        gate, up = F.linear(normed, w_gate), F.linear(normed, w_up)
-        act = ops.glu_fwd(gate, up, ctx.activation)
-        m = F.linear(act, w_down)
-        dm, d_post, _ = norm_backward(dy.contiguous(), m, post_weight, None, rstd_post, "gemma", False, ctx.backend)
-        del m
-        d_act, d_w_down, _ = linear_grads(dm, act, w_down, True, need[4], False)
-        del act, dm
-        dgate, dup, _ = ops.glu_bwd(d_act.contiguous(), gate, up, ctx.activation, False)
-        del gate, up, d_act
-        d_normed, d_w_gate, _ = linear_grads(dgate, normed, w_gate, True, need[2], False)
-        d_normed_up, d_w_up, _ = linear_grads(dup, normed, w_up, True, need[3], False)
-        del normed, dgate, dup
-        dh, d_pre, _ = norm_backward((d_normed + d_normed_up).contiguous(), h, pre_weight, None, rstd_pre, "gemma",
-                                     False, ctx.backend)
-        return (dh, d_pre if need[1] else None, d_w_gate, d_w_up, d_w_down, d_post if need[5] else None, None, None,
-                None)
+        params = (pre_weight, w_gate, w_up, w_down, post_weight)
+        dy = dy.contiguous()
+        tiles = sequence_tiles(h.shape[0], ctx.tile)
+        if len(tiles) == 1:
+            return _sandwich_rows_backward(ctx, h, *params, rstd_pre, rstd_post, dy)
+        return tiled_rows_backward(
+            h, tiles, ctx.needs_input_grad[0], ctx.grad_dtypes,
+            lambda start, end: _sandwich_rows_backward(ctx, h[start:end], *params, rstd_pre[start:end],
+                                                       rstd_post[start:end], dy[start:end]))
+
+
+def _sandwich_rows(ops, h, pre_weight, w_gate, w_up, w_down, post_weight, eps, activation, backend):
+    """_SandwichMLPFunction's forward of rows h: (y, rstd_pre, rstd_post)."""
+    normed, _, rstd_pre = norm_forward(h, pre_weight, None, "gemma", eps, backend)
+    gate, up = F.linear(normed, w_gate), F.linear(normed, w_up)
+    del normed
+    m = F.linear(ops.glu_fwd(gate, up, activation), w_down)
+    del gate, up
+    y, _, rstd_post = norm_forward(m, post_weight, None, "gemma", eps, backend)
+    return y, rstd_pre, rstd_post
+
+
+def _sandwich_rows_backward(ctx, h, pre_weight, w_gate, w_up, w_down, post_weight, rstd_pre, rstd_post, dy):
+    """_SandwichMLPFunction's gradient tuple for rows h (with those rows of the rstd and dy)."""
+    need = ctx.needs_input_grad
+    ops = ops_for("mlp", ctx.backend)
+    normed, _, _ = norm_forward(h, pre_weight, None, "gemma", ctx.eps, ctx.backend)
+    gate, up = F.linear(normed, w_gate), F.linear(normed, w_up)
+    act = ops.glu_fwd(gate, up, ctx.activation)
+    m = F.linear(act, w_down)
+    dm, d_post, _ = norm_backward(dy, m, post_weight, None, rstd_post, "gemma", False, ctx.backend)
+    del m
+    d_act, d_w_down, _ = linear_grads(dm, act, w_down, True, need[4], False)
+    del act, dm
+    dgate, dup, _ = ops.glu_bwd(d_act.contiguous(), gate, up, ctx.activation, False)
+    del gate, up, d_act
+    d_normed, d_w_gate, _ = linear_grads(dgate, normed, w_gate, True, need[2], False)
+    d_normed_up, d_w_up, _ = linear_grads(dup, normed, w_up, True, need[3], False)
+    del normed, dgate, dup
+    dh, d_pre, _ = norm_backward((d_normed + d_normed_up).contiguous(), h, pre_weight, None, rstd_pre, "gemma",
+                                 False, ctx.backend)
+    return (dh, d_pre if need[1] else None, d_w_gate, d_w_up, d_w_down, d_post if need[5] else None, None, None,
+            None, None)
 
 
 # Hugging Face's Gemma decoder layers: whether the attention has per-head q/k norms, and whether
@@ -282,8 +325,11 @@ class GemmaLayer(PreNormDecoderLayer):
             name = resolve_backend(self.backend, h)
             (rows, *params), autocast_off = checks.autocast_cast(
                 checks.as_rows(h), checks.vector_like(norm.weight, h), *weights, checks.vector_like(post.weight, h))
+            # A tile's working set: gate, up, the activation and their gradients, [tile, I] each.
+            tile = resolve_tile_tokens(checks.check_tile_tokens(self.tile_tokens), rows.shape[0],
+                                       6 * params[1].shape[0] * rows.element_size(), rows.device)
             with autocast_off:
-                y = _SandwichMLPFunction.apply(rows, *params, norm.eps, mlp.activation, name)
+                y = _SandwichMLPFunction.apply(rows, *params, norm.eps, mlp.activation, name, tile)
             return y.view(*h.shape[:-1], y.shape[-1])
         m = functional.norm_mlp(
             h, checks.vector_like(norm.weight, h), *weights, norm="gemma", eps=norm.eps, activation=mlp.activation,

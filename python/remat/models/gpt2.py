@@ -160,7 +160,8 @@ class GPT2Layer(PreNormDecoderLayer):
             h, checks.vector_like(self.ln_2.weight, h), checks.vector_like(self.ln_2.bias, h),
             checks.cast_like(c_fc.weight, h).t(), checks.cast_like(c_fc.bias, h),
             checks.cast_like(c_proj.weight, h).t(), checks.cast_like(c_proj.bias, h), norm="layer", eps=self.ln_2.eps,
-            approximate=self.approximate, recompute=self.mlp_recompute, backend=self.backend)
+            approximate=self.approximate, recompute=self.mlp_recompute, backend=self.backend,
+            tile_tokens=self.tile_tokens)
 
 
 def _is_plain_conv1d(module):

@@ -89,7 +89,7 @@ class PreNormDecoderLayer(nn.Module):
     _offload = None
     sequence_parallel = None
     _offload_index = 0
-    # remat.patch(tile_tokens=T): the gated MLP sub-block runs over tiles of T tokens (remat.norm_mlp),
+    # remat.patch(tile_tokens=T): the MLP sub-block runs over tiles of T tokens (remat.norm_mlp, norm_gelu_mlp),
     # and so does the attention sub-block where it can (attention_tile_arguments).
     tile_tokens = None
 
