@@ -4,6 +4,8 @@ core (remat's own kernels, the torch core, the aten core whose causal mask align
 policies, per-head q/k norms, LoRA (with dropout: the untiled call's masks), pads; the same saved
 bytes; no tensor of q's width over the sequence in backward; unsupported calls refused."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,7 +55,7 @@ def make_case(dtype, batch=2, n=37, qk_norm=False, lora=False, bias=False, seed=
     return tensors, dy
 
 
-def remat_fn(names, rope, backend, keep_qkv, tile, empty=None, lora_dropout=0.0):
+def remat_fn(names, rope, backend, keep_qkv, tile, empty=None, lora_dropout=0.0, window=None):
     def fn(*values):
         t = dict(zip(names, values, strict=True))
         lora = None
@@ -63,7 +65,8 @@ def remat_fn(names, rope, backend, keep_qkv, tile, empty=None, lora_dropout=0.0)
         extra = dict(qk_norm="rms", q_norm_weight=t["qn"], k_norm_weight=t["kn"]) if "qn" in t else {}
         return remat.norm_attention(t["x"], t["nw"], t["wq"], t["wk"], t["wv"], b_q=t.get("bq"), b_k=t.get("bk"),
                                     b_v=t.get("bv"), num_heads=HQ, num_kv_heads=HKV, rope=rope, keep_qkv=keep_qkv,
-                                    lora=lora, backend=backend, tile_tokens=tile, empty_queries=empty, **extra)
+                                    lora=lora, backend=backend, tile_tokens=tile, empty_queries=empty, window=window,
+                                    **extra)
     return fn
 
 
@@ -73,8 +76,9 @@ def _rotate(t, cos, sin):
     return t * cos[:, :, None] + rotated * sin[:, :, None]
 
 
-def reference_fn(names, rope, empty=None):
-    """Stock PyTorch ops: the same arithmetic in whatever dtype the inputs have."""
+def reference_fn(names, rope, empty=None, window_left=None):
+    """Stock PyTorch ops: the same arithmetic in whatever dtype the inputs have (causal; with
+    ``window_left``, query p sees keys p - window_left .. p)."""
     def fn(*values):
         t = dict(zip(names, values, strict=True))
         x = t["x"]
@@ -96,8 +100,12 @@ def reference_fn(names, rope, empty=None):
             k = F.rms_norm(k, (d,), t["kn"], 1e-6)
         cos, sin = (table.to(x.dtype) for table in rope)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           enable_gqa=True).transpose(1, 2)
+        band = None
+        if window_left is not None:
+            offset = torch.arange(n)[:, None] - torch.arange(n)[None]
+            band = (offset >= 0) & (offset <= window_left)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=band, is_causal=band is None, enable_gqa=True).transpose(1, 2)
         if empty is not None:
             o = o.masked_fill(empty[:, :, None, None], 0)
         return o
@@ -147,6 +155,37 @@ def test_tiled_norm_attention_matches_float64_reference(backend, keep_qkv, qk_no
                  dy.double())
     for name, g, s, w in zip(["o", *names], got, stock, want, strict=True):
         assert_within_2x_of_stock(name, g, s, w, dtype)
+
+
+def _window_cases():
+    for backend in cpu_backends():  # the aten core on the CPU has no sliding window
+        for keep_qkv in (True, False):
+            for dtype in DTYPES:
+                for tile, window in ((5, 3), (5, 11), (16, 11)):
+                    if backend == "triton" and (dtype, tile) != (torch.float32, 16):
+                        continue  # the interpreter: one case per policy
+                    yield pytest.param(backend, keep_qkv, dtype, tile, window,
+                                       id=f"{backend}-keep_qkv={keep_qkv}-{dtype}-tile={tile}-window={window}")
+
+
+@pytest.mark.parametrize("backend,keep_qkv,dtype,tile,window", list(_window_cases()))
+def test_tiled_sliding_window_matches_float64_reference(backend, keep_qkv, dtype, tile, window):
+    # Query p sees keys p - window .. p: a window shorter than a tile (3 of 5), longer than two
+    # (11 of 5) and within one (11 of 16) over 37 tokens; each tile's call reads keys from its first
+    # query's window on.
+    tensors, dy = make_case(dtype, qk_norm=not keep_qkv, lora=keep_qkv)
+    names, values = list(tensors), list(tensors.values())
+    rope = rope_tables(2, 37, torch.float32)
+    got = grads(remat_fn(names, rope, backend, keep_qkv, tile, window=(window, 0)), values, dy)
+    untiled = grads(remat_fn(names, rope, backend, keep_qkv, None, window=(window, 0)), values, dy)
+    stock = grads(reference_fn(names, rope, window_left=window), values, dy)
+    want = grads(reference_fn(names, rope, window_left=window), [t.double() for t in values], dy.double())
+    for i, (g, s, w) in enumerate(zip(got, stock, want, strict=True)):
+        assert_within_2x_of_stock(f"output {i}", g, s, w, dtype)
+    # The window is applied: the full causal result differs (not vacuous).
+    causal = grads(reference_fn(names, rope), [t.double() for t in values], dy.double())
+    assert not torch.allclose(causal[0], want[0], atol=1e-3)
+    assert_within_2x_of_stock("untiled output", untiled[0], stock[0], want[0], dtype)
 
 
 @pytest.mark.parametrize("keep_qkv", [True, False])
@@ -255,7 +294,7 @@ def test_tile_tokens_arguments_are_checked():
     for bad in (0, -3, 2.5, True, "8"):
         with pytest.raises(ValueError, match="tile_tokens"):
             remat.norm_attention(x, nw, wq, wk, wv, tile_tokens=bad, **base)
-    for extra, match in ((dict(causal=False), "causal"), (dict(window=(4, 0)), "sliding window"),
+    for extra, match in ((dict(causal=False), "causal"), (dict(causal=False, window=(4, 2)), "causal"),
                          (dict(dropout_p=0.1), "dropout")):
         with pytest.raises(ValueError, match=match):
             remat.norm_attention(x, nw, wq, wk, wv, tile_tokens=8, **base, **extra)
@@ -295,22 +334,31 @@ def test_patched_models_tile_their_attention_and_match_stock(kind, policy, monke
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_padded_rows_run_tiled_and_a_sliding_window_warns_and_runs_untiled(kind, monkeypatch):
+def test_padded_rows_and_a_sliding_window_run_tiled(kind, monkeypatch):
     calls = []
     original = norm_attention_tiled.backward_tiled
     monkeypatch.setattr(norm_attention_tiled, "backward_tiled", lambda *a, **k: calls.append(1) or original(*a, **k))
     ids, mask, labels = batch()  # right padding: pads are empty queries of dense rows
     _, stock_loss, stock_grads = logits_and_grads(causal_lm(kind), ids, mask, labels)
-    model = causal_lm(kind)
+    model = causal_lm(kind)  # Mistral's window of 4 keys, shorter than a row and than two tiles
     remat.patch(model, policy="memory", tile_tokens=4)
-    layers._UNTILED_ATTENTION_WARNED.clear()
-    if kind == "mistral":  # a window of 4 tokens: not tiled, said once
-        with pytest.warns(UserWarning, match="attention sub-block of .* runs untiled .*sliding window"):
-            _, loss, got = logits_and_grads(model, ids, mask, labels)
-        assert not calls
-    else:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing runs untiled
         _, loss, got = logits_and_grads(model, ids, mask, labels)
-        assert len(calls) == model.config.num_hidden_layers
+    assert len(calls) == model.config.num_hidden_layers
     torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)
     for name, grad in got.items():
         torch.testing.assert_close(grad, stock_grads[name], rtol=1e-4, atol=2e-6, msg=name)
+
+
+def test_attention_dropout_warns_once_and_runs_untiled(monkeypatch):
+    calls = []
+    original = norm_attention_tiled.backward_tiled
+    monkeypatch.setattr(norm_attention_tiled, "backward_tiled", lambda *a, **k: calls.append(1) or original(*a, **k))
+    model = causal_lm("llama", attention_dropout=0.1)
+    remat.patch(model, policy="memory", tile_tokens=4)
+    layers._UNTILED_ATTENTION_WARNED.clear()
+    ids, mask, labels = batch()
+    with pytest.warns(UserWarning, match="attention sub-block of .* runs untiled .*attention dropout") as record:
+        logits_and_grads(model, ids, mask, labels)
+    assert len([w for w in record if "runs untiled" in str(w.message)]) == 1 and not calls

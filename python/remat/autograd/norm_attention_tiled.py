@@ -29,9 +29,15 @@ the CPU (PyTorch's CPU flash kernel) align top-left, so a tile runs two calls th
 causal square over keys [a, b) and the unmasked rectangle over keys [0, a); both read the full
 rows' lse, so their sum is the tile's gradient (dq rounded once from the fp32 sum).
 
-Limits (refused by remat.functional.norm_attention with a ValueError): causal attention only
-(a sliding window or a non-causal call would need every query tile before any key is final),
-dense rows only (no cu_seqlens), no attention dropout.
+A causal sliding window (query p sees keys p - left .. p) changes nothing of this order: keys
+[a, b) are still seen by no query before a, so they are complete after tile [a, b); the tile's
+call reads keys [max(0, a - left), b) only, with the window (bottom-right aligned, the band of
+each query is its untiled band). cuDNN and the CPU flash kernel have no windows; remat never
+runs a windowed call on them.
+
+Limits (refused by remat.functional.norm_attention with a ValueError): causal attention only (a
+non-causal call would need every query tile before any key is final), dense rows only (no
+cu_seqlens), no attention dropout.
 """
 
 import torch
@@ -133,6 +139,10 @@ def backward_tiled(ctx, saved, dout, head_norm, head_norm_backward, first_lora_i
     # cuDNN and PyTorch's CPU flash kernel (the aten core on the CPU) align a causal mask top-left
     # (remat.ops.attention.windowless_top_left_reason); the other cores bottom-right.
     split_causal = backend == "cudnn" or (backend == "aten" and x.device.type == "cpu")
+    left = attention.window_left  # -1: no window
+    if split_causal and left >= 0:
+        raise RuntimeError(f"remat: the {backend} attention core has no sliding window; a windowed call cannot run "
+                           "on it")
     hidden = x.shape[-1]
     rows = x.reshape(batch * n, hidden)
     dx = torch.empty_like(x)
@@ -178,7 +188,7 @@ def backward_tiled(ctx, saved, dout, head_norm, head_norm_backward, first_lora_i
                 dout_tile = dout_tile.contiguous()
             o_tile = o[entry:entry + 1, start:end]
             lse_tile = lse[entry:entry + 1, :, start:end].contiguous()
-            scalars = (attention.scale, attention.softcap, -1, 0, 0.0, attention.deterministic)
+            scalars = (attention.scale, attention.softcap, left, 0, 0.0, attention.deterministic)
             if split_causal:
                 dq, dk, dv = core.attention_bwd(dout_tile, q_rotated, k_rotated[:, start:end], v_row[:, start:end],
                                                 o_tile, lse_tile, None, None, None, *scalars)
@@ -194,10 +204,12 @@ def backward_tiled(ctx, saved, dout, head_norm, head_norm_backward, first_lora_i
                     dq = (dq.float() + dq_prefix.float()).to(dq.dtype)
                     del dq_prefix
             else:
-                dq, dk, dv = core.attention_bwd(dout_tile, q_rotated, k_rotated[:, :end], v_row[:, :end], o_tile,
-                                                lse_tile, None, None, None, *scalars)
-                dk_sum[:, :end] += dk
-                dv_sum[:, :end] += dv
+                # Keys [first_key, end): under a window, the earliest key the tile's first query sees.
+                first_key = max(0, start - left) if left >= 0 else 0
+                dq, dk, dv = core.attention_bwd(dout_tile, q_rotated, k_rotated[:, first_key:end],
+                                                v_row[:, first_key:end], o_tile, lse_tile, None, None, None, *scalars)
+                dk_sum[:, first_key:end] += dk
+                dv_sum[:, first_key:end] += dv
             del dk, dv, q_rotated, dout_tile, o_tile, lse_tile
             # Keys [start, end) have all their gradient now: finish the tile's whole backward.
             dq = _rotated(dq, rope, table_row + start, inverse=True)

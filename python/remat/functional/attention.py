@@ -238,8 +238,8 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
             remat.tiles): the norm and projections run over tiles of that many tokens in forward,
             and the whole backward over query tiles, so that nothing of q's width exists beyond one
             tile in backward (remat.autograd.norm_attention_tiled). Needs
-            causal attention without a sliding window, dense rows (no cu_seqlens) and no attention
-            dropout (ValueError otherwise); with LoRA dropout, a multiple of 4. The results equal
+            causal attention (a left sliding window too), dense rows (no cu_seqlens) and no
+            attention dropout (ValueError otherwise); with LoRA dropout, a multiple of 4. The results equal
             the untiled call's up to rounding (fp32 sums over tiles); what is saved is unchanged.
         sequence_parallel: None (default), or a ``torch.distributed`` ProcessGroup of P ranks that
             share one sequence (Ulysses; remat.sequence_parallel): x is this rank's shard, its n
@@ -356,8 +356,8 @@ def attention_tile_unsupported_reason(options, packed):
     packed rows when ``packed``), or None."""
     if packed:
         return "packed rows (cu_seqlens) are not tiled"
-    if options.window_right != 0 or options.window_left >= 0:
-        return "only causal attention without a sliding window is tiled"
+    if options.window_right != 0:
+        return "only causal attention is tiled"
     if options.dropout_p > 0:
         return "attention dropout is not tiled"
     return None

@@ -133,9 +133,9 @@ class PreNormDecoderLayer(nn.Module):
 
     def attention_tile_arguments(self, layout, causal, window, dropout_p):
         """functional.norm_attention's ``tile_tokens`` keyword for this call: ``{"tile_tokens": T}``
-        when the layer is tiled and the call can run over query tiles (causal, no sliding window, no
-        attention dropout, dense rows), else ``{}``; a tiled layer whose attention cannot be tiled
-        warns once per reason (its MLP stays tiled)."""
+        when the layer is tiled and the call can run over query tiles (causal, a sliding window
+        too, no attention dropout, dense rows), else ``{}``; a tiled layer whose attention cannot
+        be tiled warns once per reason (its MLP stays tiled)."""
         if not self.tile_tokens:
             return {}
         left, right = checks.window_bounds(window, causal)
