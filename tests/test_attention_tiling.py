@@ -1,8 +1,9 @@
 """Sequence tiling of the pre-norm attention sub-block (remat.norm_attention(tile_tokens=T),
 remat.autograd.norm_attention_tiled): equal to a float64 reference under the 2x rule on every CPU
 core (remat's own kernels, the torch core, the aten core whose causal mask aligns top-left), both
-policies, per-head q/k norms, LoRA (with dropout: the untiled call's masks), pads; the same saved
-bytes; no tensor of q's width over the sequence in backward; unsupported calls refused."""
+policies, per-head q/k norms, LoRA (with dropout: the untiled call's masks), pads, causal sliding
+windows, packed rows; the same saved bytes; no tensor of q's width over the sequence in backward;
+unsupported calls refused."""
 
 import warnings
 
@@ -188,6 +189,63 @@ def test_tiled_sliding_window_matches_float64_reference(backend, keep_qkv, dtype
     assert_within_2x_of_stock("untiled output", untiled[0], stock[0], want[0], dtype)
 
 
+# A packed row of 37 tokens: sequences of 9, 0, 13 and 15 tokens (an empty one among them).
+PACKED_STARTS = [0, 9, 9, 22, 37]
+
+
+def _packed_cases():
+    for backend in cpu_backends():  # the aten core on the CPU takes no packed rows
+        for keep_qkv in (True, False):
+            for dtype in DTYPES:
+                for tile, window in ((5, None), (16, None), (5, 4)):
+                    if backend == "triton" and (dtype, tile, window) != (torch.float32, 16, None):
+                        continue  # the interpreter: one case per policy
+                    yield pytest.param(backend, keep_qkv, dtype, tile, window,
+                                       id=f"{backend}-keep_qkv={keep_qkv}-{dtype}-tile={tile}-window={window}")
+
+
+@pytest.mark.parametrize("rope_layout", ["restart", "per-token"])
+@pytest.mark.parametrize("backend,keep_qkv,dtype,tile,window", list(_packed_cases()))
+def test_tiled_packed_rows_match_float64_reference(backend, keep_qkv, dtype, tile, window, rope_layout):
+    # Tiles of 5 cut every sequence; the tile holding token 20 starts inside the 13-token one (keys
+    # from its start at 9), tiles of 16 hold sequence ends inside them. The reference runs each
+    # sequence alone. Rope restarts per sequence: tables [S_rows, D/2|D] or per packed token.
+    tensors, dy = make_case(dtype, batch=1, n=37, qk_norm=not keep_qkv, lora=keep_qkv)
+    names, values = list(tensors), list(tensors.values())
+    cos, sin = rope_tables(1, 37, torch.float32)
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(PACKED_STARTS, PACKED_STARTS[1:])])
+    rope = (cos[0], sin[0]) if rope_layout == "restart" else (cos[:, positions], sin[:, positions])
+    cu_seqlens = torch.tensor(PACKED_STARTS, dtype=torch.int32)
+
+    def packed(tile):
+        def fn(*values):
+            t = dict(zip(names, values, strict=True))
+            lora = None
+            if "aq" in t:
+                lora = ([LoRAAdapter(t["aq"], t["bq_lora"], None, 0.5)], None,
+                        [LoRAAdapter(t["av"], t["bv_lora"], None, 2.0)])
+            extra = dict(qk_norm="rms", q_norm_weight=t["qn"], k_norm_weight=t["kn"]) if "qn" in t else {}
+            return remat.norm_attention(t["x"], t["nw"], t["wq"], t["wk"], t["wv"], num_heads=HQ, num_kv_heads=HKV,
+                                        rope=rope, keep_qkv=keep_qkv, lora=lora, backend=backend, tile_tokens=tile,
+                                        cu_seqlens=cu_seqlens, window=None if window is None else (window, 0), **extra)
+        return fn
+
+    def alone(*values):
+        x, rest = values[0], values[1:]
+        outs = []
+        for a, b in zip(PACKED_STARTS, PACKED_STARTS[1:]):
+            if b > a:
+                tables = (cos[:, : b - a].to(torch.float64), sin[:, : b - a].to(torch.float64))
+                outs.append(reference_fn(names, tables, window_left=window)(x[:, a:b], *rest))
+        return torch.cat(outs, 1)
+
+    got = grads(packed(tile), values, dy)
+    stock = grads(alone, values, dy)
+    want = grads(alone, [t.double() for t in values], dy.double())
+    for i, (g, s, w) in enumerate(zip(got, stock, want, strict=True)):
+        assert_within_2x_of_stock(f"output {i}", g, s, w, dtype)
+
+
 @pytest.mark.parametrize("keep_qkv", [True, False])
 def test_tiling_keeps_the_same_saved_bytes(keep_qkv):
     tensors, _ = make_case(torch.float32, qk_norm=True, lora=True)
@@ -300,8 +358,8 @@ def test_tile_tokens_arguments_are_checked():
             remat.norm_attention(x, nw, wq, wk, wv, tile_tokens=8, **base, **extra)
     packed = x[:1]
     cu_seqlens = torch.tensor([0, 20, 37], dtype=torch.int32)
-    with pytest.raises(ValueError, match="packed"):
-        remat.norm_attention(packed, nw, wq, wk, wv, tile_tokens=8, cu_seqlens=cu_seqlens, **base)
+    with pytest.raises(ValueError, match="dropout"):  # packed rows tile, attention dropout does not
+        remat.norm_attention(packed, nw, wq, wk, wv, tile_tokens=8, cu_seqlens=cu_seqlens, dropout_p=0.1, **base)
     with pytest.raises(ValueError, match="multiple of 4"):
         remat_fn(names, rope_tables(2, 37, torch.float32), "torch", True, 6, lora_dropout=0.1)(*values)
 

@@ -79,8 +79,8 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             many tokens in forward and backward (remat.norm_mlp, remat.norm_gelu_mlp), so no
             ``[tokens, intermediate]`` tensor exists beyond one tile, and so does its attention
             sub-block (remat.norm_attention: backward over query tiles) where the call is causal
-            (a sliding window too), dense and without attention dropout (otherwise it runs
-            untiled and the layer warns once); the same saved bytes, the untiled results up to
+            (a sliding window too, dense or packed rows) without attention dropout (otherwise it
+            runs untiled and the layer warns once); the same saved bytes, the untiled results up to
             rounding. With LoRA dropout, a multiple of 4 (the call raises ValueError otherwise; the
             masks are the untiled call's). The fused loss runs over the same token tiles
             (remat.linear_cross_entropy's ``tile_tokens``), and so do mixture-of-experts blocks

@@ -441,3 +441,26 @@ def test_image_blocks_of_a_multimodal_model_raise():
         torch.testing.assert_close(model(input_ids=ids[:, 6:]).logits, want, rtol=1e-5, atol=1e-5)
     remat.unpatch(model)
     assert model.config is config and model.model.language_model.config is config.text_config
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gpt2"])
+def test_packed_rows_run_tiled(kind, monkeypatch):
+    # remat.patch(tile_tokens=4) on a packed row of 11 tokens (documents of 4, 1 and 6): every
+    # layer's attention backward runs over query tiles (the varlen core per tile), no warning, and
+    # the step equals each document run alone.
+    from remat.autograd import norm_attention_tiled
+
+    calls = []
+    original = norm_attention_tiled.backward_tiled
+    monkeypatch.setattr(norm_attention_tiled, "backward_tiled", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ids, positions, labels, _, starts = packed_row()
+    want = per_document_reference(build(kind, torch.float64), ids, labels, starts)
+    base = per_document_reference(build(kind), ids, labels, starts)
+    patched = build(kind)
+    remat.patch(patched, policy="memory", tile_tokens=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = step(patched, input_ids=ids, position_ids=positions, labels=labels)
+    layers = patched.config.num_hidden_layers
+    assert len(calls) == layers
+    check_against_stock(got, base, want, torch.ones_like(ids, dtype=torch.bool), torch.float32)

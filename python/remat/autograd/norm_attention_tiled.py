@@ -35,13 +35,23 @@ call reads keys [max(0, a - left), b) only, with the window (bottom-right aligne
 each query is its untiled band). cuDNN and the CPU flash kernel have no windows; remat never
 runs a windowed call on them.
 
+Packed sequences (cu_seqlens, one row of S sequences) tile the packed row the same way: keys
+[a, b) are seen only by queries of their own sequence at or after them, so they too are complete
+after tile [a, b). The tile's call is the varlen core's over the sequences it overlaps: its
+queries [a, b) cut at the sequence starts, against keys from the start of the sequence holding
+query a (or its first query's window) to b, each sequence's queries the last of its keys
+(bottom-right alignment, as the untiled call's). Rope tables restarting per sequence ([S_rows, D/2])
+are gathered per token once per backward. The sequence starts are read on the host (one copy of
+cu_seqlens per backward); under fake tensors (remat.estimate), whose values are unknown, the
+row counts as one sequence, which reads the most keys per tile (an upper bound of the working set).
+
 Limits (refused by remat.functional.norm_attention with a ValueError): causal attention only (a
-non-causal call would need every query tile before any key is final), dense rows only (no
-cu_seqlens), no attention dropout.
+non-causal call would need every query tile before any key is final), no attention dropout.
 """
 
 import torch
 
+from remat import checks
 from remat.autograd import lora
 from remat.autograd.common import kernel_rope_tables, sequence_tiles, without_empty_queries
 from remat.autograd.norm import norm_backward, norm_forward
@@ -96,6 +106,40 @@ def project_tiled(rows, norm_weight, norm_bias, weights, biases, shape, adapters
     return (*(out.view(batch, n, h, head_dim) for out, h in zip(outputs, heads)), mean, rstd)
 
 
+def _sequence_starts(cu_seqlens, total):
+    """The packed row's sequence offsets as ints (cu_seqlens, read on the host), or [0, total] for
+    offsets whose values are unknown (fake tensors: remat.estimate)."""
+    if checks.values_unknown(cu_seqlens):
+        return [0, total]
+    return [int(c) for c in cu_seqlens.tolist()]
+
+
+def _per_token_rope(cos, sin, starts, head_dim):
+    """Rope tables that restart per packed sequence (``[S_rows, D/2|D]``: token t of the sequence
+    starting at s uses row t - s) as per-token fp32 ``[1, T, D/2]`` tables."""
+    device = cos.device
+    bounds = torch.tensor(starts, dtype=torch.long, device=device)
+    total = starts[-1]
+    tokens = torch.arange(total, device=device)
+    sequence = torch.searchsorted(bounds[1:], tokens, right=True)
+    rows = tokens - bounds[sequence]
+    return tuple(table[..., : head_dim // 2].to(torch.float32)[rows][None].contiguous() for table in (cos, sin))
+
+
+def _packed_tile(starts, start, end, window_left):
+    """The varlen call of query tile [start, end) of a packed row with sequence offsets ``starts``:
+    (first key, cu_seqlens_q, cu_seqlens_k as int lists, max_seqlen_q, max_seqlen_k). Queries
+    [start, end) are cut at the sequence starts inside the tile; the keys run from the start of the
+    sequence holding query ``start`` (or, under a window, its first query's earliest key) to end."""
+    holding = max(c for c in starts if c <= start)
+    first_key = max(holding, start - window_left) if window_left >= 0 else holding
+    inner = [c for c in starts if start < c < end]
+    cu_q = [0, *(c - start for c in inner), end - start]
+    cu_k = [0, *(c - first_key for c in inner), end - first_key]
+    return (first_key, cu_q, cu_k, max(b - a for a, b in zip(cu_q, cu_q[1:])),
+            max(b - a for a, b in zip(cu_k, cu_k[1:])))
+
+
 def _fp32(weight):
     return None if weight is None else weight.float()
 
@@ -134,15 +178,18 @@ def backward_tiled(ctx, saved, dout, head_norm, head_norm_backward, first_lora_i
     adapters = (layout, lora_tensors, lora_rngs, options.norm_backend)
     lora_needs = need[first_lora_input:]
     weights, biases = (w_q, w_k, w_v), (b_q, b_k, b_v)
+    starts = None if cu_seqlens is None else _sequence_starts(cu_seqlens, n)
+    if starts is not None and cos is not None and cos.dim() == 2:
+        cos, sin = _per_token_rope(cos, sin, starts, head_dim)
     rope = _rope_tables(cos, sin, head_dim)
     core = ops_for("attention", backend)
     # cuDNN and PyTorch's CPU flash kernel (the aten core on the CPU) align a causal mask top-left
     # (remat.ops.attention.windowless_top_left_reason); the other cores bottom-right.
     split_causal = backend == "cudnn" or (backend == "aten" and x.device.type == "cpu")
     left = attention.window_left  # -1: no window
-    if split_causal and left >= 0:
-        raise RuntimeError(f"remat: the {backend} attention core has no sliding window; a windowed call cannot run "
-                           "on it")
+    if split_causal and (left >= 0 or starts is not None):
+        raise RuntimeError(f"remat: the {backend} attention core has no sliding window or packed rows; this call "
+                           "cannot run on it")
     hidden = x.shape[-1]
     rows = x.reshape(batch * n, hidden)
     dx = torch.empty_like(x)
@@ -187,7 +234,8 @@ def backward_tiled(ctx, saved, dout, head_norm, head_norm_backward, first_lora_i
             if dout_tile.stride(-1) != 1:
                 dout_tile = dout_tile.contiguous()
             o_tile = o[entry:entry + 1, start:end]
-            lse_tile = lse[entry:entry + 1, :, start:end].contiguous()
+            # lse: [B, Hq, N], or [Hq, T] for a packed row.
+            lse_tile = (lse[:, start:end] if starts is not None else lse[entry:entry + 1, :, start:end]).contiguous()
             scalars = (attention.scale, attention.softcap, left, 0, 0.0, attention.deterministic)
             if split_causal:
                 dq, dk, dv = core.attention_bwd(dout_tile, q_rotated, k_rotated[:, start:end], v_row[:, start:end],
@@ -203,6 +251,16 @@ def backward_tiled(ctx, saved, dout, head_norm, head_norm_backward, first_lora_i
                     dv_sum[:, :start] += dv
                     dq = (dq.float() + dq_prefix.float()).to(dq.dtype)
                     del dq_prefix
+            elif starts is not None:
+                first_key, cu_q, cu_k, max_q, max_k = _packed_tile(starts, start, end, left)
+                device = cu_seqlens.device
+                dq, dk, dv = core.attention_varlen_bwd(
+                    dout_tile[0], q_rotated[0], k_rotated[0, first_key:end], v_row[0, first_key:end], o_tile[0],
+                    lse_tile, torch.tensor(cu_q, dtype=torch.int32, device=device),
+                    torch.tensor(cu_k, dtype=torch.int32, device=device), max_q, max_k, None, None, None, *scalars)
+                dq = dq[None]
+                dk_sum[0, first_key:end] += dk
+                dv_sum[0, first_key:end] += dv
             else:
                 # Keys [first_key, end): under a window, the earliest key the tile's first query sees.
                 first_key = max(0, start - left) if left >= 0 else 0

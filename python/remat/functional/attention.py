@@ -238,8 +238,8 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
             remat.tiles): the norm and projections run over tiles of that many tokens in forward,
             and the whole backward over query tiles, so that nothing of q's width exists beyond one
             tile in backward (remat.autograd.norm_attention_tiled). Needs
-            causal attention (a left sliding window too), dense rows (no cu_seqlens) and no
-            attention dropout (ValueError otherwise); with LoRA dropout, a multiple of 4. The results equal
+            causal attention (a left sliding window too; dense or packed rows) and no attention
+            dropout (ValueError otherwise); with LoRA dropout, a multiple of 4. The results equal
             the untiled call's up to rounding (fp32 sums over tiles); what is saved is unchanged.
         sequence_parallel: None (default), or a ``torch.distributed`` ProcessGroup of P ranks that
             share one sequence (Ulysses; remat.sequence_parallel): x is this rank's shard, its n
@@ -324,7 +324,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     # dq accumulator (Hq D each), and the tile's normalized rows and their gradient (2 H).
     tile_bytes = (3 * x.element_size() + 4) * num_heads * head_dim + 2 * x.element_size() * x.shape[-1]
     tile = resolve_tile_tokens(checks.check_tile_tokens(tile_tokens), n, tile_bytes, x.device)
-    _check_attention_tile(tile, attention_options, cu_seqlens, lora_layout)
+    _check_attention_tile(tile, attention_options, lora_layout)
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = rope if rope is not None else (None, None)
@@ -351,11 +351,9 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
                                            core.rotate_once, lora_layout, *lora_tensors)
 
 
-def attention_tile_unsupported_reason(options, packed):
-    """Why norm_attention cannot run over query tiles with these :class:`AttentionOptions` (and
-    packed rows when ``packed``), or None."""
-    if packed:
-        return "packed rows (cu_seqlens) are not tiled"
+def attention_tile_unsupported_reason(options):
+    """Why norm_attention cannot run over query tiles with these :class:`AttentionOptions`, or None
+    (dense and packed rows tile alike)."""
     if options.window_right != 0:
         return "only causal attention is tiled"
     if options.dropout_p > 0:
@@ -396,12 +394,12 @@ def _check_out_projection(w_o, b_o, q_width, keep_qkv, sequence_parallel, x):
     return w_o.shape[0]
 
 
-def _check_attention_tile(tile, options, cu_seqlens, lora_layout):
+def _check_attention_tile(tile, options, lora_layout):
     """Raises ValueError when norm_attention cannot run over query tiles of ``tile`` tokens (0:
     untiled, always fine)."""
     if not tile:
         return
-    reason = attention_tile_unsupported_reason(options, cu_seqlens is not None)
+    reason = attention_tile_unsupported_reason(options)
     if reason is not None:
         raise ValueError(f"tile_tokens: {reason}")
     if tile % 4 and any(slot.dropout_p > 0 for slot in lora_layout):
