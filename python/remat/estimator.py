@@ -31,6 +31,11 @@ Hugging Face config). Two parts of PyTorch need the device itself and are stood 
 - The CUDA attention backward kernels allocate scratch inside the call (FlashAttention-2's fp32
   dq accumulator and, with GQA, Hq-head dk/dv; cuDNN's workspace), which a fake kernel does not:
   :func:`kernel_scratch_bytes` adds it for the call's duration.
+- On a CPU target, PyTorch's CPU flash attention kernels (SDPA's CPU kernel, and remat's aten
+  attention core, which calls them per query tile in a tiled backward) allocate per-thread blocks
+  of scores and probabilities inside the call: :func:`cpu_flash_attention_scratch_bytes` adds them
+  for the call's duration. A tiled step's peak is inside such a backward call (up to 7% of a tiny
+  model's peak in tests).
 - remat's mixture-of-experts block counts the rows routed to each expert on the host, which a
   fake tensor cannot answer: under an estimate every expert gets an equal share
   (``remat.autograd.moe.balanced_expert_counts``), and :attr:`Estimate.assumptions` says so.
@@ -44,13 +49,13 @@ Hugging Face config). Two parts of PyTorch need the device itself and are stood 
   fp32 logsumexp; backward: fp32 dq accumulator) where flash applies (no mask, head dim <= 256,
   16-bit dtype) and as the memory-efficient kernel otherwise.
 
-Not counted: on a CPU target, what ATen's CPU kernels allocate inside a call (the 16-bit GEMMs'
-copies, the CPU flash attention backward's buffers: up to 7% of a tiny model's peak in tests,
-none of it on a GPU target); tensors made outside PyTorch's dispatcher, such as the CPU RNG state (5,056 bytes)
-``torch.utils.checkpoint`` stashes per checkpointed region (host memory for a GPU target), memory
-a kernel allocates and frees inside one call (cuBLAS workspaces, the
-allocator's fragmentation and cache), the CUDA context (about 0.5 GiB, part of the reserve the
-budget leaves), and anything outside tensor storages.
+Not counted: on a CPU target, what ATen's 16-bit CPU GEMMs allocate inside a call (their copies,
+also those inside the CPU flash attention kernels; none of it on a GPU target); tensors made
+outside PyTorch's dispatcher, such as the CPU RNG state (5,056 bytes) ``torch.utils.checkpoint``
+stashes per checkpointed region (host memory for a GPU target), memory a kernel allocates and
+frees inside one call (cuBLAS workspaces, the allocator's fragmentation and cache), the CUDA
+context (about 0.5 GiB, part of the reserve the budget leaves), and anything outside tensor
+storages.
 """
 
 import contextlib
@@ -146,6 +151,11 @@ def kernel_scratch_bytes(func, args, device_type="cuda"):
     - remat's fused linear + cross-entropy (csrc/cross_entropy, the cpp and cuda backends; the
       triton backend, kernels/cross_entropy.py): :func:`cross_entropy_scratch_bytes`.
 
+    on a CPU target, PyTorch's CPU flash attention kernels:
+
+    - ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (SDPA on the CPU,
+      remat's aten attention core): :func:`cpu_flash_attention_scratch_bytes`.
+
     and on a CUDA target, PyTorch's attention backward kernels:
 
     - ``aten._flash_attention_backward`` (FlashAttention-2's mha_bwd / mha_varlen_bwd): the fp32 dq
@@ -161,6 +171,8 @@ def kernel_scratch_bytes(func, args, device_type="cuda"):
         _CROSS_ENTROPY_OPS.update(_cross_entropy_ops())
     if func in _CROSS_ENTROPY_OPS:
         return cross_entropy_scratch_bytes(_CROSS_ENTROPY_OPS[func], args, device_type)
+    if device_type == "cpu":
+        return cpu_flash_attention_scratch_bytes(func, args)
     if device_type != "cuda":
         return 0
     if func is torch.ops.aten._flash_attention_backward.default:
@@ -182,6 +194,67 @@ def kernel_scratch_bytes(func, args, device_type="cuda"):
         batch, heads, n, dim = args[1].shape
         return 4 * batch * heads * n * (dim + 1)
     return 0
+
+
+# PyTorch's CPU flash attention splits the queries into blocks of 256 rows from 768 queries on, of
+# 64 from 192 on, else of 32, and the keys into blocks of 512 (FlashAttentionKernel.cpp,
+# flash_attention_kernel_impl and flash_attention_backward_kernel_impl).
+_CPU_FLASH_KV_SPLIT = 512
+
+
+def _cpu_flash_q_split(queries):
+    return 256 if queries >= 768 else 64 if queries >= 192 else 32
+
+
+def cpu_flash_attention_scratch_bytes(func, args, threads=None):
+    """What PyTorch's CPU flash attention kernels allocate inside one call beyond their outputs (0
+    for any other operator): read from the kernels' source (aten/src/ATen/native/cpu/
+    FlashAttentionKernel.cpp) and checked against the profiler's allocator records of real calls
+    (PyTorch 2.14, fp32 and bf16, 1, 2 and 4 threads, 32 to 300 queries). The operator's q is
+    [B, Hq, N, D], k [B, Hkv, M, D]; the kernels work on blocks of Qs = min(N, 32, 64 from 192
+    queries on, 256 from 768 on) queries and Ks = min(M, 512) keys, with per-thread buffers for T =
+    ``threads`` threads (default ``torch.get_num_threads()``: at::get_num_threads() sizes them
+    whatever the shapes); "accumulation type": fp32 for 16-bit and fp32 inputs, fp64 for fp64.
+
+    - ``aten._scaled_dot_product_flash_attention_for_cpu``: ``buf`` [T, Qs Ks + 2 Qs + Qs D] in the
+      accumulation type (a block of scores, the row maxima and sums, the output block) and, for
+      16-bit inputs, ``buf_reduced`` [T, Qs, Ks] in the input's dtype.
+    - ``aten._scaled_dot_product_flash_attention_for_cpu_backward``: ``buf`` [T, 2 Qs Ks] in the
+      accumulation type (a block of probabilities and one of their gradients), for 16-bit inputs
+      ``buf_reduced`` [T, 2 Qs Ks] in the input's dtype, ``dsum`` [Qs] in the accumulation type
+      per thread the B Hq heads are split over (min(T, B Hq)), and a contiguous copy of grad_out
+      where grad_out as [B, N, Hq, D] is not contiguous (``grad_out.contiguous()`` in
+      flash_attention_backward_kernel_impl; remat's aten core passes a contiguous one). The
+      profiler records the calling thread's allocations only: a measured peak in this call is
+      (T - 1) Qs dsum elements below the count.
+
+    Both live for the length of the call. Not counted: with 16-bit inputs, the GEMMs inside the
+    kernels (cpublas::gemm) allocate and free tens of KiB each, one at a time per thread; with fp16
+    on a CPU whose oneDNN packs fp16 (AMX-FP16), the forward's packed copies of k and v, made with
+    ``new`` outside the tensor allocator.
+    """
+    forward = func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    if not forward and func is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        return 0
+    grad_out, query, key = (None, *args[:2]) if forward else args[:3]
+    threads = torch.get_num_threads() if threads is None else threads
+    batch, heads, queries, dim = query.shape
+    keys = key.shape[2]
+    q_split = min(queries, _cpu_flash_q_split(queries))
+    kv_split = min(keys, _CPU_FLASH_KV_SPLIT)
+    element = query.element_size()
+    accumulate = 8 if query.dtype == torch.float64 else 4
+    reduced = query.dtype in (torch.float16, torch.bfloat16)
+    if forward:
+        scratch = threads * (q_split * kv_split + 2 * q_split + q_split * dim) * accumulate
+        return scratch + (threads * q_split * kv_split * element if reduced else 0)
+    scratch = threads * 2 * q_split * kv_split * accumulate
+    if reduced:
+        scratch += threads * 2 * q_split * kv_split * element
+    scratch += min(threads, batch * heads) * q_split * accumulate
+    if not grad_out.transpose(1, 2).is_contiguous():
+        scratch += grad_out.numel() * grad_out.element_size()
+    return scratch
 
 
 def _cross_entropy_ops():
