@@ -327,6 +327,11 @@ def _worker(rank, world, port, out_path):
         results["estimate"] = _estimate_and_peak(group)
         if world == 2:
             results["refusals"] = _refusals(rank, group)
+            # position_ids [1, N] beside two rows (as Hugging Face broadcasts them): cut as every row's.
+            dense = _batch("dense")
+            results["broadcast positions"] = [shard_batch(dict(dense, position_ids=positions), group)["position_ids"]
+                                              for positions in (torch.arange(LENGTH)[None],
+                                                                torch.arange(LENGTH).expand(2, LENGTH))]
         torch.save(results, f"{out_path}.{rank}")
         dist.barrier()
     finally:
@@ -348,6 +353,9 @@ def test_shards_equal_one_process(world, tmp_path):
     for rank in range(world):
         results = torch.load(f"{out_path}.{rank}")
         refusals = results.pop("refusals", None)
+        if world == 2:
+            broadcast, per_row = results.pop("broadcast positions")
+            assert broadcast.shape == (2, LENGTH // 2) and torch.equal(broadcast, per_row), (broadcast, per_row)
         predicted, measured = results.pop("estimate")
         # Measured on 2026-12-03: one rank within 0.05%, another 2.6% above (6 KB: two [2, 12, 4, 8]
         # fp32 tensors alive at its peak that the estimate does not see; not traced yet).

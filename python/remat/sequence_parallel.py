@@ -279,7 +279,8 @@ def shard_batch(batch, group, *, pad_token_id=0):
         batch: a dict with ``input_ids`` ``[B, N]``, ``labels`` ``[B, N]`` (optional: without them
             no shift_labels / num_items_in_batch) and ``position_ids`` ``[B, N]`` (optional:
             default 0 .. N - 1; restarting positions mark packed documents). Other ``[B, N]``
-            tensors are cut too; anything else is copied. ``attention_mask`` raises ValueError
+            tensors are cut too, and ``[1, N]`` ones (such as position_ids shared by every row)
+            as every row's; anything else is copied. ``attention_mask`` raises ValueError
             (sequence parallelism takes no pads but at the end, added here).
         group: the sequence-parallel process group.
         pad_token_id: when N is not a multiple of P, the sequence's end is padded to the next
@@ -300,6 +301,11 @@ def shard_batch(batch, group, *, pad_token_id=0):
     rows, length = ids.shape
     whole = dict(batch)
     whole.setdefault("position_ids", torch.arange(length, device=ids.device).expand(rows, length))
+    for name, value in list(whole.items()):
+        # [1, N, ...] tensors beside B > 1 rows (position_ids as Hugging Face broadcasts them) are
+        # every row's: expanded, so that they are cut like the others.
+        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (1, length) and rows > 1:
+            whole[name] = value.expand(rows, *value.shape[1:])
     pad = -length % size
     if pad:
         fills = {"input_ids": pad_token_id, "labels": IGNORE_INDEX}
