@@ -114,6 +114,11 @@ def test_a_budget_between_two_candidates_gets_the_fewest_first_layers_on_the_fru
     for name, grad in grads.items():
         torch.testing.assert_close(grad, stock_grads[name], rtol=1e-4, atol=2e-6)
     assert f"{plan.label} " in plan.explain() and f"the first {m} of {layers} layers" in plan.label
+    # Recompute FLOPs: the frugal candidate recomputes more per layer; the mix in proportion to its layers.
+    recompute = {entry[0]: entry[3][0] for entry in plan.tried}
+    assert recompute[frugal] > recompute[base[0]]
+    share = m / layers
+    assert recompute[plan.label] == pytest.approx(recompute[base[0]] + share * (recompute[frugal] - recompute[base[0]]))
 
 
 def test_a_budget_below_the_floor_is_refused_naming_it_and_leaves_the_model_alone():

@@ -63,8 +63,8 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             remat.peak_plan's configurations (policies, MLP tiling, host offload, checkpointing),
             or a per-layer mix of the first that fits and the one before it (the fewest layers on
             the slower one); ``budget_bytes="auto"`` on a CUDA model: the GPU's total memory less
-            3 GiB. ``report.plan.explain()`` prints each candidate's and mix's predicted peak and
-            host bytes.
+            3 GiB. ``report.plan.explain()`` prints each candidate's and mix's predicted peak, host
+            bytes and recompute FLOPs.
         host_budget_bytes: with ``seq_len``: None (default: any), or the most host memory the
             offloading candidates may hold (their predicted host peak); a candidate over it is
             skipped like one over ``budget_bytes``.

@@ -37,7 +37,8 @@ import dataclasses
 import math
 
 from remat.estimator import estimate, format_bytes
-from remat.model_plan import decoder_layers
+from remat.model_plan import decoder_layers, layer_flops
+from remat.nn.layers import PreNormDecoderLayer
 from remat.replacement import fused_layers, replace_modules, set_layer_options, unpatch
 
 # (name, policy, tile the MLP and attention, offload, checkpoint, prefetch), cheapest first.
@@ -69,7 +70,9 @@ class PeakPlan:
         policy, tile_tokens, offload, checkpointing, prefetch: what it sets on the layers.
         peak_bytes, host_bytes: the estimate of the chosen configuration's step.
         budget_bytes: the device budget; host_budget_bytes: the host budget (None: any).
-        tried: (name, peak_bytes, host_bytes) of every candidate and mix estimated, in order.
+        tried: (name, peak_bytes, host_bytes, recompute) of every candidate and mix estimated, in
+            order; recompute: (FLOPs the step recomputes, FLOPs of the layers' forward) per rank
+            (remat.model_plan.layer_flops), or None for a layer without a FLOP formula.
         base: None when every layer runs ``choice``; else the candidate the other layers run (the
             one before ``choice``), and ``mixed_layers`` layers run ``choice``: the first ones in
             forward order (``mixed_from == "first"``) or the last ones (``"last"``).
@@ -110,16 +113,18 @@ class PeakPlan:
         label = self.label
         lines = [f"remat peak plan for {self.batch_size} x {self.seq_len} tokens{shards}, device budget "
                  f"{format_bytes(self.budget_bytes)}: {label} (the cheapest within it)"]
-        width = max(48, *(len(name) for name, _, _ in self.tried))
-        for name, peak, host in self.tried:
+        width = max(48, *(len(entry[0]) for entry in self.tried))
+        for name, peak, host, recompute in self.tried:
             over = peak > self.budget_bytes or (self.host_budget_bytes is not None and host > self.host_budget_bytes)
             mark = "<- chosen" if name == label else ("over budget" if over else "")
             sizes = f"device peak {format_bytes(peak):>11}  host {format_bytes(host):>11}"
-            lines.append(f"  {name:<{width}} {sizes}  {mark}")
-        lines.append("  cost order: recompute grows down the candidates (speed: none; balanced: MLP gate/up GEMMs; "
-                     "memory: + q/k/v; checkpointed: + the layer's forward); tiling adds none; offload adds host "
-                     "copies (overlapped on a GPU, not measured; without prefetch compute waits for each layer's "
-                     "copy); a mix costs in proportion to the layers on the later candidate")
+            cost = "recompute n/a" if recompute is None else (
+                f"recompute {recompute[0] / 1e12:10.4g} TFLOP ({recompute[0] / recompute[1]:.2f} of a forward)")
+            lines.append(f"  {name:<{width}} {sizes}  {cost}  {mark}")
+        lines.append("  recompute: the layers' FLOPs a step runs again (attention probabilities under every policy; "
+                     "balanced: + MLP gate/up GEMMs; memory: + q/k/v; checkpointed: + the layer's forward); tiling "
+                     "adds none; offload copies the host bytes there and back (overlapped with compute on a GPU, not "
+                     "measured; without prefetch compute waits for each layer's copy)")
         return "\n".join(lines)
 
 
@@ -206,12 +211,14 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
     tried = []
 
     def probe(candidate, **mix):
+        """(the step's Estimate, its recompute FLOPs) under ``candidate`` (or a mix)."""
         configure(model, candidate, modules, backend, tile, sequence_parallel, **mix)
         try:
             result = estimate(model, seq_len=shard, batch_size=batch_size, optimizer=optimizer)
+            flops = recompute_flops(model, batch_size, seq_len, ranks)
         finally:
             unpatch(model)
-        return result
+        return result, flops
 
     def fits(result):
         host_fits = host_budget_bytes is None or result.host_bytes <= host_budget_bytes
@@ -220,8 +227,8 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
     layers = len(decoder_layers(model))
     previous = None
     for candidate in CANDIDATES:
-        result = probe(candidate)
-        tried.append((candidate[0], result.peak_bytes, result.host_bytes))
+        result, flops = probe(candidate)
+        tried.append((candidate[0], result.peak_bytes, result.host_bytes, flops))
         if fits(result):
             name, policy, tiled, offload, checkpointing, prefetch = candidate
             plan = PeakPlan(name, policy, tile if tiled else None, offload, checkpointing, prefetch,
@@ -231,7 +238,7 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
                 _search_mix(plan, candidate, previous, probe, fits)
             return plan
         previous = candidate, result
-    floor = min(peak for _, peak, _ in tried)
+    floor = min(entry[1] for entry in tried)
     host = "" if host_budget_bytes is None else f" and {host_budget_bytes} host bytes"
     raise ValueError(f"no configuration fits {budget_bytes} bytes{host} for {batch_size} x {seq_len} tokens: the "
                      f"smallest predicted peak is {floor} bytes ({tried[-1][0]}, {tried[-1][2]} host bytes); raise "
@@ -241,7 +248,8 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
 def _search_mix(plan, candidate, previous, probe, fits):
     """Finds the fewest layers on ``candidate`` (the rest on ``previous``'s candidate, which did
     not fit) whose step fits, by probes (``probe(candidate, base=, mixed_layers=, mixed_from=)``
-    returns an Estimate, ``fits`` says whether it is within the budgets); records every probe in
+    returns an Estimate and the recompute FLOPs, ``fits`` says whether the Estimate is within the
+    budgets); records every probe in
     ``plan.tried`` and, if a mix fits, sets it on ``plan``. Interpolates the peak between the
     bracket's ends for :data:`INTERPOLATED_PROBES` probes, then bisects."""
     base, base_result = previous
@@ -258,9 +266,9 @@ def _search_mix(plan, candidate, previous, probe, fits):
         else:
             m = (low + high) // 2
         probes += 1
-        result = probe(candidate, base=base, mixed_layers=m, mixed_from=mixed_from)
+        result, flops = probe(candidate, base=base, mixed_layers=m, mixed_from=mixed_from)
         plan.tried.append((mix_label(candidate[0], base[0], m, layers, mixed_from), result.peak_bytes,
-                           result.host_bytes))
+                           result.host_bytes, flops))
         if fits(result):
             high, high_peak, found = m, result.peak_bytes, result
         else:
@@ -268,6 +276,25 @@ def _search_mix(plan, candidate, previous, probe, fits):
     if found is not None:
         plan.base, plan.mixed_layers, plan.mixed_from = base[0], high, mixed_from
         plan.peak_bytes, plan.host_bytes = found.peak_bytes, found.host_bytes
+
+
+def recompute_flops(model, batch_size, seq_len, ranks=1):
+    """(FLOPs one training step of the patched ``model`` recomputes, FLOPs of its decoder layers'
+    forward) per rank of ``ranks`` sharing ``batch_size`` sequences of ``seq_len`` tokens: per
+    fused decoder layer, its policy's recompute (remat.model_plan.layer_flops) plus its whole
+    forward when it is checkpointed; None when a layer has no FLOP formula."""
+    recomputed = forward_total = 0
+    for layer in model.modules():
+        if isinstance(layer, PreNormDecoderLayer):
+            try:
+                forward, recompute = layer_flops(layer, batch_size, seq_len)
+            except ValueError:
+                return None
+            recomputed += recompute[layer.policy] + (forward if layer.gradient_checkpointing else 0)
+            forward_total += forward
+    # Under sequence parallelism each rank runs 1/P of the tokens' GEMMs and 1/P of the heads over
+    # the whole sequence: 1/P of every term.
+    return (recomputed / ranks, forward_total / ranks) if forward_total else None
 
 
 def install(model, plan, modules, backend, sequence_parallel=None):
