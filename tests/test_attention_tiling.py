@@ -344,6 +344,49 @@ def test_gpu_tiled_norm_attention_matches_float64_reference(backend, keep_qkv):
         assert_within_2x_of_stock(f"{name} (untiled)", u, s, w, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["aten", "triton", "cuda"])  # cuDNN takes neither windows nor packed rows
+@pytest.mark.parametrize("layout", ["window", "packed"])
+def test_gpu_tiled_window_and_packed_rows_match_float64_reference(backend, layout):
+    # 300 tokens, D 64, tiles of 128: a window of 50 keys (dense, two rows), or one packed row of
+    # sequences of 100, 0 and 200 tokens (rope restarting per sequence), against float64 run alone.
+    from remat import backend as backend_mod
+
+    reason = backend_mod.unavailable_reason(backend, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    packed = layout == "packed"
+    tensors, dy = make_case(torch.bfloat16, batch=1 if packed else 2, n=300, lora=True, head_dim=64)
+    names = list(tensors)
+    values = [t.cuda() for t in tensors.values()]
+    dy = dy.cuda()
+    cos, sin = (t.cuda() for t in rope_tables(1 if packed else 2, 300, torch.float32, head_dim=64))
+    starts = [0, 100, 100, 300]
+
+    def remat_call(tile):
+        def fn(*vals):
+            t = dict(zip(names, vals, strict=True))
+            lora = ([LoRAAdapter(t["aq"], t["bq_lora"], None, 0.5)], None,
+                    [LoRAAdapter(t["av"], t["bv_lora"], None, 2.0)])
+            extra = (dict(cu_seqlens=torch.tensor(starts, dtype=torch.int32, device="cuda"), rope=(cos[0], sin[0]))
+                     if packed else dict(window=(50, 0), rope=(cos, sin)))
+            return remat.norm_attention(t["x"], t["nw"], t["wq"], t["wk"], t["wv"], num_heads=HQ, num_kv_heads=HKV,
+                                        keep_qkv=False, lora=lora, backend=backend, tile_tokens=tile, **extra)
+        return fn
+
+    def reference(*vals):
+        if not packed:
+            return reference_fn(names, (cos, sin), window_left=50)(*vals)
+        return torch.cat([reference_fn(names, (cos[:, : b - a], sin[:, : b - a]))(vals[0][:, a:b], *vals[1:])
+                          for a, b in zip(starts, starts[1:]) if b > a], 1)
+
+    got = grads(remat_call(128), values, dy)
+    stock = grads(reference, values, dy)
+    want = grads(reference, [t.double() for t in values], dy.double())
+    for name, g, s, w in zip(["o", *names], got, stock, want, strict=True):
+        assert_within_2x_of_stock(name, g, s, w, torch.bfloat16)
+
+
 def test_tile_tokens_arguments_are_checked():
     tensors, _ = make_case(torch.float32, lora=True)
     names, values = list(tensors), list(tensors.values())
