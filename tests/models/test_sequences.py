@@ -464,3 +464,25 @@ def test_packed_rows_run_tiled(kind, monkeypatch):
     layers = patched.config.num_hidden_layers
     assert len(calls) == layers
     check_against_stock(got, base, want, torch.ones_like(ids, dtype=torch.bool), torch.float32)
+
+
+def test_packed_rows_under_compile_run_their_attention_untiled():
+    # Under torch.compile the offsets are traced and a tile's sequences would be data: the layers
+    # run a packed row's attention untiled (said once) and the compiled step equals the eager
+    # tiled one. (Read as one sequence, the traced backward's gradients were wrong by up to 0.9.)
+    from remat.nn import layers
+
+    ids, positions, labels, offsets, _ = packed_row()
+    inputs = dict(input_ids=ids, position_ids=positions, labels=labels, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
+                  max_length_q=max(DOCUMENTS), max_length_k=max(DOCUMENTS))
+    eager, compiled = build("llama"), build("llama")
+    for model in (eager, compiled):
+        remat.patch(model, policy="memory", tile_tokens=4)
+    want = step(eager, **dict(inputs))
+    layers._UNTILED_ATTENTION_WARNED.clear()
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="packed rows are not tiled under torch.compile"):
+        got = step(torch.compile(compiled), **dict(inputs))
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][f"_orig_mod.{name}"], grad, rtol=1e-4, atol=2e-6, msg=name)

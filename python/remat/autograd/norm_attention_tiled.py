@@ -42,8 +42,10 @@ queries [a, b) cut at the sequence starts, against keys from the start of the se
 query a (or its first query's window) to b, each sequence's queries the last of its keys
 (bottom-right alignment, as the untiled call's). Rope tables restarting per sequence ([S_rows, D/2])
 are gathered per token once per backward. The sequence starts are read on the host (one copy of
-cu_seqlens per backward); under fake tensors (remat.estimate), whose values are unknown, the
-row counts as one sequence, which reads the most keys per tile (an upper bound of the working set).
+cu_seqlens per backward); under remat.estimate (fake tensors, no values) the row counts as one
+sequence, which reads the most keys per tile (an upper bound of the working set, stated in the
+estimate's assumptions). Under torch.compile the offsets are traced and the tiles' shapes would be
+data: packed rows are not tiled there.
 
 Limits (refused by remat.functional.norm_attention with a ValueError): causal attention only (a
 non-causal call would need every query tile before any key is final), no attention dropout.
@@ -107,11 +109,25 @@ def project_tiled(rows, norm_weight, norm_bias, weights, biases, shape, adapters
 
 
 def _sequence_starts(cu_seqlens, total):
-    """The packed row's sequence offsets as ints (cu_seqlens, read on the host), or [0, total] for
-    offsets whose values are unknown (fake tensors: remat.estimate)."""
-    if checks.values_unknown(cu_seqlens):
+    """The packed row's sequence offsets as ints (cu_seqlens, read on the host), or [0, total] under
+    remat.estimate (fake tensors have no values: the row counts as one sequence, an upper bound of
+    a tile's keys, and the estimate says so). Traced offsets (torch.compile) raise: the tiles' calls
+    take their shapes from the values, so remat.functional.norm_attention and the layers run
+    packed rows untiled under compile."""
+    from remat import estimator
+
+    if estimator.estimating():
+        estimator.note_assumption(PACKED_AS_ONE_SEQUENCE)
         return [0, total]
+    if checks.values_unknown(cu_seqlens):
+        raise RuntimeError("remat: the tiled attention backward needs packed rows' offsets as values; under "
+                           "torch.compile packed rows run untiled")
     return [int(c) for c in cu_seqlens.tolist()]
+
+
+# What an estimate assumes of a tiled packed row (remat.estimator.Estimate.assumptions).
+PACKED_AS_ONE_SEQUENCE = ("a packed row's tiled attention backward reading keys as for one sequence (the most a "
+                          "tile can read; the offsets have no values on fake tensors)")
 
 
 def _per_token_rope(cos, sin, starts, head_dim):

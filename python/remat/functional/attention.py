@@ -324,7 +324,7 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     # dq accumulator (Hq D each), and the tile's normalized rows and their gradient (2 H).
     tile_bytes = (3 * x.element_size() + 4) * num_heads * head_dim + 2 * x.element_size() * x.shape[-1]
     tile = resolve_tile_tokens(checks.check_tile_tokens(tile_tokens), n, tile_bytes, x.device)
-    _check_attention_tile(tile, attention_options, lora_layout)
+    _check_attention_tile(tile, attention_options, cu_seqlens is not None, lora_layout)
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = rope if rope is not None else (None, None)
@@ -351,13 +351,16 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
                                            core.rotate_once, lora_layout, *lora_tensors)
 
 
-def attention_tile_unsupported_reason(options):
-    """Why norm_attention cannot run over query tiles with these :class:`AttentionOptions`, or None
-    (dense and packed rows tile alike)."""
+def attention_tile_unsupported_reason(options, packed):
+    """Why norm_attention cannot run over query tiles with these :class:`AttentionOptions` (and
+    packed rows when ``packed``), or None. Packed rows tile but under torch.compile, where their
+    offsets are traced: the tiles' calls take their shapes from the offsets' values."""
     if options.window_right != 0:
         return "only causal attention is tiled"
     if options.dropout_p > 0:
         return "attention dropout is not tiled"
+    if packed and torch.compiler.is_compiling():
+        return "packed rows are not tiled under torch.compile (a tile's sequences are data)"
     return None
 
 
@@ -394,12 +397,12 @@ def _check_out_projection(w_o, b_o, q_width, keep_qkv, sequence_parallel, x):
     return w_o.shape[0]
 
 
-def _check_attention_tile(tile, options, lora_layout):
+def _check_attention_tile(tile, options, packed, lora_layout):
     """Raises ValueError when norm_attention cannot run over query tiles of ``tile`` tokens (0:
     untiled, always fine)."""
     if not tile:
         return
-    reason = attention_tile_unsupported_reason(options)
+    reason = attention_tile_unsupported_reason(options, packed)
     if reason is not None:
         raise ValueError(f"tile_tokens: {reason}")
     if tile % 4 and any(slot.dropout_p > 0 for slot in lora_layout):

@@ -134,12 +134,14 @@ class PreNormDecoderLayer(nn.Module):
     def attention_tile_arguments(self, layout, causal, window, dropout_p):
         """functional.norm_attention's ``tile_tokens`` keyword for this call: ``{"tile_tokens": T}``
         when the layer is tiled and the call can run over query tiles (causal, a sliding window
-        too, dense or packed rows, no attention dropout), else ``{}``; a tiled layer whose
-        attention cannot be tiled warns once per reason (its MLP stays tiled)."""
+        too, dense rows, or packed rows outside torch.compile, no attention dropout), else ``{}``;
+        a tiled layer whose attention cannot be tiled warns once per reason (its MLP stays
+        tiled)."""
         if not self.tile_tokens:
             return {}
         left, right = checks.window_bounds(window, causal)
-        reason = attention_tile_unsupported_reason(AttentionOptions(1.0, 0.0, left, right, float(dropout_p)))
+        reason = attention_tile_unsupported_reason(AttentionOptions(1.0, 0.0, left, right, float(dropout_p)),
+                                                   layout is not None and layout.cu_seqlens is not None)
         if layout is not None and layout.sequence_parallel is not None:
             reason = "sequence parallelism does not tile it"
         if reason is None:
