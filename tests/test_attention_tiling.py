@@ -246,6 +246,34 @@ def test_tiled_packed_rows_match_float64_reference(backend, keep_qkv, dtype, til
         assert_within_2x_of_stock(f"output {i}", g, s, w, dtype)
 
 
+@pytest.mark.parametrize("starts,tile", [([0, 5, 10, 15], 5), ([0, 12, 12], 5), ([0, 0, 12], 4),
+                                         ([0, 4, 4, 4, 8, 13], 3), ([0, 1, 2, 9], 1)],
+                         ids=["tile-starts-at-sequences", "empty-last", "empty-first", "empty-runs", "single-rows"])
+@pytest.mark.parametrize("window", [None, 0, 2])
+def test_tiled_packed_rows_at_sequence_edges_equal_untiled(starts, tile, window):
+    # Tiles starting exactly at a sequence start, zero-length sequences first, last or in runs,
+    # one-token sequences and tiles, windows of 0 and 2 keys: tiled = untiled (fp32, cpp).
+    n = starts[-1]
+    tensors, dy = make_case(torch.float32, batch=1, n=n, lora=True)
+    names, values = list(tensors), list(tensors.values())
+    cos, sin = rope_tables(1, n, torch.float32)
+    cu_seqlens = torch.tensor(starts, dtype=torch.int32)
+
+    def fn(tile_tokens):
+        def call(*vals):
+            t = dict(zip(names, vals, strict=True))
+            lora = ([LoRAAdapter(t["aq"], t["bq_lora"], None, 0.5)], None,
+                    [LoRAAdapter(t["av"], t["bv_lora"], None, 2.0)])
+            return remat.norm_attention(t["x"], t["nw"], t["wq"], t["wk"], t["wv"], num_heads=HQ, num_kv_heads=HKV,
+                                        rope=(cos[0], sin[0]), keep_qkv=False, lora=lora, backend="cpp",
+                                        tile_tokens=tile_tokens, cu_seqlens=cu_seqlens,
+                                        window=None if window is None else (window, 0))
+        return call
+
+    for got, want in zip(grads(fn(tile), values, dy), grads(fn(None), values, dy), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("keep_qkv", [True, False])
 def test_tiling_keeps_the_same_saved_bytes(keep_qkv):
     tensors, _ = make_case(torch.float32, qk_norm=True, lora=True)

@@ -209,8 +209,9 @@ def _cpu_flash_q_split(queries):
 def cpu_flash_attention_scratch_bytes(func, args, threads=None):
     """What PyTorch's CPU flash attention kernels allocate inside one call beyond their outputs (0
     for any other operator): read from the kernels' source (aten/src/ATen/native/cpu/
-    FlashAttentionKernel.cpp) and checked against the profiler's allocator records of real calls
-    (PyTorch 2.14, fp32 and bf16, 1, 2 and 4 threads, 32 to 300 queries). The operator's q is
+    FlashAttentionKernel.cpp) and equal to the profiler's allocator records of real calls in fp32
+    (PyTorch 2.14, 1, 2 and 4 threads, 32 to 300 queries; tests/test_estimate.py) and of the bf16
+    forward; the bf16 backward allocates more (below). The operator's q is
     [B, Hq, N, D], k [B, Hkv, M, D]; the kernels work on blocks of Qs = min(N, 32, 64 from 192
     queries on, 256 from 768 on) queries and Ks = min(M, 512) keys, with per-thread buffers for T =
     ``threads`` threads (default ``torch.get_num_threads()``: at::get_num_threads() sizes them
@@ -229,7 +230,9 @@ def cpu_flash_attention_scratch_bytes(func, args, threads=None):
       (T - 1) Qs dsum elements below the count.
 
     Both live for the length of the call. Not counted: with 16-bit inputs, the GEMMs inside the
-    kernels (cpublas::gemm) allocate and free tens of KiB each, one at a time per thread; with fp16
+    kernels (cpublas::gemm) allocate and free buffers of their own: a bf16 backward call peaked 13
+    KiB (32 queries) to 225 KiB (800 queries, D 64) above this count at 1 thread, about twice that
+    at 2 (profiled 2026-12-06); with fp16
     on a CPU whose oneDNN packs fp16 (AMX-FP16), the forward's packed copies of k and v, made with
     ``new`` outside the tensor allocator.
     """

@@ -74,18 +74,17 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             its forward and back one layer ahead of its backward (remat.offload.HostOffload, on
             ``report.offload``); bitwise the same gradients. Default False. Not with
             ``policy="auto"`` yet (its checkpointed spans run in remat's own executor).
-        tile_tokens: None (default), an int >= 1, or ``"auto"`` (each call's tile chosen from the
-            free memory, remat.tiles): every fused decoder layer's MLP runs over tiles of that
-            many tokens in forward and backward (remat.norm_mlp, remat.norm_gelu_mlp), so no
-            ``[tokens, intermediate]`` tensor exists beyond one tile, and so does its attention
-            sub-block (remat.norm_attention: backward over query tiles) where the call is causal
-            (a sliding window too, dense or packed rows) without attention dropout (otherwise it
-            runs untiled and the layer warns once); the same saved bytes, the untiled results up to
-            rounding. With LoRA dropout, a multiple of 4 (the call raises ValueError otherwise; the
-            masks are the untiled call's). The fused loss runs over the same token tiles
-            (remat.linear_cross_entropy's ``tile_tokens``), and so do mixture-of-experts blocks
-            under "balanced" and "memory" (under "speed" they keep every routed row's gate and up,
-            and run untiled).
+        tile_tokens: None (default), an int >= 1, or ``"auto"`` (each call's tile chosen from the free
+            memory, remat.tiles): every fused decoder layer's MLP runs over tiles of that many tokens in
+            forward and backward (remat.norm_mlp, remat.norm_gelu_mlp), so no ``[tokens, intermediate]``
+            tensor exists beyond one tile, and so does its attention sub-block (remat.norm_attention:
+            backward over query tiles) where the call is causal (a sliding window too, dense rows, or packed
+            rows outside torch.compile) without attention dropout (otherwise it runs untiled and the layer
+            warns once); the same saved bytes, the untiled results up to rounding. With LoRA dropout, a
+            multiple of 4 (the call raises ValueError otherwise; the masks are the untiled call's). The
+            fused loss runs over the same token tiles (remat.linear_cross_entropy's ``tile_tokens``), and so
+            do mixture-of-experts blocks under "balanced" and "memory" (under "speed" they keep every routed
+            row's gate and up, and run untiled).
 
         sequence_parallel: None (default), a ``torch.distributed`` ProcessGroup of the ranks that
             share one sequence (Ulysses; remat.sequence_parallel), or ``"deepspeed"``: DeepSpeed's

@@ -9,7 +9,7 @@ the largest backward working set, the loss), is within the budget:
 1. ``speed``: no GEMM recomputed;
 2. ``balanced``: the MLP's gate/up GEMMs recomputed;
 3. ``memory``: the q/k/v projections too;
-4. ``memory`` with the gated MLP and the attention sub-block tiled along the sequence (no FLOPs
+4. ``memory`` with the MLP and the attention sub-block tiled along the sequence (no FLOPs
    added: the attention backward runs per query tile, each tile recomputing its own q);
 5. the same with what each layer keeps offloaded to host memory (copies that a GPU overlaps with
    compute: not measured yet);
@@ -30,7 +30,10 @@ other layer's backward, and a checkpointed last layer re-makes at once what it d
 k only shrinks the working set (tiling), the last m: the backward working set counts on top of the
 kept tensors of every earlier layer, so it matters most in the layers whose backward runs first.
 Candidates 6 and 7 differ only in prefetch, which the layers share (remat.offload.HostOffload): no
-mix of those. A budget below the last candidate's peak raises ValueError naming that floor.
+mix of those. Under a mix of offloaded and kept layers, the first offloaded layer backward reaches
+is fetched when its backward starts (prefetch is layer i's backward fetching layer i - 1's, and
+the layer after it keeps its tensors): compute waits for that one copy per step. A budget below
+the last candidate's peak raises ValueError naming that floor.
 """
 
 import dataclasses
@@ -67,7 +70,8 @@ class PeakPlan:
 
     Attributes:
         choice: the candidate's name (see the module docstring).
-        policy, tile_tokens, offload, checkpointing, prefetch: what it sets on the layers.
+        policy, tile_tokens, offload, checkpointing, prefetch: what ``choice`` sets on its layers
+            (every layer, or the ``mixed_layers`` of a mix).
         peak_bytes, host_bytes: the estimate of the chosen configuration's step.
         budget_bytes: the device budget; host_budget_bytes: the host budget (None: any).
         tried: (name, peak_bytes, host_bytes, recompute) of every candidate and mix estimated, in
@@ -259,7 +263,9 @@ def _search_mix(plan, candidate, previous, probe, fits):
     high, high_peak, found = layers, plan.peak_bytes, None  # fits
     probes = 0
     while high - low > 1:
-        if probes < INTERPOLATED_PROBES and low_peak > high_peak:
+        # Interpolated on the device peak only where the bracket's low end is over the device
+        # budget (it may fail the host budget alone, where the line says nothing).
+        if probes < INTERPOLATED_PROBES and low_peak > plan.budget_bytes and low_peak > high_peak:
             # The smallest m on the line through the bracket's ends whose peak is within the budget.
             share = (low_peak - plan.budget_bytes) / (low_peak - high_peak)
             m = min(max(low + math.ceil((high - low) * share), low + 1), high - 1)

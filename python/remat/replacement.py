@@ -124,8 +124,8 @@ class PatchReport:
 
 def set_layer_options(model, report, *, offload=False, tile_tokens=None, checkpointing=False, prefetch=True,
                       sequence_parallel=None):
-    """Sets options on every fused decoder layer ``report`` names, in model order: the gated MLP's
-    and attention sub-block's tile (``tile_tokens``, also the fused loss's), one shared HostOffload (``offload``; on
+    """Sets options on every fused decoder layer ``report`` names, in model order: the MLP's and
+    attention sub-block's tile (``tile_tokens``, also the fused loss's), one shared HostOffload (``offload``; on
     ``report.offload``; ``prefetch`` as HostOffload's), whole-layer checkpointing
     (``checkpointing``: the layer keeps its input, re-run in backward) and sequence parallelism
     (``sequence_parallel``: a remat.sequence_parallel.SequenceGroup; ValueError when a Hugging Face

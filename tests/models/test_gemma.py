@@ -419,20 +419,26 @@ def test_patched_gemma3_on_the_default_backend(dtype):
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
 def test_memory_policy_sandwich_mlp_runs_tiled(kind, dtype, monkeypatch):
     # Under "memory" Gemma's MLP with both sandwich norms is one Function; with tile_tokens it runs
-    # over token tiles in both passes (22 rows, tiles of 4: five of 4 and one of 2) and equals the
-    # float64 stock model under the 2x rule, keeping the same bytes.
+    # over token tiles in both passes (22 rows, tiles of 4: five of 4 and one of 2), so does every
+    # layer's attention (the sliding-window one too), and the step equals the float64 stock model
+    # under the 2x rule, keeping the same bytes.
+    from remat.autograd import norm_attention_tiled
     from remat.models import gemma
 
-    rows_seen = []
+    rows_seen, attention_tiled = [], []
     original = gemma._sandwich_rows_backward
     monkeypatch.setattr(gemma, "_sandwich_rows_backward",
                         lambda ctx, h, *a: rows_seen.append(h.shape[0]) or original(ctx, h, *a))
+    tiled_attention = norm_attention_tiled.backward_tiled
+    monkeypatch.setattr(norm_attention_tiled, "backward_tiled",
+                        lambda *a, **k: attention_tiled.append(1) or tiled_attention(*a, **k))
     reference, stock, patched = (gemma_model(kind, d) for d in (torch.float64, dtype, dtype))
     remat.patch(patched, policy="memory", tile_tokens=4)
     ids, mask, labels = batch()
     real = mask.bool()
     want, base, got = (logits_and_grads(m, ids, mask, labels) for m in (reference, stock, patched))
     assert sorted(rows_seen) == sorted(([4] * 5 + [2]) * 2)  # two layers
+    assert len(attention_tiled) == 2  # the sliding-window layer's attention too
     assert_within_2x_of_stock("loss", got[1].reshape(1), base[1].reshape(1), want[1].reshape(1), dtype)
     assert_within_2x_of_stock("logits", got[0][real], base[0][real], want[0][real], dtype)
     for name in want[2]:

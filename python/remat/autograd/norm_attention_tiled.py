@@ -142,6 +142,20 @@ def _per_token_rope(cos, sin, starts, head_dim):
     return tuple(table[..., : head_dim // 2].to(torch.float32)[rows][None].contiguous() for table in (cos, sin))
 
 
+def _packed_tiles(starts, tiles, window_left, device):
+    """{tile start: (first key, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)} of the
+    varlen calls of a packed row's query ``tiles``, the offsets int32 on ``device``, made by one
+    host-to-device copy for all tiles (a copy per tile would wait for the device each time)."""
+    calls = [_packed_tile(starts, start, end, window_left) for start, end in tiles]
+    flat = torch.tensor([c for call in calls for c in (*call[1], *call[2])], dtype=torch.int32).to(device)
+    out, at = {}, 0
+    for (start, _), (first_key, cu_q, cu_k, max_q, max_k) in zip(tiles, calls, strict=True):
+        q_offsets, at = flat[at:at + len(cu_q)], at + len(cu_q)
+        k_offsets, at = flat[at:at + len(cu_k)], at + len(cu_k)
+        out[start] = (first_key, q_offsets, k_offsets, max_q, max_k)
+    return out
+
+
 def _packed_tile(starts, start, end, window_left):
     """The varlen call of query tile [start, end) of a packed row with sequence offsets ``starts``:
     (first key, cu_seqlens_q, cu_seqlens_k as int lists, max_seqlen_q, max_seqlen_k). Queries
@@ -237,7 +251,9 @@ def backward_tiled(ctx, saved, dout, head_norm, head_norm_backward, first_lora_i
             del k_pre  # the rotated copy is all that is needed (no per-head norm to differentiate)
         dk_sum = torch.zeros(1, n, hkv, head_dim, dtype=torch.float32, device=x.device)
         dv_sum = torch.zeros_like(dk_sum)
-        for start, end in reversed(sequence_tiles(n, options.tile_tokens)):
+        tiles = sequence_tiles(n, options.tile_tokens)
+        packed_calls = None if starts is None else _packed_tiles(starts, tiles, left, x.device)
+        for start, end in reversed(tiles):
             first, last = first_row + start, first_row + end
             normed = normalized(first, last)
             q_pre = q[entry:entry + 1, start:end] if q is not None else _projection(
@@ -267,13 +283,11 @@ def backward_tiled(ctx, saved, dout, head_norm, head_norm_backward, first_lora_i
                     dv_sum[:, :start] += dv
                     dq = (dq.float() + dq_prefix.float()).to(dq.dtype)
                     del dq_prefix
-            elif starts is not None:
-                first_key, cu_q, cu_k, max_q, max_k = _packed_tile(starts, start, end, left)
-                device = cu_seqlens.device
+            elif packed_calls is not None:
+                first_key, cu_q, cu_k, max_q, max_k = packed_calls[start]
                 dq, dk, dv = core.attention_varlen_bwd(
                     dout_tile[0], q_rotated[0], k_rotated[0, first_key:end], v_row[0, first_key:end], o_tile[0],
-                    lse_tile, torch.tensor(cu_q, dtype=torch.int32, device=device),
-                    torch.tensor(cu_k, dtype=torch.int32, device=device), max_q, max_k, None, None, None, *scalars)
+                    lse_tile, cu_q, cu_k, max_q, max_k, None, None, None, *scalars)
                 dq = dq[None]
                 dk_sum[0, first_key:end] += dk
                 dv_sum[0, first_key:end] += dv

@@ -238,7 +238,8 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
             remat.tiles): the norm and projections run over tiles of that many tokens in forward,
             and the whole backward over query tiles, so that nothing of q's width exists beyond one
             tile in backward (remat.autograd.norm_attention_tiled). Needs
-            causal attention (a left sliding window too; dense or packed rows) and no attention
+            causal attention (a left sliding window too; dense rows, or packed rows outside
+            torch.compile, whose traced offsets would make a tile's shapes data) and no attention
             dropout (ValueError otherwise); with LoRA dropout, a multiple of 4. The results equal
             the untiled call's up to rounding (fp32 sums over tiles); what is saved is unchanged.
         sequence_parallel: None (default), or a ``torch.distributed`` ProcessGroup of P ranks that
@@ -325,6 +326,8 @@ def norm_attention(x, norm_weight, w_q, w_k, w_v, *, num_heads, num_kv_heads=Non
     tile_bytes = (3 * x.element_size() + 4) * num_heads * head_dim + 2 * x.element_size() * x.shape[-1]
     tile = resolve_tile_tokens(checks.check_tile_tokens(tile_tokens), n, tile_bytes, x.device)
     _check_attention_tile(tile, attention_options, cu_seqlens is not None, lora_layout)
+    if batch == 1 and tile >= n:
+        tile = 0  # one tile over the one row is the untiled call, without the tiled backward's extra work
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = rope if rope is not None else (None, None)
