@@ -71,8 +71,11 @@ set -f
 # The defaults put first what no GPU has run yet (the first H200 session, 2026-11-30, ran the
 # attention tests and the attention, MLP and cross-entropy benchmarks; ~800 gpu tests take longer
 # than one call, and xdist hands them out in the order given), and of that first the PyTorch
-# attention cores, the default attention on an H200 (cudnn since 2026-12-01, aten for the rest).
-read -ra tests <<< "${GPU_CHECK_TESTS--m gpu tests/test_attention_cudnn_core.py tests/test_attention_aten_core.py \
+# attention cores, the default attention on an H200 (cudnn since 2026-12-01, aten for the rest),
+# after the few long-context checks (tiled attention incl. windows and packed rows, the offload's
+# CUDA path, the estimator against max_memory_allocated; issue 27), which are quick.
+read -ra tests <<< "${GPU_CHECK_TESTS--m gpu tests/test_attention_tiling.py tests/test_offload.py tests/test_estimate.py \
+tests/test_attention_cudnn_core.py tests/test_attention_aten_core.py \
 tests/test_rope_rotate.py tests/test_norm.py tests/test_mlp.py tests/test_ops.py tests/test_cross_entropy.py \
 tests/test_device_launch.py tests/test_attention_tuning.py tests/test_varlen_attention.py tests/test_attention.py}"
 read -ra benches <<< "${GPU_CHECK_BENCHES-attention:90 layers:150 norm:45 mlp:40 cross_entropy:40}"
