@@ -83,8 +83,8 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             warns once); the same saved bytes, the untiled results up to rounding. With LoRA dropout, a
             multiple of 4 (the call raises ValueError otherwise; the masks are the untiled call's). The
             fused loss runs over the same token tiles (remat.linear_cross_entropy's ``tile_tokens``), and so
-            do mixture-of-experts blocks under "balanced" and "memory" (under "speed" they keep every routed
-            row's gate and up, and run untiled).
+            do mixture-of-experts blocks (under "speed" their kept gate and up of every routed row stay
+            whole).
 
         sequence_parallel: None (default), a ``torch.distributed`` ProcessGroup of the ranks that
             share one sequence (Ulysses; remat.sequence_parallel), or ``"deepspeed"``: DeepSpeed's

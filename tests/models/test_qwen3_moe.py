@@ -189,7 +189,7 @@ def test_fused_loss_keeps_the_load_balancing_term(router_logits):
         assert_within_2x_of_stock(name, got_grads[name], base_grads[name], grad, torch.float32)
 
 
-@pytest.mark.parametrize("policy", ["balanced", "memory"])
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_tiled_moe_blocks_match_stock(dtype, policy, monkeypatch):
     """remat.patch(tile_tokens=4): the sparse layers' MoE blocks run over tiles of 4 tokens (their
@@ -212,10 +212,11 @@ def test_tiled_moe_blocks_match_stock(dtype, policy, monkeypatch):
     assert calls["forward"] == per_pass * 4
 
 
-def test_tiling_keeps_the_saved_bytes():
-    layer = layer_from_sizes("memory")
+@pytest.mark.parametrize("policy", ["speed", "memory"])
+def test_tiling_keeps_the_saved_bytes(policy):
+    layer = layer_from_sizes(policy)
     x = torch.randn(BATCH, LENGTH, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
     untiled = saved_bytes(layer, x)
     layer.tile_tokens = 4
-    assert saved_bytes(layer, x) == untiled == BATCH * LENGTH * per_token_formula("memory", 2) + 2 * LENGTH * (
+    assert saved_bytes(layer, x) == untiled == BATCH * LENGTH * per_token_formula(policy, 2) + 2 * LENGTH * (
         HEAD_DIM // 2) * 4

@@ -229,12 +229,13 @@ class MoEFunction(torch.autograd.Function):
     weights and indices are not differentiable outputs (the weights' gradient flows inside, into
     the logits); logits are (Hugging Face's load-balancing loss differentiates them).
 
-    ``tile`` (0: none; remat.patch(tile_tokens=T)) runs both passes over tiles of tokens under
-    "block" recompute: the normalized rows, each expert's gathered rows and GEMM temporaries and the
-    fp32 output / input-gradient sums exist one tile at a time; the expert, router and norm weight
-    gradients are summed over the tiles in fp32 (fp32 [E, 2I, H] and [E, H, I] buffers while the
-    experts train). "activation" keeps every routed row's gate and up in expert order over the
-    whole sequence, so it runs untiled. What is kept is the same either way."""
+    ``tile`` (0: none; remat.patch(tile_tokens=T)) runs both passes over tiles of tokens: the
+    normalized rows, each expert's gathered rows and GEMM temporaries and the fp32 output /
+    input-gradient sums exist one tile at a time; the expert, router and norm weight gradients are
+    summed over the tiles in fp32 (fp32 [E, 2I, H] and [E, H, I] buffers while the experts train).
+    Under "activation" the kept gate and up of a tile's routed rows fill rows [a k, b k) of the
+    whole-size buffers in the tile's own expert order, which its backward reads back the same way.
+    What is kept is the same either way (the buffers' order differs, not their bytes)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, w_router, gate_up, down, eps, top_k, renormalize, fp32_weights, activation,
@@ -243,7 +244,7 @@ class MoEFunction(torch.autograd.Function):
         inter = down.shape[2]
         tokens = x.shape[0]
         fused = _fused_gate_up(ops, recompute, None, None) and recompute == "block"
-        tiles = sequence_tiles(tokens, tile if recompute == "block" else 0)
+        tiles = sequence_tiles(tokens, tile)
         gates = ups = None
         if recompute == "activation":
             gates, ups = x.new_empty(tokens * top_k, inter), x.new_empty(tokens * top_k, inter)
@@ -257,7 +258,9 @@ class MoEFunction(torch.autograd.Function):
             indices = torch.empty(tokens, top_k, dtype=torch.long, device=x.device)
             rstd = None if eps is None else torch.empty(tokens, dtype=torch.float32, device=x.device)
             for start, end in tiles:
-                part = _forward_rows(x[start:end], *args, None, None, backend)
+                kept = slice(start * top_k, end * top_k)  # the tile's routed rows in the kept buffers
+                part = _forward_rows(x[start:end], *args, None if gates is None else gates[kept],
+                                     None if ups is None else ups[kept], backend)
                 for whole, value in zip((out, logits, weights, indices, rstd), part):
                     if whole is not None:
                         whole[start:end] = value
@@ -282,12 +285,13 @@ class MoEFunction(torch.autograd.Function):
                                                            rstd, weights, indices, gates, ups, *options)
         else:
             dx = torch.empty_like(x)
+            top_k = indices.shape[1]
             for start, end in tiles:
-                rows = slice(start, end)
+                rows, kept = slice(start, end), slice(start * top_k, end * top_k)
                 dx[rows], d_w_router, d_norm_weight = _backward_rows(
                     x[rows], dy[rows], d_logits[rows] if d_logits is not None else None, norm_weight, w_router,
-                    gate_up, down, rstd[rows] if rstd is not None else None, weights[rows], indices[rows], None, None,
-                    *options)
+                    gate_up, down, rstd[rows] if rstd is not None else None, weights[rows], indices[rows],
+                    None if gates is None else gates[kept], None if ups is None else ups[kept], *options)
                 grads.add("router", d_w_router)
                 grads.add("norm", d_norm_weight)
             d_w_router = grads.router.to(w_router.dtype) if grads.router is not None else None

@@ -56,10 +56,11 @@ def moe_block(x, w_router, gate_up, down, top_k, *, renormalize, fp32_weights, n
             recomputes each expert's gate/up GEMMs) or "activation" (also keeps gate and up of
             every routed row). See remat.autograd.moe for the byte contract.
         backend: remat backend for the norm and activation kernels (the GEMMs are PyTorch's).
-        tile_tokens: None (default), an int >= 1 or ``"auto"`` (remat.tiles): with
-            ``recompute="block"`` both passes run over tiles of that many tokens (the normalized
-            rows, each expert's rows and the fp32 sums one tile at a time; weight gradients summed
-            over the tiles in fp32); ``"activation"`` runs untiled (it keeps every routed row).
+        tile_tokens: None (default), an int >= 1 or ``"auto"`` (remat.tiles): both passes run
+            over tiles of that many tokens (the normalized rows, each expert's rows and the fp32
+            sums one tile at a time; weight gradients summed over the tiles in fp32); with
+            ``"activation"`` the kept gate and up of every routed row stay whole (written tile by
+            tile).
 
     Returns:
         (out ``[T, H]`` in x's dtype (weighted products summed in fp32, rounded once), logits
