@@ -107,21 +107,30 @@ def test_no_tokens_by_intermediate_tensor_beyond_a_tile(recompute):
     nw = torch.ones(HIDDEN, requires_grad=True)
     wg, wu = (torch.randn(INTER, HIDDEN, generator=gen, requires_grad=True) for _ in range(2))
     wd = torch.randn(HIDDEN, INTER, generator=gen, requires_grad=True)
-    sizes = {}
-    for tiled in (None, tile):
-        with LargestTensor() as forward:
-            y = remat.norm_mlp(x, nw, wg, wu, wd, recompute=recompute, tile_tokens=tiled)
-        with LargestTensor() as backward:
-            y.backward(torch.ones_like(y))
-        sizes[tiled] = (forward.largest, backward.largest)
     # Untiled, gate/up/h reach [rows, intermediate]; tiled, the largest per-token tensor is the
     # [rows, hidden] output or input gradient, or a [tile, intermediate] temporary; the weights
     # and their gradients are [intermediate, hidden]. With "activation" the kept gate and up are
     # whole-size by contract.
+    assert_intermediates_bounded_by_the_tile(
+        lambda tiled: remat.norm_mlp(x, nw, wg, wu, wd, recompute=recompute, tile_tokens=tiled), rows, tile,
+        forward_too=recompute == "block")
+
+
+def assert_intermediates_bounded_by_the_tile(call, rows, tile, forward_too):
+    """``call(tile_tokens)`` (an MLP output over ``rows`` tokens), run untiled and tiled, forward and
+    backward: untiled, some tensor reaches [rows, INTER] in backward (and in forward, with
+    ``forward_too``); tiled, none passes the [rows, HIDDEN], [tile, INTER] or [INTER, HIDDEN] sizes."""
+    sizes = {}
+    for tiled in (None, tile):
+        with LargestTensor() as forward:
+            y = call(tiled)
+        with LargestTensor() as backward:
+            y.backward(torch.ones_like(y))
+        sizes[tiled] = (forward.largest, backward.largest)
     assert sizes[None][1] >= rows * INTER
     bound = max(rows * HIDDEN, tile * INTER, INTER * HIDDEN)
     assert sizes[tile][1] <= bound
-    if recompute == "block":
+    if forward_too:
         assert sizes[tile][0] <= bound and sizes[None][0] >= rows * INTER
 
 
@@ -255,21 +264,11 @@ def test_tiled_norm_gelu_mlp_keeps_the_same_bytes_and_no_intermediate_beyond_a_t
     leaves = [t.requires_grad_() for t in tensors]
     untiled_bytes = saved_bytes(gelu_fn("layer", recompute, None, None), *leaves)
     assert saved_bytes(gelu_fn("layer", recompute, None, tile), *leaves) == untiled_bytes
-    sizes = {}
-    for tiled in (None, tile):
-        with LargestTensor() as forward:
-            y = gelu_fn("layer", recompute, None, tiled)(*leaves)
-        with LargestTensor() as backward:
-            y.backward(torch.ones_like(y))
-        sizes[tiled] = (forward.largest, backward.largest)
     # Untiled, fc's output and the activation reach [rows, intermediate]; tiled, no per-token
     # tensor but the [rows, hidden] ones and [tile, intermediate] temporaries (with "activation",
     # fc's output is kept whole by contract).
-    assert sizes[None][1] >= rows * INTER
-    bound = max(rows * HIDDEN, tile * INTER, INTER * HIDDEN)
-    assert sizes[tile][1] <= bound
-    if recompute == "block":
-        assert sizes[tile][0] <= bound and sizes[None][0] >= rows * INTER
+    assert_intermediates_bounded_by_the_tile(lambda tiled: gelu_fn("layer", recompute, None, tiled)(*leaves), rows,
+                                             tile, forward_too=recompute == "block")
 
 
 def test_norm_gelu_mlp_tile_tokens_are_checked():
