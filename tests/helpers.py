@@ -61,6 +61,18 @@ def grads(fn, tensors, dy):
     return [out.detach()] + list(grads)
 
 
+def assert_grads_within_2x_of_stock(fn, reference, tensors, dy, dtype):
+    """``fn``'s output and input gradients (:func:`grads`) against ``reference`` run in float64,
+    each within twice ``reference``'s own error in ``dtype`` (the 2x rule); returns (got, stock,
+    want), the three :func:`grads` lists."""
+    got = grads(fn, tensors, dy)
+    stock = grads(reference, tensors, dy)
+    want = grads(reference, [None if t is None else t.double() for t in tensors], dy.double())
+    for i, (g, s, w) in enumerate(zip(got, stock, want, strict=True)):
+        assert_within_2x_of_stock(f"output {i}", g, s, w, dtype)
+    return got, stock, want
+
+
 def strided(shape, dtype, device, generator, mode):
     """A tensor of `shape` whose layout is: contiguous, row-strided (a column slice of a wider
     tensor) or column-strided (every other column)."""

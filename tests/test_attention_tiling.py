@@ -20,7 +20,17 @@ from remat.memory import saved_bytes
 from remat.nn import layers
 
 from _checks import assert_within_2x_of_stock
-from helpers import DTYPES, batch, causal_lm, cpu_backends, gpt2_model, grads, logits_and_grads, loss_and_grads
+from helpers import (
+    DTYPES,
+    assert_grads_within_2x_of_stock,
+    batch,
+    causal_lm,
+    cpu_backends,
+    gpt2_model,
+    grads,
+    logits_and_grads,
+    loss_and_grads,
+)
 
 HIDDEN, HQ, HKV, D, RANK = 32, 6, 2, 8, 3
 
@@ -177,12 +187,9 @@ def test_tiled_sliding_window_matches_float64_reference(backend, keep_qkv, dtype
     tensors, dy = make_case(dtype, qk_norm=not keep_qkv, lora=keep_qkv)
     names, values = list(tensors), list(tensors.values())
     rope = rope_tables(2, 37, torch.float32)
-    got = grads(remat_fn(names, rope, backend, keep_qkv, tile, window=(window, 0)), values, dy)
+    _, stock, want = assert_grads_within_2x_of_stock(remat_fn(names, rope, backend, keep_qkv, tile, window=(window, 0)),
+                                                     reference_fn(names, rope, window_left=window), values, dy, dtype)
     untiled = grads(remat_fn(names, rope, backend, keep_qkv, None, window=(window, 0)), values, dy)
-    stock = grads(reference_fn(names, rope, window_left=window), values, dy)
-    want = grads(reference_fn(names, rope, window_left=window), [t.double() for t in values], dy.double())
-    for i, (g, s, w) in enumerate(zip(got, stock, want, strict=True)):
-        assert_within_2x_of_stock(f"output {i}", g, s, w, dtype)
     # The window is applied: the full causal result differs (not vacuous).
     causal = grads(reference_fn(names, rope), [t.double() for t in values], dy.double())
     assert not torch.allclose(causal[0], want[0], atol=1e-3)
@@ -244,11 +251,7 @@ def test_tiled_packed_rows_match_float64_reference(backend, keep_qkv, dtype, til
                 outs.append(reference_fn(names, tables, window_left=window)(x[:, a:b], *rest))
         return torch.cat(outs, 1)
 
-    got = grads(packed(tile), values, dy)
-    stock = grads(alone, values, dy)
-    want = grads(alone, [t.double() for t in values], dy.double())
-    for i, (g, s, w) in enumerate(zip(got, stock, want, strict=True)):
-        assert_within_2x_of_stock(f"output {i}", g, s, w, dtype)
+    assert_grads_within_2x_of_stock(packed(tile), alone, values, dy, dtype)
 
 
 @pytest.mark.parametrize("starts,tile", [([0, 5, 10, 15], 5), ([0, 12, 12], 5), ([0, 0, 12], 4),

@@ -14,8 +14,7 @@ import remat
 from remat.autograd.lora import LoRAAdapter
 from remat.memory import saved_bytes
 
-from _checks import assert_within_2x_of_stock
-from helpers import DTYPES, eager_gated, gpt2_model, grads, loss_and_grads
+from helpers import DTYPES, assert_grads_within_2x_of_stock, eager_gated, gpt2_model, grads, loss_and_grads
 
 ROWS, HIDDEN, INTER, RANK = 13, 96, 200, 4
 
@@ -68,11 +67,7 @@ def reference_fn(norm):
 def test_tiled_norm_mlp_matches_float64_reference(backend, norm, recompute, lora, dtype, tile):
     # 13 rows: tiles of 5 leave a remainder of 3, tiles of 8 one of 5, tiles of 1 are single rows.
     tensors, dy = case(dtype, norm=norm, lora=lora)
-    got = grads(remat_fn(norm, recompute, backend, tile), tensors, dy)
-    stock = grads(reference_fn(norm), tensors, dy)
-    want = grads(reference_fn(norm), [None if t is None else t.double() for t in tensors], dy.double())
-    for i, (g, s, w) in enumerate(zip(got, stock, want, strict=True)):
-        assert_within_2x_of_stock(f"output {i}", g, s, w, dtype)
+    assert_grads_within_2x_of_stock(remat_fn(norm, recompute, backend, tile), reference_fn(norm), tensors, dy, dtype)
 
 
 @pytest.mark.parametrize("recompute", ["block", "activation"])
@@ -247,11 +242,7 @@ def gelu_reference(norm):
 @pytest.mark.parametrize("backend", mlp_backends())
 def test_tiled_norm_gelu_mlp_matches_float64_reference(backend, norm, recompute, dtype, tile):
     tensors, dy = gelu_case(dtype, norm)
-    got = grads(gelu_fn(norm, recompute, backend, tile), tensors, dy)
-    stock = grads(gelu_reference(norm), tensors, dy)
-    want = grads(gelu_reference(norm), [None if t is None else t.double() for t in tensors], dy.double())
-    for i, (g, s, w) in enumerate(zip(got, stock, want, strict=True)):
-        assert_within_2x_of_stock(f"output {i}", g, s, w, dtype)
+    assert_grads_within_2x_of_stock(gelu_fn(norm, recompute, backend, tile), gelu_reference(norm), tensors, dy, dtype)
 
 
 @pytest.mark.parametrize("recompute", ["block", "activation"])
