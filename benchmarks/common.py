@@ -367,6 +367,52 @@ def peak_memory_bytes(fn, device):
     return torch.cuda.max_memory_allocated() - base
 
 
+def transient_peak_bytes(fn, device):
+    """Peak bytes that ``fn()`` allocates and frees again before it returns, counting every
+    allocation of ``device``'s allocator made while it runs: for a training step what autograd
+    saves, the temporaries, and what a backward recomputes inside a kernel or a compiled graph
+    (inductor's buffers come from the same allocator); what ``fn`` leaves allocated (a step's
+    parameter gradients, caches it fills) is not counted at any time. ``fn`` runs once under
+    torch.profiler with profile_memory (every allocation and free, with its address and size, in
+    time order; slower: measure, never time, this way)."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"transient_peak_bytes measures the CPU or a CUDA device, got {device}")
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities, profile_memory=True) as prof:
+        fn()
+        _sync(device)
+    events, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        fields = event.extra_fields if event.tag == _EventType.Allocation else None
+        if fields is not None and fields.device.type == device.type:
+            events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+    events.sort()
+    # An allocation still live at the end (its address not freed after it) is left by fn: skipped.
+    live = {}
+    for index, (_, ptr, size) in enumerate(events):
+        if size > 0:
+            live[ptr] = index
+        else:
+            live.pop(ptr, None)
+    left = set(live.values())
+    counted, current, peak = set(), 0, 0
+    for index, (_, ptr, size) in enumerate(events):
+        if size > 0 and index not in left:
+            counted.add(ptr)
+            current += size
+            peak = max(peak, current)
+        elif size < 0 and ptr in counted:  # a free of a block allocated before fn is not counted
+            counted.discard(ptr)
+            current += size
+    return peak
+
+
 def copy_bandwidth_gbps(device, nbytes=256 * 2**20):
     """Measured device-memory copy bandwidth (bytes read + written per second), the ceiling a
     memory-bound kernel is compared with."""

@@ -383,9 +383,10 @@ def test_triton_rope_rotated_once_provider_computes_the_rope_attention(monkeypat
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _frontier_row(provider, family, saved, time, q20=None, q80=None):
+def _frontier_row(provider, family, saved, time, q20=None, q80=None, step_peak=None):
     return {"provider": provider, "family": family, "peak_saved_bytes": saved, "time_vs_stock": time,
-            "time_vs_stock_q20": time if q20 is None else q20, "time_vs_stock_q80": time if q80 is None else q80}
+            "time_vs_stock_q20": time if q20 is None else q20, "time_vs_stock_q80": time if q80 is None else q80,
+            "step_peak_bytes": saved if step_peak is None else step_peak}
 
 
 def test_frontier_dominance_needs_no_more_bytes_and_no_more_time():
@@ -399,3 +400,62 @@ def test_frontier_dominance_needs_no_more_bytes_and_no_more_time():
             _frontier_row("remat auto", "remat auto", 900, 1.40, 1.30, 1.50),    # slower beyond the band
             _frontier_row("checkpoint every 1", "torch.utils.checkpoint", 500, 1.0)]  # not remat
     assert dominated_by(compile_point, rows) == ["remat memory", "remat+compile auto"]
+
+
+def test_frontier_dominance_reads_the_column_it_is_given():
+    from benchmarks.bench_frontier import dominated_by
+
+    # Saves little but peaks high (a compiled backward's recomputation is not saved, it is allocated).
+    compile_point = _frontier_row("compile budget 0.05", "torch.compile", 100, 1.2, step_peak=1000)
+    rows = [compile_point, _frontier_row("remat auto", "remat auto", 300, 1.2, step_peak=500)]
+    assert dominated_by(compile_point, rows, "step_peak_bytes") == ["remat auto"]
+    assert dominated_by(compile_point, rows, "peak_saved_bytes") == []
+
+
+def _allocate_and_free(keep):
+    """Allocates 4 MB and 8 MB (both live), frees the 4 MB, allocates 2 MB that ``keep`` keeps,
+    frees the pre-existing tensor in ``keep``, and a 1 MB temporary."""
+    first = torch.empty(1_000_000)
+    second = torch.empty(2_000_000)
+    del first
+    keep["left"] = torch.empty(500_000)
+    keep.pop("before")
+    torch.empty(250_000).add_(1)
+    del second
+
+
+def test_transient_peak_counts_what_is_allocated_and_freed_inside_only():
+    from benchmarks.common import transient_peak_bytes
+
+    keep = {"before": torch.empty(4_000_000)}
+    # 4 + 8 MB at once; the 2 MB left allocated never counts; the 16 MB allocated before is not
+    # subtracted when freed (its release does not lower what was counted).
+    assert transient_peak_bytes(lambda: _allocate_and_free(keep), torch.device("cpu")) == 12_000_000
+    assert keep["left"].numel() == 500_000
+
+    def grows():
+        x = torch.zeros(1000)
+        for _ in range(3):
+            x = torch.cat([x, x])  # 4 + 8 kB live at once, then 8 + 16 kB, then 16 + 32 kB
+
+    assert transient_peak_bytes(grows, torch.device("cpu")) == 48_000
+    with pytest.raises(ValueError, match="CPU or a CUDA"):
+        transient_peak_bytes(lambda: None, torch.device("meta"))
+
+
+@pytest.mark.gpu
+def test_transient_peak_counts_cuda_allocations():
+    from benchmarks.common import transient_peak_bytes
+
+    device = torch.device("cuda")
+    keep = {"before": torch.empty(4_000_000, device=device)}
+
+    def fn():
+        first = torch.empty(1_000_000, device=device)
+        second = torch.empty(2_000_000, device=device)
+        del first, second
+        keep["left"] = torch.empty(500_000, device=device)
+        keep.pop("before")
+
+    # The caching allocator rounds block sizes up (to 512 bytes; these are multiples of it).
+    assert transient_peak_bytes(fn, device) == 12_000_000
