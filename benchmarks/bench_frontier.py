@@ -96,9 +96,12 @@ def providers(base, inputs, quick, shape):
         out.append((f"remat {policy}", "remat policy", model))
         out.append((f"remat+compile {policy}", "remat+compile", _CompiledStep(model, 1.0, f"{shape}_remat_{policy}")))
     costs = model_plan.measure_model_costs(copy.deepcopy(base), inputs)
-    stock_peak = model_plan.peak_and_cost(costs, [model_plan.Taped(i, "stock") for i in range(layers)])[0]
+    # From the unpatched model's saved bytes (every layer stock, Hugging Face's loss) to the floor.
+    all_stock = [model_plan.Taped(i, "stock") for i in range(layers)]
+    stock_peak = max(model_plan.peak_and_cost(costs.with_loss(choice), all_stock)[0]
+                     for choice in costs.loss_choices or [model_plan.LossChoice("fused", costs.post_bytes, 0.0)])
     floor = model_plan.smallest_feasible_budget(costs)
-    fractions = (1.0, 0.3, 0.1, 0.0) if quick else (1.0, 0.4, 0.2, 0.1, 0.05, 0.0)
+    fractions = (1.0, 0.3, 0.1, 0.0) if quick else (1.0, 0.6, 0.4, 0.2, 0.1, 0.05, 0.0)
     for fraction in fractions:
         budget = int(floor + fraction * (stock_peak - floor))
         model = copy.deepcopy(base)
@@ -230,7 +233,7 @@ def _describe(plan):
     spans = plan.spans()
     counts = {c: sum(1 for p in policies.values() if p == c) for c in dict.fromkeys(policies.values())}
     text = " ".join(f"{n}x{c}" for c, n in counts.items())
-    return text + (f" spans {spans}" if spans else "")
+    return text + (f" spans {spans}" if spans else "") + (f" loss {plan.loss}" if plan.loss else "")
 
 
 summary_columns = ["shape", "provider", "step_peak_bytes", "peak_saved_bytes", "predicted_peak_bytes", "time_vs_stock",

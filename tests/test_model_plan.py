@@ -65,7 +65,9 @@ def all_stock(costs):
 def test_budgets_from_stock_to_floor_hold_and_match_stock(kind):
     inputs = example()
     costs = model_plan.measure_model_costs(build(kind), inputs)
-    stock_peak, _ = model_plan.peak_and_cost(costs, all_stock(costs))
+    # The unpatched model's peak: every layer stock, Hugging Face's loss.
+    stock_loss = next(c for c in costs.loss_choices if c.name == "stock")
+    stock_peak, _ = model_plan.peak_and_cost(costs.with_loss(stock_loss), all_stock(costs))
     floor = model_plan.smallest_feasible_budget(costs)
     assert floor < stock_peak / 5
     ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
@@ -79,6 +81,7 @@ def test_budgets_from_stock_to_floor_hold_and_match_stock(kind):
         assert plan.predicted_peak_bytes <= budget
         seen_choices |= {type(d).__name__ + ("" if isinstance(d, Span) else d.choice) for d in plan.decisions}
         seen_choices |= {"long span" for s, e in plan.spans() if e - s > 1}
+        seen_choices.add(f"loss {plan.loss}")
         peak = measured_peak(model, inputs)
         low = plan.predicted_peak_bytes - costs.shared_bytes
         assert low <= peak <= plan.predicted_peak_bytes <= budget, (budget, peak, plan.explain())
@@ -88,8 +91,48 @@ def test_budgets_from_stock_to_floor_hold_and_match_stock(kind):
         for name in reference[2]:
             assert_within_2x_of_stock(name, got[2][name], stock[2][name], reference[2][name], torch.float32)
     # The budgets exercised stock layers, fused taped layers and checkpointed spans of several layers.
-    assert {"Tapedstock", "Span", "long span"} <= seen_choices
+    assert {"Tapedstock", "Span", "long span", "loss stock", "loss fused"} <= seen_choices
     assert seen_choices & {"Tapedspeed", "Tapedbalanced", "Tapedmemory"}
+
+
+def test_the_loss_is_planned_fused_or_stock_and_runs_as_planned():
+    inputs = example()
+    costs = model_plan.measure_model_costs(build("llama"), inputs)
+    fused, stock = costs.loss_choices
+    assert (fused.name, stock.name) == ("fused", "stock")
+    vocab, hidden = build("llama").lm_head.weight.shape
+    assert fused.cost == 2 * inputs["input_ids"].numel() * hidden * vocab and stock.cost == 0
+    assert stock.post_bytes > fused.post_bytes  # the stock loss keeps the logits
+    unpatched_peak = model_plan.peak_and_cost(costs.with_loss(stock), all_stock(costs))[0]
+
+    # A budget that holds every stock layer and the logits: nothing to recompute, nothing fused.
+    model = build("llama")
+    plan = remat.patch(model, policy="auto", budget_bytes=unpatched_peak, example_inputs=inputs).plan
+    assert plan.loss == "stock" and plan.predicted_cost == 0 and "loss: stock" in plan.explain()
+    assert measured_peak(model, inputs) <= plan.predicted_peak_bytes <= unpatched_peak
+    assert model(**inputs).logits is not None
+    # Every layer under "speed" with Hugging Face's loss fits: the fused loss would save bytes the
+    # budget does not need and recompute the logits (here more FLOPs than all the layers' speed).
+    speed = [Taped(i, "speed") for i in range(len(costs.layers))]
+    budget = model_plan.peak_and_cost(costs.with_loss(stock), speed)[0]
+    plan = model_plan.plan_for_costs(costs, budget)
+    fused_plan = model_plan.plan_for_costs(costs.with_loss(fused), budget)
+    assert fused.cost > fused_plan.predicted_cost
+    assert plan.loss == "stock" and plan.decisions == tuple(speed)
+    assert plan.predicted_cost == fused_plan.predicted_cost < fused_plan.predicted_cost + fused.cost
+    # The floor keeps no logits: the plan's loss is fused, its recompute counted, and it runs fused.
+    floor = model_plan.smallest_feasible_budget(costs)
+    assert floor == model_plan.smallest_feasible_budget(costs.with_loss(fused))
+    model = build("llama")
+    plan = remat.patch(model, policy="auto", budget_bytes=floor, example_inputs=inputs).plan
+    assert plan.loss == "fused" and plan.loss_cost == fused.cost
+    assert plan.predicted_cost == model_plan.peak_and_cost(plan.costs, plan.decisions)[1] + fused.cost
+    assert model(**inputs).logits is None
+    # Per-token budgets re-plan the layers at run time: the loss stays fused, not planned.
+    model = build("llama")
+    plan = remat.patch(model, policy="auto", budget_bytes_per_token=unpatched_peak // inputs["input_ids"].numel(),
+                       example_inputs=inputs).plan
+    assert plan.loss is None and plan.costs.loss_choices is None and model(**inputs).logits is None
 
 
 def may_span(costs, start, end):
@@ -161,6 +204,18 @@ def uniform_plans(costs):
 
 
 def check_optimal(costs):
+    if costs.loss_choices is not None:  # each loss alone, then the choice between them
+        variants = [(costs.with_loss(choice), choice.cost) for choice in costs.loss_choices]
+        for variant, _ in variants:
+            check_optimal(variant)
+        floor = model_plan.smallest_feasible_budget(costs)
+        top = max(model_plan.peak_and_cost(variant, all_stock(variant))[0] for variant, _ in variants)
+        for budget in sorted({floor, top, *random.Random(1).sample(range(floor, top + 1), 8)}):
+            best = min(exhaustive(variant, budget) + loss_cost for variant, loss_cost in variants)
+            plan = model_plan.plan_for_costs(costs, budget)
+            assert plan.predicted_peak_bytes <= budget
+            assert plan.predicted_cost == pytest.approx(best, rel=1e-12, abs=0)
+        return
     stock_peak, _ = model_plan.peak_and_cost(costs, all_stock(costs))
     floor = model_plan.smallest_feasible_budget(costs)
     assert exhaustive(costs, floor) < float("inf") and exhaustive(costs, floor - 1) == float("inf")
@@ -215,9 +270,10 @@ def test_infeasible_budget_names_the_floor_and_big_budget_keeps_stock():
     with pytest.raises(ValueError, match=f"smallest feasible budget is {floor} bytes"):
         remat.patch(model, policy="auto", budget_bytes=floor - 1, example_inputs=inputs)
     assert not getattr(model, "_remat_patched", False)
-    stock_peak, _ = model_plan.peak_and_cost(costs, all_stock(costs))
+    stock_loss = next(choice for choice in costs.loss_choices if choice.name == "stock")
+    stock_peak, _ = model_plan.peak_and_cost(costs.with_loss(stock_loss), all_stock(costs))
     report = remat.patch(model, policy="auto", budget_bytes=10 * stock_peak, example_inputs=inputs)
-    assert report.plan.predicted_cost == 0
+    assert report.plan.predicted_cost == 0 and report.plan.loss == "stock"
     assert {d.choice for d in report.plan.decisions} == {"stock"}
     assert [type(layer).__name__ for layer in model.model.layers] == ["LlamaDecoderLayer"] * 2
     assert measured_peak(model, inputs) <= stock_peak

@@ -42,6 +42,14 @@ span (its first forward runs without autograd). Under FSDP2 with ``fully_shard``
 span may hold one layer only (the first layer calls the others' forward past their fully_shard
 hooks): a longer one raises at run time; plan with ``max_span=1``.
 
+The loss (``cost="flops"``, a fixed budget in bytes, "loss" among the modules and a model whose
+loss remat fuses): fused (remat.linear_cross_entropy: keeps no logits, recomputes them in backward,
+one more ``2 T h V`` GEMM for vocabulary V) or stock (Hugging Face's: keeps the logits and their
+log-softmax in ``post``, recomputes nothing). Both are measured (``post`` bytes with each, and the
+all-stock plan with each); the plan is the cheaper of the best plans under either. Where the
+logits are small next to the layers' bytes (short rows, a small vocabulary), a budget that holds
+them buys back the GEMM; under per-token budgets and ``cost="time"`` the loss stays fused.
+
 Per-token budgets: the example is measured again at twice its length, and a longer batch (up to
 2N) is re-planned at run time on costs interpolated between the two (:func:`predicted_costs`).
 
@@ -114,12 +122,26 @@ class LayerCosts:
 
 
 @dataclass(frozen=True)
+class LossChoice:
+    """One way to run the model's loss, measured: ``name`` ("fused" or "stock"), the bytes saved
+    after the decoder layers with it (``post_bytes``), its recompute ``cost`` and the all-stock
+    plan's (pre, shared, post) bytes with it (``all_stock_outside``, or None)."""
+
+    name: str
+    post_bytes: int
+    cost: float
+    all_stock_outside: tuple = None
+
+
+@dataclass(frozen=True)
 class ModelCosts:
     """Costs of a whole model on the example batch: per-layer :class:`LayerCosts` and the bytes
     outside the decoder layers (see the module docstring), the example's ``shape`` (batch, length)
     and the cost unit ``"flops"`` or ``"time"``. ``all_stock`` describes the plan that keeps every
     layer stock, measured as its own configuration: (per-layer bytes, per-layer costs,
-    (pre, shared, post) bytes), or None when it is the plain sum of the layers' "stock" entries."""
+    (pre, shared, post) bytes), or None when it is the plain sum of the layers' "stock" entries.
+    ``loss_choices``: the :class:`LossChoice` s a plan picks from, or None when the loss is not
+    planned (``post_bytes`` and ``all_stock`` then hold as they are)."""
 
     layers: tuple
     pre_bytes: int
@@ -128,6 +150,15 @@ class ModelCosts:
     shape: tuple
     unit: str
     all_stock: tuple = None
+    loss_choices: tuple = None
+
+    def with_loss(self, choice):
+        """These costs with ``choice`` (a :class:`LossChoice`) as the loss: its post bytes and
+        all-stock plan, no choice left."""
+        all_stock = self.all_stock
+        if all_stock is not None and choice.all_stock_outside is not None:
+            all_stock = (*all_stock[:2], choice.all_stock_outside)
+        return dataclasses.replace(self, post_bytes=choice.post_bytes, all_stock=all_stock, loss_choices=None)
 
     @property
     def tokens(self):
@@ -188,6 +219,9 @@ class ModelPlan:
             batches are then re-planned (see :func:`predicted_costs`).
         doubled_costs: with a per-token budget, the :class:`ModelCosts` measured on the example
             lengthened to twice its length.
+        loss: "fused" or "stock" when the plan chose the loss (``costs`` then hold that loss's
+            bytes), None when it was not planned (fused when remat.patch's modules hold "loss").
+        loss_cost: the chosen loss's recompute cost, in ``predicted_cost``.
     """
 
     costs: ModelCosts
@@ -195,11 +229,14 @@ class ModelPlan:
     budget_bytes: int
     budget_bytes_per_token: float = None
     doubled_costs: ModelCosts = field(default=None, repr=False)
+    loss: str = None
+    loss_cost: float = 0.0
     predicted_peak_bytes: int = field(init=False)
     predicted_cost: float = field(init=False)
 
     def __post_init__(self):
-        self.predicted_peak_bytes, self.predicted_cost = peak_and_cost(self.costs, self.decisions)
+        self.predicted_peak_bytes, layers_cost = peak_and_cost(self.costs, self.decisions)
+        self.predicted_cost = layers_cost + self.loss_cost
 
     def layer_policies(self):
         """{layer index: "stock" or the fused policy it runs with}."""
@@ -238,6 +275,10 @@ class ModelPlan:
                 lines.append(f"{layer.name:<28} {choice:<34} {kept:>12} {layer.span_cost[policy]:>18.4g}")
         lines.append(f"outside the layers: {c.pre_bytes} bytes before, {c.post_bytes} after, {c.shared_bytes} shared "
                      f"by layers; example shape {c.shape}")
+        if self.loss == "fused":
+            lines.append(f"loss: fused (keeps no logits; recomputes them in backward: {self.loss_cost:.4g} {unit})")
+        elif self.loss == "stock":
+            lines.append("loss: stock (keeps the logits and their log-softmax; recomputes nothing)")
         lines.append(f"predicted peak saved bytes {self.predicted_peak_bytes} <= budget {self.budget_bytes}; "
                      f"predicted recompute {self.predicted_cost:.4g} {unit}")
         return "\n".join(lines)
@@ -288,6 +329,9 @@ def _all_stock(costs):
 def smallest_feasible_budget(costs, *, max_span=None):
     """The smallest budget any plan over these choices fits (the floor), in bytes; with spans of
     at most ``max_span`` layers (default: any)."""
+    if costs.loss_choices is not None:
+        return min(smallest_feasible_budget(costs.with_loss(choice), max_span=max_span)
+                   for choice in costs.loss_choices)
     n, base = len(costs.layers), costs.pre_bytes + costs.shared_bytes
     # Least held bytes after the forward and least span peak, per prefix and per "some layer is
     # fused yet" (plans with none are the all-stock plan, priced on its own): a span [a, b) is
@@ -318,11 +362,25 @@ def plan_for_costs(costs, budget_bytes, *, max_span=None):
     ``budget_bytes``: exact (a dynamic program over the layers keeping the Pareto set of (bytes
     kept so far, cost) at each layer boundary, which is exact because every later constraint
     only tightens with more bytes kept). Spans hold at most ``max_span`` layers (default: any).
-    Raises ValueError naming the smallest feasible budget when none fits."""
+    Raises ValueError naming the smallest feasible budget when none fits. With
+    ``costs.loss_choices`` the cheaper (then smaller) of the best plans under each loss."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes must be non-negative, got {budget_bytes}")
+    if costs.loss_choices is not None:
+        plans = []
+        for choice in costs.loss_choices:
+            try:
+                plan = plan_for_costs(costs.with_loss(choice), budget_bytes, max_span=max_span)
+            except ValueError:
+                continue
+            plans.append(dataclasses.replace(plan, loss=choice.name, loss_cost=choice.cost))
+        if not plans:
+            floor = smallest_feasible_budget(costs, max_span=max_span)
+            raise ValueError(f"budget_bytes={budget_bytes} is infeasible for this model at shape {costs.shape}: "
+                             f"the smallest feasible budget is {floor} bytes")
+        return min(plans, key=lambda plan: (plan.predicted_cost, plan.predicted_peak_bytes))
     n, base = len(costs.layers), costs.pre_bytes + costs.shared_bytes
     span_options = _span_options(costs)
     span_bytes = {key: [s for s, _, _ in options] for key, options in span_options.items()}
@@ -584,6 +642,7 @@ class _Configuration:
         report = replace_modules(model, policy, modules, backend)
         try:
             replaced = {name for name, _, _ in report.replaced}
+            self.loss_fused = any(kind.endswith(" loss") for _, kind, _ in report.replaced)
             self.fused = [name in replaced for name in names]
             named = dict(model.named_modules())
             self.layers = [named[name] for name in names]
@@ -606,9 +665,10 @@ def measure_model_costs(model, example_inputs, *, cost="flops", backend=None, mo
     arguments of its forward), measured in the configurations a plan can produce, each through
     remat.patch with ``modules`` and ``backend`` and one forward: every layer stock; every layer
     fused under each policy; and (two forwards) one layer fused, the others stock, which gives the
-    stock layers' bytes inside a patched model. The forwards build no KV cache, as a training step
-    (see :func:`_training_inputs`). The RNG state is left untouched and no parameter's ``.grad``
-    changes."""
+    stock layers' bytes inside a patched model. Where the loss is planned (module docstring), two
+    more: every layer fused, and every layer stock, with Hugging Face's loss. The forwards build no
+    KV cache, as a training step (see :func:`_training_inputs`). The RNG state is left untouched and
+    no parameter's ``.grad`` changes."""
     names = [name for name, _ in decoder_layers(model)]
     if not names:
         raise ValueError("policy='auto' found no decoder layer that remat's model families take in this model")
@@ -663,7 +723,27 @@ def measure_model_costs(model, example_inputs, *, cost="flops", backend=None, mo
                      alone.outside())
     outside = fused["memory"].outside() if any(fusable) else alone.outside()
     shared = max([outside[1], *(c.outside()[1] for c in mixed.values())])
-    return ModelCosts(tuple(per_layer), outside[0], shared, outside[2], shape, cost, all_stock)
+    loss_choices = None
+    if cost == "flops" and any(fusable) and fused["memory"].loss_fused:
+        without_loss = tuple(kind for kind in modules if kind != "loss")
+        stock_loss = _Configuration(model, names, "memory", example_inputs, without_loss, backend)
+        alone_stock_loss = _Configuration(model, names, dict.fromkeys(names, STOCK), example_inputs, without_loss,
+                                          backend)
+        loss_choices = (LossChoice("fused", outside[2], _logits_flops(model, shape), all_stock[2]),
+                        LossChoice("stock", stock_loss.outside()[2], 0.0, alone_stock_loss.outside()))
+    return ModelCosts(tuple(per_layer), outside[0], shared, outside[2], shape, cost, all_stock, loss_choices)
+
+
+def _logits_flops(model, shape):
+    """FLOPs of the lm_head GEMM over the example's B x N tokens (what the fused loss recomputes in
+    backward): 2 T h V from the output embedding's [V, h] weight."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        vocab, hidden = weight.shape
+    else:
+        vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    return 2.0 * shape[0] * shape[1] * hidden * vocab
 
 
 # The keyword arguments by which Hugging Face forwards take a KV cache ("cache" from transformers 5.x).
@@ -771,6 +851,8 @@ def plan_model(model, example_inputs, *, budget_bytes=None, budget_bytes_per_tok
         raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
     resolve_budget(budget_bytes, budget_bytes_per_token, 1)  # argument checks before measuring
     costs = measure_model_costs(model, example_inputs, cost=cost, backend=backend, modules=modules)
+    if budget_bytes_per_token is not None:  # re-planned per length at run time, where the loss is installed
+        costs = dataclasses.replace(costs, loss_choices=None)
     budget = resolve_budget(budget_bytes, budget_bytes_per_token, costs.tokens)
     plan = plan_for_costs(costs, budget, max_span=max_span)
     if budget_bytes_per_token is not None:

@@ -52,7 +52,10 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             fused policy, or re-running a span of fused layers from its input, so that the step's
             peak of saved bytes stays within the budget (in bytes, or per token of the example) at
             the least recompute (``cost="flops"`` or ``"time"``); ``report.plan.explain()`` shows
-            the plan. Batches larger than the example in either dimension raise ValueError.
+            the plan. With "loss" in ``modules``, ``cost="flops"`` and ``budget_bytes``, the plan
+            also chooses the loss: fused, or Hugging Face's (logits kept, no recompute) where the
+            budget holds them (``report.plan.loss``). Batches larger than the example in either
+            dimension raise ValueError.
         max_span: with ``policy="auto"``: the most layers one checkpointed span may hold (default:
             any); ``max_span=1`` under FSDP2 with ``fully_shard`` on each decoder layer (see
             remat.plan_model).
@@ -159,6 +162,8 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
                                  modules=modules, max_span=max_span)
     # Per qualified layer name: "stock" (left as it is) or the fused policy.
     layer_policies = {plan.costs.layers[i].name: choice for i, choice in plan.layer_policies().items()}
+    if plan.loss == "stock":  # the plan keeps Hugging Face's loss (it holds the logits in the budget)
+        modules = tuple(kind for kind in modules if kind != "loss")
 
     def install(report):
         report.plan = plan
