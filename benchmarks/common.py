@@ -385,14 +385,17 @@ def transient_peak_bytes(fn, device):
     with profile(activities=activities, profile_memory=True) as prof:
         fn()
         _sync(device)
-    events, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while pending:
+    device_index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    events, pending = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while pending:  # depth first, children in the order they ran
         event = pending.pop()
-        pending.extend(event.children)
+        pending.extend(reversed(event.children))
         fields = event.extra_fields if event.tag == _EventType.Allocation else None
-        if fields is not None and fields.device.type == device.type:
+        if fields is None or fields.device.type != device.type:
+            continue
+        if device_index is None or fields.device.index == device_index:
             events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
-    events.sort()
+    events.sort(key=lambda e: e[0])  # stable: events of one nanosecond keep the order they ran in
     # An allocation still live at the end (its address not freed after it) is left by fn: skipped.
     live = {}
     for index, (_, ptr, size) in enumerate(events):

@@ -457,5 +457,11 @@ def test_transient_peak_counts_cuda_allocations():
         keep["left"] = torch.empty(500_000, device=device)
         keep.pop("before")
 
-    # The caching allocator rounds block sizes up (to 512 bytes; these are multiples of it).
-    assert transient_peak_bytes(fn, device) == 12_000_000
+    # The caching allocator hands out (and reports) rounded blocks, which its own statistics count
+    # too: here the largest allocation above the start is the first two blocks at once.
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    peak = transient_peak_bytes(fn, device)
+    assert peak == torch.cuda.max_memory_allocated() - base
+    assert 12_000_000 <= peak < 12_000_000 + 2 * 2**20

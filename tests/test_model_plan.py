@@ -95,7 +95,7 @@ def test_budgets_from_stock_to_floor_hold_and_match_stock(kind):
     assert seen_choices & {"Tapedspeed", "Tapedbalanced", "Tapedmemory"}
 
 
-def test_the_loss_is_planned_fused_or_stock_and_runs_as_planned():
+def test_the_loss_is_planned_fused_or_stock_and_runs_as_planned(monkeypatch):
     inputs = example()
     costs = model_plan.measure_model_costs(build("llama"), inputs)
     fused, stock = costs.loss_choices
@@ -119,7 +119,7 @@ def test_the_loss_is_planned_fused_or_stock_and_runs_as_planned():
     fused_plan = model_plan.plan_for_costs(costs.with_loss(fused), budget)
     assert fused.cost > fused_plan.predicted_cost
     assert plan.loss == "stock" and plan.decisions == tuple(speed)
-    assert plan.predicted_cost == fused_plan.predicted_cost < fused_plan.predicted_cost + fused.cost
+    assert plan.predicted_cost == fused_plan.predicted_cost
     # The floor keeps no logits: the plan's loss is fused, its recompute counted, and it runs fused.
     floor = model_plan.smallest_feasible_budget(costs)
     assert floor == model_plan.smallest_feasible_budget(costs.with_loss(fused))
@@ -132,7 +132,26 @@ def test_the_loss_is_planned_fused_or_stock_and_runs_as_planned():
     model = build("llama")
     plan = remat.patch(model, policy="auto", budget_bytes_per_token=unpatched_peak // inputs["input_ids"].numel(),
                        example_inputs=inputs).plan
-    assert plan.loss is None and plan.costs.loss_choices is None and model(**inputs).logits is None
+    assert plan.loss is None and plan.doubled_costs.loss_choices is None and model(**inputs).logits is None
+    # Without labels (or in eval mode) no fused loss runs in the measured forward: nothing to choose.
+    unlabelled = {key: value for key, value in inputs.items() if key != "labels"}
+    assert model_plan.measure_model_costs(build("llama"), unlabelled).loss_choices is None
+    assert model_plan.measure_model_costs(build("llama").eval(), inputs).loss_choices is None
+    # A per-token plan made with max_span=1 re-plans longer batches with spans of one layer.
+    model = build("llama")
+    per_token = (model_plan.smallest_feasible_budget(costs) + unpatched_peak) // 2 // inputs["input_ids"].numel()
+    plan = remat.patch(model, policy="auto", budget_bytes_per_token=per_token, example_inputs=inputs,
+                       max_span=1).plan
+    assert plan.max_span == 1
+    limits, plan_for_costs = [], model_plan.plan_for_costs
+
+    def recording(*args, **kwargs):
+        limits.append(kwargs.get("max_span"))
+        return plan_for_costs(*args, **kwargs)
+
+    monkeypatch.setattr(model_plan, "plan_for_costs", recording)
+    model(**model_plan.lengthened_example(inputs)).loss.backward()
+    assert limits == [1]
 
 
 def may_span(costs, start, end):
@@ -258,8 +277,17 @@ def test_plan_is_optimal_on_random_heterogeneous_costs(seed):
     if seed % 2:
         all_stock = (tuple(x.kept["stock"] + rng.randint(0, 300) for x in layers), (0.0,) * len(layers),
                      (rng.randint(0, 50), rng.randint(0, 50), rng.randint(0, 600)))
-    check_optimal(ModelCosts(tuple(layers), rng.randint(0, 50), rng.randint(0, 50), rng.randint(0, 300), (1, 1),
-                             "flops", all_stock))
+    costs = ModelCosts(tuple(layers), rng.randint(0, 50), rng.randint(0, 50), rng.randint(0, 300), (1, 1),
+                       "flops", all_stock)
+    check_optimal(costs)
+    # The loss as a choice: a fused loss (these post bytes, a recompute cost) or a stock one keeping
+    # more (up to a layer's stock bytes; its all-stock plan measured on its own on odd seeds).
+    stock_post = costs.post_bytes + rng.randint(1, 2000)
+    stock_outside = None if all_stock is None else (*all_stock[2][:2], all_stock[2][2] + rng.randint(1, 2000))
+    fused_outside = None if all_stock is None else all_stock[2]
+    check_optimal(dataclasses.replace(costs, loss_choices=(
+        model_plan.LossChoice("fused", costs.post_bytes, rng.uniform(1, 80), fused_outside),
+        model_plan.LossChoice("stock", stock_post, 0.0, stock_outside))))
 
 
 def test_infeasible_budget_names_the_floor_and_big_budget_keeps_stock():

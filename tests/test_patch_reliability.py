@@ -287,7 +287,7 @@ def test_planned_model_saves_whole_and_loads_planned(how):
     model = build("llama", num_hidden_layers=4)
     ids, mask, labels = batch()
     inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
-    costs = model_plan.plan_model(build("llama", num_hidden_layers=4), inputs, budget_bytes=10**9).costs
+    costs = model_plan.measure_model_costs(build("llama", num_hidden_layers=4), inputs)
     floor = model_plan.smallest_feasible_budget(costs)
     report = remat.patch(model, policy="auto", budget_bytes=floor, example_inputs=inputs)
     assert report.plan.spans()

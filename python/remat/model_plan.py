@@ -47,8 +47,11 @@ loss remat fuses): fused (remat.linear_cross_entropy: keeps no logits, recompute
 one more ``2 T h V`` GEMM for vocabulary V) or stock (Hugging Face's: keeps the logits and their
 log-softmax in ``post``, recomputes nothing). Both are measured (``post`` bytes with each, and the
 all-stock plan with each); the plan is the cheaper of the best plans under either. Where the
-logits are small next to the layers' bytes (short rows, a small vocabulary), a budget that holds
-them buys back the GEMM; under per-token budgets and ``cost="time"`` the loss stays fused.
+logits are small next to what the layers keep (a vocabulary small next to the layers' widths and
+count), a budget that holds them buys back the GEMM; the measured example needs labels and a
+model in training mode (else no fused loss runs), and under per-token budgets and ``cost="time"``
+the loss stays fused. The budget counts saved bytes: Hugging Face's loss also allocates the
+logits' gradient (fp32 and the logits' dtype) in backward, which it does not count.
 
 Per-token budgets: the example is measured again at twice its length, and a longer batch (up to
 2N) is re-planned at run time on costs interpolated between the two (:func:`predicted_costs`).
@@ -141,7 +144,9 @@ class ModelCosts:
     layer stock, measured as its own configuration: (per-layer bytes, per-layer costs,
     (pre, shared, post) bytes), or None when it is the plain sum of the layers' "stock" entries.
     ``loss_choices``: the :class:`LossChoice` s a plan picks from, or None when the loss is not
-    planned (``post_bytes`` and ``all_stock`` then hold as they are)."""
+    planned (``post_bytes`` and ``all_stock`` then hold as they are). With choices, ``post_bytes``
+    and ``all_stock`` are the fused loss's: :func:`peak_and_cost` prices that loss; the planning
+    functions pick among the choices, and :meth:`with_loss` gives the costs under one."""
 
     layers: tuple
     pre_bytes: int
@@ -220,8 +225,12 @@ class ModelPlan:
         doubled_costs: with a per-token budget, the :class:`ModelCosts` measured on the example
             lengthened to twice its length.
         loss: "fused" or "stock" when the plan chose the loss (``costs`` then hold that loss's
-            bytes), None when it was not planned (fused when remat.patch's modules hold "loss").
-        loss_cost: the chosen loss's recompute cost, in ``predicted_cost``.
+            bytes), None when it was not planned (then remat.patch fuses it where its modules hold
+            "loss" and the model's loss can be fused: a plain ``nn.Linear`` lm_head, labels,
+            training mode).
+        loss_cost: the chosen loss's recompute cost; ``predicted_cost`` includes it, so costs of a
+            plan with the loss planned and one without are not comparable.
+        max_span: the span limit the plan was made under (run-time re-plans keep it).
     """
 
     costs: ModelCosts
@@ -231,6 +240,7 @@ class ModelPlan:
     doubled_costs: ModelCosts = field(default=None, repr=False)
     loss: str = None
     loss_cost: float = 0.0
+    max_span: int = None
     predicted_peak_bytes: int = field(init=False)
     predicted_cost: float = field(init=False)
 
@@ -418,7 +428,7 @@ def plan_for_costs(costs, budget_bytes, *, max_span=None):
         raise ValueError(f"budget_bytes={budget_bytes} is infeasible for this model at shape {costs.shape}: "
                          f"the smallest feasible budget is {floor} bytes")
     best = min(final, key=lambda s: (s[0], s[1]))
-    return ModelPlan(costs, best[2], budget_bytes)
+    return ModelPlan(costs, best[2], budget_bytes, max_span=None if max_span == n else max_span)
 
 
 # --- measuring -------------------------------------------------------------------------------
@@ -660,13 +670,14 @@ class _Configuration:
         return self.totals.get("pre", 0), self.totals.get("shared", 0), self.totals.get("post", 0)
 
 
-def measure_model_costs(model, example_inputs, *, cost="flops", backend=None, modules=None):
+def measure_model_costs(model, example_inputs, *, cost="flops", backend=None, modules=None, plan_loss=True):
     """The :class:`ModelCosts` of ``model`` (unpatched) on ``example_inputs`` (a dict of keyword
     arguments of its forward), measured in the configurations a plan can produce, each through
     remat.patch with ``modules`` and ``backend`` and one forward: every layer stock; every layer
     fused under each policy; and (two forwards) one layer fused, the others stock, which gives the
-    stock layers' bytes inside a patched model. Where the loss is planned (module docstring), two
-    more: every layer fused, and every layer stock, with Hugging Face's loss. The forwards build no
+    stock layers' bytes inside a patched model. Where the loss is planned (``plan_loss``, and see
+    the module docstring), two more: every layer fused, and every layer stock, with Hugging Face's
+    loss. The forwards build no
     KV cache, as a training step (see :func:`_training_inputs`). The RNG state is left untouched and
     no parameter's ``.grad`` changes."""
     names = [name for name, _ in decoder_layers(model)]
@@ -724,7 +735,10 @@ def measure_model_costs(model, example_inputs, *, cost="flops", backend=None, mo
     outside = fused["memory"].outside() if any(fusable) else alone.outside()
     shared = max([outside[1], *(c.outside()[1] for c in mixed.values())])
     loss_choices = None
-    if cost == "flops" and any(fusable) and fused["memory"].loss_fused:
+    # Only where the fused loss runs in the measured forward: a training model given labels (without
+    # them, or in eval mode, both losses measure the lm_head alone and the choice would be empty).
+    runs_fused_loss = fused["memory"].loss_fused and model.training and example_inputs.get("labels") is not None
+    if plan_loss and cost == "flops" and any(fusable) and runs_fused_loss:
         without_loss = tuple(kind for kind in modules if kind != "loss")
         stock_loss = _Configuration(model, names, "memory", example_inputs, without_loss, backend)
         alone_stock_loss = _Configuration(model, names, dict.fromkeys(names, STOCK), example_inputs, without_loss,
@@ -850,15 +864,16 @@ def plan_model(model, example_inputs, *, budget_bytes=None, budget_bytes_per_tok
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)):
         raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
     resolve_budget(budget_bytes, budget_bytes_per_token, 1)  # argument checks before measuring
-    costs = measure_model_costs(model, example_inputs, cost=cost, backend=backend, modules=modules)
-    if budget_bytes_per_token is not None:  # re-planned per length at run time, where the loss is installed
-        costs = dataclasses.replace(costs, loss_choices=None)
+    # Per-token plans are re-planned per length at run time, where the loss is installed once: fused.
+    per_token = budget_bytes_per_token is not None
+    costs = measure_model_costs(model, example_inputs, cost=cost, backend=backend, modules=modules,
+                                plan_loss=not per_token)
     budget = resolve_budget(budget_bytes, budget_bytes_per_token, costs.tokens)
     plan = plan_for_costs(costs, budget, max_span=max_span)
     if budget_bytes_per_token is not None:
         plan.budget_bytes_per_token = budget_bytes_per_token
         plan.doubled_costs = measure_model_costs(model, lengthened_example(example_inputs), cost=cost,
-                                                 backend=backend, modules=modules)
+                                                 backend=backend, modules=modules, plan_loss=False)
     return plan
 
 
@@ -997,7 +1012,7 @@ class _PlanRuntime:
             costs = predicted_costs(self.plan, length, self.kinds)
             budget = int(per_token * planned[0] * length)
             try:
-                plan = plan_for_costs(costs, budget)
+                plan = plan_for_costs(costs, budget, max_span=self.plan.max_span)
             except ValueError as error:
                 raise ValueError(f"budget_bytes_per_token={per_token} cannot hold a [{planned[0]}, {length}] batch "
                                  f"with this model's layers fused as planned ({error}); re-plan on an example of "
