@@ -101,8 +101,8 @@ def providers(base, inputs, quick, shape):
     # Budgets between the floor and the unpatched model's saved bytes (every layer stock, Hugging
     # Face's loss), where the plan is the unpatched model (stock and compile budget 1.0 already).
     all_stock = [model_plan.Taped(i, "stock") for i in range(layers)]
-    stock_peak = max(model_plan.peak_and_cost(costs.with_loss(choice), all_stock)[0]
-                     for choice in costs.loss_choices or [model_plan.LossChoice("fused", costs.post_bytes, 0.0)])
+    variants = [costs.with_loss(choice) for choice in costs.loss_choices] if costs.loss_choices else [costs]
+    stock_peak = max(model_plan.peak_and_cost(variant, all_stock)[0] for variant in variants)
     floor = model_plan.smallest_feasible_budget(costs)
     fractions = (0.6, 0.3, 0.1, 0.0) if quick else (0.8, 0.6, 0.4, 0.2, 0.1, 0.05, 0.0)
     for fraction in fractions:
@@ -175,8 +175,7 @@ def _run_shape(device, shape, quick):
         run_step(step)  # warm-up (and compile)
         with PeakSavedBytes() as peak:
             run_step(step)
-        # From no gradients, as a training step after zero_grad(): the ones it leaves are not counted.
-        model.zero_grad(set_to_none=True)
+        # The step's forward sets the gradients to None (loss_step); the ones it leaves are not counted.
         measured[label] = (peak.peak, transient_peak_bytes(functools.partial(run_step, step), device))
         progress.step(f"{label}: peak saved {peak.peak} bytes, step peak {measured[label][1]} bytes")
     # Whole steps only (the operator benchmarks time the parts and flag impossible splits): three

@@ -387,9 +387,7 @@ def plan_for_costs(costs, budget_bytes, *, max_span=None):
                 continue
             plans.append(dataclasses.replace(plan, loss=choice.name, loss_cost=choice.cost))
         if not plans:
-            floor = smallest_feasible_budget(costs, max_span=max_span)
-            raise ValueError(f"budget_bytes={budget_bytes} is infeasible for this model at shape {costs.shape}: "
-                             f"the smallest feasible budget is {floor} bytes")
+            _refuse_infeasible(costs, budget_bytes, max_span)
         return min(plans, key=lambda plan: (plan.predicted_cost, plan.predicted_peak_bytes))
     n, base = len(costs.layers), costs.pre_bytes + costs.shared_bytes
     span_options = _span_options(costs)
@@ -424,11 +422,15 @@ def plan_for_costs(costs, budget_bytes, *, max_span=None):
         if stock_peak <= budget_bytes:
             final.append((stock_cost, stock_peak, tuple(_all_stock(costs))))
     if not final:
-        floor = smallest_feasible_budget(costs, max_span=max_span)
-        raise ValueError(f"budget_bytes={budget_bytes} is infeasible for this model at shape {costs.shape}: "
-                         f"the smallest feasible budget is {floor} bytes")
+        _refuse_infeasible(costs, budget_bytes, max_span)
     best = min(final, key=lambda s: (s[0], s[1]))
     return ModelPlan(costs, best[2], budget_bytes, max_span=None if max_span == n else max_span)
+
+
+def _refuse_infeasible(costs, budget_bytes, max_span):
+    floor = smallest_feasible_budget(costs, max_span=max_span)
+    raise ValueError(f"budget_bytes={budget_bytes} is infeasible for this model at shape {costs.shape}: "
+                     f"the smallest feasible budget is {floor} bytes")
 
 
 # --- measuring -------------------------------------------------------------------------------
