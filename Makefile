@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-requirements
 BUILD_STAMP := $(VENV)/.built-extension
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h') setup.py
 
-.PHONY: test bench build gpu-check gpu-wheels lint clean mutate
+.PHONY: test test-slow bench build gpu-check gpu-wheels lint clean mutate
 
 $(STAMP): requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,12 @@ build: $(BUILD_STAMP)
 test: $(BUILD_STAMP)
 	$(VENV)/bin/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
-	REMAT_DOCS_BUILT=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
+	REMAT_DOCS_BUILT=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+
+# The slow reference checks make test skips: the composed estimate against the full simulation on
+# the Llama-3.1-8B configuration (tests/test_estimate_composed_8b.py; about half an hour here).
+test-slow: $(BUILD_STAMP)
+	$(PY) -m pytest -q -n 2 -m slow tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

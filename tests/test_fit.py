@@ -81,9 +81,10 @@ def test_the_table_states_the_reserve(tmp_path, capsys):
     assert remat_main(["fit", str(config), "--gpu-memory", "64MB", "--reserve", "4MB",
                        "--setups", "stock,remat:memory"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == ("GPU memory 64.0 MiB, reserve 4.0 MiB kept free (CUDA context, workspaces, fragmentation): "
-                        "60.0 MiB usable")
-    assert [line.split()[0] for line in lines[2:]] == ["stock", "remat:memory"]
+    assert lines[0] == ("GPU memory 64.00 MiB, reserve 4.0 MiB kept free (CUDA context, workspaces, fragmentation): "
+                        "60.00 MiB usable; any host memory")
+    assert [line.split()[0] for line in lines[2:4]] == ["stock", "remat:memory"]
+    assert lines[4].startswith("2 rows in ")
     # The default reserve (3 GiB) exceeds 64 MB: a clear error, no traceback.
     assert remat_main(["fit", str(config), "--gpu-memory", "64MB"]) == 2
     assert "must exceed the reserve" in capsys.readouterr().err
@@ -135,7 +136,7 @@ def test_lora_targets_reach_peft_and_the_command(tmp_path, capsys):
                        "--lora-targets", "q_proj,k_proj,v_proj,o_proj", "--setups", "stock,remat:memory",
                        "--json"]) == 0
     rows = {row["setup"]: row for row in json.loads(capsys.readouterr().out)}
-    assert rows["stock"]["max_seq_len"] and rows["stock"]["note"] == ""
+    assert rows["stock"]["max_seq_len"] and rows["stock"]["note"].endswith("limited by the device")
     assert rows["remat:memory"]["max_seq_len"] > rows["stock"]["max_seq_len"]
     assert "assumed mixture-of-experts routing" in rows["remat:memory"]["note"]
     assert remat_main(["fit", str(path), "--gpu-memory", "64MB", "--lora-rank", "4", "--lora-targets", " , "]) == 2
@@ -165,3 +166,114 @@ def test_sequence_parallel_rows_are_per_rank_peaks_of_whole_sequences():
     assert rows["stock"].max_seq_len is None and "not estimated under sequence parallelism" in rows["stock"].note
     with pytest.raises(ValueError, match="multiple of sequence_parallel"):
         fit(tiny_config(), gpu_memory=gpu, reserve=reserve, seq_len=33, sequence_parallel=2)
+
+
+def six_layers():
+    return transformers.AutoConfig.for_model(**{**TINY, "num_hidden_layers": 6})
+
+
+@pytest.mark.parametrize("setup", ["stock", "remat:memory"])
+def test_the_answer_fits_and_its_next_step_does_not_by_the_full_simulation(setup):
+    """The search runs on the composed estimate; the full simulation agrees with its answer: the
+    row's length fits, one step up (1/64, at most 1,024 tokens) does not."""
+    from remat.estimator import estimate
+    from remat.fit import step_of
+
+    gpu, reserve = 64 * 2**20, 4 * 2**20
+    row = fit(six_layers(), gpu_memory=gpu, reserve=reserve, lora_rank=8, setups=(setup,), workers=1)[0]
+    assert row.note.startswith("composed from 2, 3 of 6 layers") and row.note.endswith("limited by the device")
+    model = set_up(build_model(six_layers(), lora_rank=8), setup)
+    n = row.max_seq_len
+    assert estimate(model, seq_len=n).peak_bytes == row.peak_bytes <= gpu - reserve
+    assert estimate(model, seq_len=n + step_of(n)).peak_bytes > gpu - reserve
+
+
+def test_the_composed_search_gives_the_exact_searchs_rows():
+    kwargs = dict(gpu_memory=64 * 2**20, reserve=4 * 2**20, lora_rank=8, setups=("stock+checkpointing", "remat:memory"))
+    fast = fit(six_layers(), **kwargs)  # two forked workers
+    exact = fit(six_layers(), exact=True, workers=1, **kwargs)
+    assert [(r.max_seq_len, r.peak_bytes, r.host_bytes) for r in fast] == \
+        [(r.max_seq_len, r.peak_bytes, r.host_bytes) for r in exact]
+    assert all(r.note.startswith("composed from 2, 3 of 6 layers") for r in fast)
+    assert all("simulated whole (exact)" in r.note for r in exact)
+
+
+def test_step_of_is_a_64th_at_most_1024():
+    from remat.fit import step_of
+
+    assert [step_of(n) for n in (1, 63, 64, 6400, 65536, 2**20)] == [1, 1, 1, 100, 1024, 1024]
+
+
+def test_named_gpus_are_their_reported_sizes():
+    from remat.fit import GPUS, gpu_memory_of
+
+    assert gpu_memory_of("H100-80GB") == gpu_memory_of("h100 80gb") == 81_559 * 2**20 == GPUS["H100-80GB"]
+    with pytest.raises(ValueError, match="unknown GPU 'B300'"):
+        gpu_memory_of("B300")
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "cannot read the config"),
+    ("{\"model_type\": \"llama\"", "is not valid JSON"),
+    ("[1, 2]", "holds a JSON list, not an object"),
+    (json.dumps({"model_type": "llama", "vocab_size": 512}),
+     "lacks hidden_size, num_hidden_layers, num_attention_heads: transformers would take its defaults"),
+    (json.dumps({**TINY, "model_type": "no-such-model"}), "transformers cannot make a config"),
+])
+def test_config_files_it_cannot_use_are_refused_with_the_reason(tmp_path, capsys, content, message):
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    assert remat_main(["fit", str(path), "--gpu", "H100-80GB"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argument", [["--seq-len", "0"], ["--batch-size", "-1"], ["--lora-rank", "-2"],
+                                      ["--gpu", "H200", "--gpu-memory", "80GB"]])
+def test_bad_command_arguments_exit_2_without_a_traceback(tmp_path, capsys, argument):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    device = [] if "--gpu" in argument else ["--gpu-memory", "64MB", "--reserve", "4MB"]
+    with pytest.raises(SystemExit) as exited:  # argparse's exit, with the usage and the reason
+        remat_main(["fit", str(path), *device, *argument])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument" in err and "Traceback" not in err
+
+
+def test_an_unknown_gpu_name_exits_2_naming_the_known_ones(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    assert remat_main(["fit", str(path), "--gpu", "B300"]) == 2
+    assert "unknown GPU 'B300': choose from H100-80GB, H200" in capsys.readouterr().err
+
+
+def test_a_failed_row_makes_the_command_exit_1(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    monkeypatch.setattr(fit_module, "set_up", broken)
+    assert remat_main(["fit", str(path), "--gpu-memory", "64MB", "--reserve", "4MB", "--setups", "stock",
+                       "--workers", "1"]) == 1
+    captured = capsys.readouterr()
+    assert "failed: RuntimeError: simulated failure" in captured.out
+    assert "1 of 1 rows failed (stock)" in captured.err
+
+
+def test_gemma2_rows_run_stock_on_eager_attention(tmp_path):
+    config = transformers.AutoConfig.for_model(**{**TINY, "model_type": "gemma2", "head_dim": 32})
+    rows = {r.setup: r for r in fit(config, gpu_memory=64 * 2**20, reserve=4 * 2**20, setups=("stock", "remat:memory"),
+                                    workers=1)}
+    assert rows["stock"].max_seq_len and "Hugging Face's eager attention" in rows["stock"].note
+    assert rows["remat:memory"].max_seq_len > rows["stock"].max_seq_len
+
+
+def test_a_family_remat_does_not_patch_says_so_in_its_row():
+    config = transformers.AutoConfig.for_model(**{**TINY, "model_type": "gemma", "head_dim": 32})
+    rows = fit(config, gpu_memory=64 * 2**20, reserve=4 * 2**20, setups=("stock", "remat:memory"), workers=1)
+    assert rows[1].note.startswith("left unchanged: stock (remat fuses no layer of this family)")
+    assert rows[1].max_seq_len == rows[0].max_seq_len

@@ -5,7 +5,8 @@ from remat import memory, nn
 from remat.autograd.lora import LoRAAdapter
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
 from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
-from remat.estimator import Estimate, estimate
+from remat.composed import estimate
+from remat.estimator import Estimate
 from remat.functional import (
     attention,
     dropout,

@@ -91,7 +91,9 @@ class Estimate:
     Attributes:
         peak_bytes: the most device bytes alive at once over the step (parameters included).
         host_bytes: the most host (CPU) bytes that the step keeps for a device target (offloaded
-            tensors); 0 for a CPU target, whose bytes are all in ``peak_bytes``.
+            tensors; for a CUDA target as pinned blocks, each rounded up to a power of two by
+            PyTorch's caching host allocator: :func:`pinned_host_bytes`); 0 for a CPU target, whose
+            bytes are all in ``peak_bytes``.
         phases: peak device bytes per phase (``"forward"``, ``"backward"``, ``"optimizer"``).
         breakdown: device bytes by kind at the peak (``KINDS``: parameters and buffers, gradients
             of trainable parameters, optimizer states, tensors saved for backward, other:
@@ -103,6 +105,8 @@ class Estimate:
         tokens: batch_size * seq_len of the step.
         assumptions: what the step had to assume where fake tensors hold no data (sorted texts;
             empty for dense models): remat's mixture-of-experts blocks assume balanced routing.
+        method: how the numbers were reached (remat.composed: composed from a few layers, or
+            simulated whole and why); empty from this module's :func:`estimate` alone.
     """
 
     peak_bytes: int
@@ -114,6 +118,7 @@ class Estimate:
     tokens: int
     after_forward_bytes: int = 0
     assumptions: tuple = ()
+    method: str = ""
 
     def __str__(self):
         parts = ", ".join(f"{kind} {format_bytes(self.breakdown.get(kind, 0))}" for kind in KINDS)
@@ -312,6 +317,16 @@ def cross_entropy_scratch_bytes(op, args, device_type):
     return scratch
 
 
+def pinned_host_bytes(nbytes):
+    """The host bytes PyTorch's caching host allocator holds for a pinned tensor of ``nbytes``
+    (what remat's offload copies to on a GPU): the request rounded up to a power of two
+    (aten/src/ATen/core/CachingHostAllocator.h, ``roundSize``: ``PowerOf2Ceil`` for every size up to
+    ``pinned_max_round_threshold``, unlimited by default in PyTorch 2.14). An 8.5 GiB copy holds 16
+    GiB; a freed block stays cached for the next copy of its size class, so a step's host peak is
+    the most rounded bytes alive at once. 0 for 0."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
 def format_bytes(nbytes, digits=2):
     """``nbytes`` in GiB from 1 GiB up, else in MiB, with ``digits`` decimals (default 2)."""
     return f"{nbytes / 2**30:.{digits}f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.{digits}f} MiB"
@@ -358,7 +373,12 @@ class LiveBytes(TorchDispatchMode):
                 self.kinds[key] = kind
             return
         on_device = tensor.device.type == self.device.type
-        nbytes = self._rounded(storage.nbytes()) if on_device else storage.nbytes()
+        if on_device:
+            nbytes = self._rounded(storage.nbytes())
+        elif self.device.type == "cuda":
+            nbytes = pinned_host_bytes(storage.nbytes())
+        else:
+            nbytes = storage.nbytes()
         self.sizes[key] = (nbytes, on_device)
         self.kinds[key] = kind
         if on_device:

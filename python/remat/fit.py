@@ -3,21 +3,30 @@ batch) whose training step fits a GPU, per setup, estimated on this machine with
 
 The model is built from a Hugging Face config on the meta device, given LoRA adapters with PEFT if
 asked, moved onto fake CUDA tensors (``remat.estimator.on_fake_device``), set up (stock, Hugging
-Face gradient checkpointing, or ``remat.patch`` with a policy) and estimated
-(``remat.estimator.estimate``) at lengths found by doubling, then bisection.
+Face gradient checkpointing, or ``remat.patch`` with a policy) and estimated with the composed
+estimate (``remat.composed``: a few layers and the first and last tiles, seconds at any length;
+``--exact``: the full simulation) at lengths a search places (:class:`_Search`): each row's answer
+fits and the next step up (1/64 of it, at most 1,024 tokens) is shown not to fit. Rows are searched
+in two processes where there are two CPUs.
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import multiprocessing
+import os
 import re
 import sys
+import time
 
 import torch
 
 from remat import peak_plan
-from remat.estimator import estimate, format_bytes, on_fake_device
+from remat.autograd.common import sparse_tiles
+from remat.composed import Composer, estimate
+from remat.estimator import format_bytes, on_fake_device
 from remat.replacement import MODULE_KINDS
 from remat.sequence_parallel import SequenceGroup
 
@@ -25,6 +34,20 @@ SETUPS = ("stock", "stock+checkpointing", "remat:speed", "remat:balanced", "rema
 # What a GPU's memory holds besides the tensors the estimate counts: the CUDA context (~0.5 GiB),
 # cuBLAS/cuDNN workspaces, the caching allocator's fragmentation.
 DEFAULT_RESERVE = 3 * 2**30
+# Device memory as the devices report it (torch.cuda.get_device_properties(d).total_memory, the
+# MiB nvidia-smi prints): an "80GB" H100 holds 81,559 MiB = 79.6 GiB, not 80 GiB.
+GPUS = {
+    "H100-80GB": 81_559 * 2**20,
+    "H200": 143_771 * 2**20,
+    "A100-80GB": 81_920 * 2**20,
+    "A100-40GB": 40_960 * 2**20,
+    "L40S": 46_068 * 2**20,
+    "RTX4090": 24_564 * 2**20,
+    "L4": 23_034 * 2**20,
+}
+# Keys a config must give: without them transformers silently takes its class's defaults (a
+# Llama-2-7B's shapes for a LlamaConfig), and the answer would be for another model.
+REQUIRED_CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
           "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
 
@@ -54,6 +77,20 @@ class FitRow:
     note: str = ""
 
 
+def attention_implementation(config):
+    """The attention Hugging Face's stock model of ``config`` runs in the estimate: ``"sdpa"``
+    (the flash or memory-efficient kernel on a GPU), or ``"eager"`` for a family without an SDPA
+    path (Gemma 2: its logit soft-capping; eager keeps the [B, H, N, N] probabilities, so its stock
+    rows are short). FlashAttention-2 (``flash_attn``) is not installed here to be estimated."""
+    import transformers
+
+    try:
+        model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return "sdpa"  # not a causal LM transformers maps: building it fails with its own message
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
 def build_model(config, *, lora_rank=0, dtype=torch.bfloat16, lora_targets="all-linear"):
     """A causal LM from a Hugging Face config on fake CUDA tensors (no GPU needed), with PEFT LoRA
     adapters of rank ``lora_rank`` (alpha = rank, no dropout) when > 0, on ``lora_targets``: PEFT's
@@ -63,7 +100,8 @@ def build_model(config, *, lora_rank=0, dtype=torch.bfloat16, lora_targets="all-
     import transformers
 
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                              attn_implementation=attention_implementation(config))
     if lora_rank:
         import peft
 
@@ -117,53 +155,112 @@ def simulated_group(ranks):
         dist.destroy_process_group()
 
 
-def _largest(fits, start, limit):
-    """The largest n in [1, limit] with fits(n) not None (fits is monotone: larger n fit less),
-    by halving or doubling from ``start``, then bisection to within 1/64 (at least 1).
-    Returns (n, fits(n)), or (0, None) when not even 1 fits."""
-    n = min(start, limit)
-    result = fits(n)
-    if result is None:
-        high = n
-        while True:
-            n //= 2
-            if n < 1:
-                return 0, None
-            result = fits(n)
-            if result is not None:
-                break
-            high = n
-        low, low_result = n, result
-    else:
-        low, low_result, high = n, result, None
-        while high is None:
-            if low >= limit:
-                return low, low_result
-            n = min(2 * low, limit)
-            result = fits(n)
-            if result is None:
-                high = n
+def step_of(n):
+    """The search's resolution at length (or batch) n: 1/64 of it, at most 1,024 tokens, at least 1."""
+    return max(1, min(n // 64, 1024))
+
+
+class _Search:
+    """The largest n in [1, limit] whose step fits (``evaluate(n, check)`` returns an Estimate,
+    ``fits(estimate)`` says whether it is within the limits; fitting is monotone: a larger n holds
+    no fewer bytes), found as a real search: the answer fits, and ``answer + step_of(answer)`` is
+    shown not to fit (or is past ``limit``).
+
+    A step's peak is a convex, piecewise-affine function of the length (the most bytes alive over
+    moments whose bytes each grow linearly with it), so the chord through two probes crosses the
+    limit at or before the true crossing and the line through the last two probes beyond them at or
+    after it: each probe is placed where the line through its neighbours meets the limit (regula
+    falsi), which lands on the answer in a few probes wherever the peak is affine near it. Inner
+    probes run without the composed estimate's check view; the answer and its next step are
+    estimated with it (a miss there simulates whole and the search goes on)."""
+
+    def __init__(self, evaluate, margin, limit, start):
+        self.evaluate, self.margin, self.limit, self.start = evaluate, margin, limit, start
+        self.probes = 0
+        self.beyond = None  # the estimate one step past the answer (None: past the limit)
+
+    def _at(self, n, check=False):
+        self.probes += 1
+        result = self.evaluate(n, check)
+        return result, self.margin(result)
+
+    def run(self):
+        """(n, its Estimate), or (0, None) when not even 1 fits."""
+        low = high = None  # (n, estimate, margin): fits / does not fit
+        n = min(self.start, self.limit)
+        previous = None
+        for _ in range(64):
+            result, margin = self._at(n)
+            point = (n, result, margin)
+            if margin >= 0:
+                low = point
             else:
-                low, low_result = n, result
-    while high - low > max(1, low // 64):
-        middle = (low + high) // 2
-        result = fits(middle)
-        if result is None:
-            high = middle
-        else:
-            low, low_result = middle, result
-    return low, low_result
+                high = point
+            if low is None:  # nothing fits yet: come down
+                if n == 1:
+                    return 0, None
+                n = max(1, min(n // 4, self._toward(previous, point) or n // 4))
+            elif high is None:  # everything fits so far: go up
+                if n >= self.limit:
+                    return self._confirm(low, None)
+                guess = self._toward(previous, point) if previous is not None else None
+                n = min(self.limit, max(guess or 8 * n, n + step_of(n)))
+            else:
+                if high[0] - low[0] <= step_of(low[0]):
+                    return self._confirm(low, high)
+                guess = self._toward(low, high)
+                n = min(max(guess, low[0] + 1), high[0] - 1)
+                # The guess's next step settles it at once where the peak is affine between them.
+                if n + step_of(n) < high[0]:
+                    after, after_margin = self._at(n + step_of(n))
+                    if after_margin < 0:
+                        high = (n + step_of(n), after, after_margin)
+                    else:
+                        low = (n + step_of(n), after, after_margin)
+                        continue
+            previous = point
+        raise RuntimeError("the fit search did not converge in 64 probes")
+
+    @staticmethod
+    def _toward(a, b):
+        """Where the line through probes a and b (n, _, margin) meets margin 0, or None."""
+        if a is None or a[0] == b[0] or a[2] == b[2]:
+            return None
+        crossing = a[0] + (b[0] - a[0]) * a[2] / (a[2] - b[2])
+        return int(crossing) if crossing > 0 else None
+
+    def _confirm(self, low, high):
+        """The answer re-estimated with the check view, and its next step shown not to fit."""
+        n = low[0]
+        while True:
+            result, margin = self._at(n, check=True)
+            if margin < 0:  # the checked estimate says it does not fit after all: come down
+                n = max(0, n - step_of(n))
+                if n == 0:
+                    return 0, None
+                continue
+            following = n + step_of(n)
+            if following > self.limit:
+                self.beyond = None
+                return n, result
+            self.beyond, after_margin = self._at(following, check=True)
+            if after_margin < 0:
+                return n, result
+            n = following
 
 
 def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=1, seq_len=None,
         setups=SETUPS, max_tokens=2**25, optimizer=None, offload=False, tile_tokens=None, host_memory=None,
-        lora_targets="all-linear", sequence_parallel=1, optimizer_shards=1):
+        lora_targets="all-linear", sequence_parallel=1, optimizer_shards=1, exact=False, progress=None,
+        workers=None):
     """For each setup, the longest sequence (or, with ``seq_len`` given, the largest batch) whose
-    training step's estimated device peak fits ``gpu_memory - reserve`` bytes.
+    training step's estimated device peak fits ``gpu_memory - reserve`` bytes (and its host bytes
+    ``host_memory``): a search (:class:`_Search`) over the composed estimate (remat.composed: seconds
+    per estimate at any length), or over the full simulation with ``exact``.
 
     Args:
         config: a Hugging Face ``PretrainedConfig`` of a causal LM.
-        gpu_memory: the GPU's total memory in bytes.
+        gpu_memory: the GPU's total memory in bytes (:data:`GPUS` has what devices report).
         reserve: bytes kept free for what the estimate does not count (default 3 GiB).
         lora_rank: PEFT LoRA rank; 0 (default) trains every parameter.
         lora_targets: the modules given LoRA (:func:`build_model`; default every linear layer).
@@ -177,14 +274,21 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
             (``remat.patch(offload=True)``); the rows' ``host_bytes`` are then the host peak.
         tile_tokens: remat's setups run their MLPs and attention sub-blocks over tiles of that
             many tokens (``remat.patch(tile_tokens=...)``); default None.
-        host_memory: None (default: any), or the host bytes a step may hold (offloaded tensors):
-            a length whose estimated host peak exceeds it does not fit.
+        host_memory: None (default: any), or the host bytes a step may hold (offloaded tensors,
+            pinned blocks as the allocator rounds them): a length whose host peak exceeds it does
+            not fit.
         sequence_parallel: the number of GPUs P sharing one sequence (Ulysses; default 1):
             remat's setups are patched with ``sequence_parallel`` over a simulated group
             (:func:`simulated_group`) and one rank's step (a shard of N / P tokens) is estimated;
             ``gpu_memory`` and ``host_memory`` are per rank, and each row's length is the whole
             sequence N. Parameters, gradients and optimizer states are counted whole on every
             rank (no ZeRO sharding). The stock setups are not estimated then (a row says so).
+        exact: search over the full simulation (``remat.estimate(..., exact=True)``; minutes per
+            estimate at long context) instead of the composed estimate. Default False.
+        progress: None, or a callable taking one line of text per finished row (the command prints
+            them on stderr).
+        workers: processes the rows are searched in (forked from this one; default min(2, CPUs));
+            1 searches them here, one after another. Rows under sequence parallelism run here.
 
     Returns:
         a list of :class:`FitRow`, one per setup.
@@ -193,88 +297,179 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
     if host_memory is not None and host_memory < 0:
         raise ValueError(f"host_memory must be None or >= 0, got {host_memory}")
     host_limit = float("inf") if host_memory is None else host_memory
-
-    def within(result):
-        return result.peak_bytes <= usable and result.host_bytes <= host_limit
-
     if usable <= 0:
         raise ValueError(f"gpu_memory ({gpu_memory}) must exceed the reserve ({reserve})")
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         raise ValueError(f"unknown setups {unknown}; choose from {list(SETUPS)}")
-    if isinstance(sequence_parallel, bool) or not isinstance(sequence_parallel, int) or sequence_parallel < 1:
-        raise ValueError(f"sequence_parallel must be an int >= 1, got {sequence_parallel!r}")
+    for name, value in (("sequence_parallel", sequence_parallel), ("batch_size", batch_size),
+                        ("max_tokens", max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"seq_len must be None or an int >= 1, got {seq_len!r}")
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be an int >= 0, got {lora_rank!r}")
     if seq_len is not None and seq_len % sequence_parallel:
         raise ValueError(f"seq_len ({seq_len}) must be a multiple of sequence_parallel ({sequence_parallel})")
     ranks = sequence_parallel
     shard_len = None if seq_len is None else seq_len // ranks  # one rank's tokens per sequence
     limit = max(max_tokens // ranks // (shard_len if shard_len is not None else batch_size), 1)
-    start = 1 if seq_len is not None else 1024
+
+    def margin(result):
+        device = usable - result.peak_bytes
+        return device if host_memory is None else min(device, host_limit - result.host_bytes)
 
     def search(model):
-        def fits(n):
+        composer = None if exact else Composer(model)
+
+        def evaluate(n, check):
             shape = (n, shard_len) if seq_len is not None else (batch_size, n)
-            result = estimate(model, batch_size=shape[0], seq_len=shape[1], optimizer=optimizer,
-                              optimizer_shards=optimizer_shards)
-            return result if within(result) else None
-        return _largest(fits, start, limit)
+            kwargs = dict(batch_size=shape[0], seq_len=shape[1], optimizer=optimizer,
+                          optimizer_shards=optimizer_shards)
+            if exact:
+                result = estimate(model, exact=True, **kwargs)
+            else:
+                with sparse_tiles():
+                    result = composer.estimate(check=check, **kwargs)
+            return result
+
+        finder = _Search(evaluate, margin, limit, 1 if seq_len is not None else 8192)
+        n, result = finder.run()
+        return n, result, finder.probes, _limited_by(finder.beyond, usable)
+
+    def probe(model, n):
+        """An estimate at n that only decides whether a search is worth running (not checked)."""
+        shape = (n, shard_len) if seq_len is not None else (batch_size, n)
+        kwargs = dict(batch_size=shape[0], seq_len=shape[1], optimizer=optimizer, optimizer_shards=optimizer_shards)
+        if exact:
+            return estimate(model, exact=True, **kwargs)
+        with sparse_tiles():
+            return Composer(model).estimate(check=False, **kwargs)
 
     with simulated_group(ranks) as group:
         return _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, group, ranks, seq_len,
-                         batch_size, limit, optimizer, optimizer_shards, within, search)
+                         batch_size, limit, margin, search, probe, progress or (lambda line: None),
+                         workers if workers is not None else min(2, os.cpu_count() or 1))
 
 
 def _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, group, ranks, seq_len, batch_size,
-              limit, optimizer, optimizer_shards, within, search):
-    """:func:`fit`'s rows, per setup (its search runs inside the simulated group, if any)."""
+              limit, margin, search, probe, progress, workers):
+    """:func:`fit`'s rows, per setup (its search runs inside the simulated group, if any), over
+    ``workers`` processes where that is more than one (forked: each row builds its own model)."""
     source = None if group is None else SequenceGroup(group)
-    shard_len = None if seq_len is None else seq_len // ranks
-    rows = []
-    for setup in setups:
-        note = ""
-        if setup == "remat:auto":
-            # policy="auto" with seq_len takes the cheapest of remat.peak_plan's candidates that
-            # fits, so the longest step it can plan is the longest any candidate fits. The most
-            # frugal candidate (the last) is searched first; another is searched only if it fits
-            # one step (1/64) past that length, since a peak grows with the length.
-            n, result = 0, None
-            for candidate in reversed(peak_plan.CANDIDATES):
+
+    def row_for(setup):
+        """(the setup's FitRow, a progress line)."""
+        started = time.monotonic()
+        note, probes, limited = "", 0, ""
+        if group is not None and not setup.startswith("remat:"):
+            return (FitRow(setup, None, None, None, None, "not estimated under sequence parallelism: stock attention "
+                           "runs through DeepSpeed's Ulysses wrapper, which the estimate does not simulate"),
+                    f"{setup}: not estimated under sequence parallelism")
+        try:
+            attention = attention_implementation(config)
+            if attention != "sdpa" and not setup.startswith("remat:"):
+                note = f"Hugging Face's {attention} attention ({type(config).__name__} has no SDPA path)"
+            if setup == "remat:auto":
+                n, result, probes, limited, note = _search_auto(config, lora_rank, lora_targets, source, limit,
+                                                                margin, search, probe)
+            else:
                 model = build_model(config, lora_rank=lora_rank, lora_targets=lora_targets)
-                peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS, source)
-                if n:
-                    beyond = min(n + max(1, n // 64), limit)
-                    shape = (beyond, shard_len) if seq_len is not None else (batch_size, beyond)
-                    if beyond == n or not within(estimate(model, batch_size=shape[0], seq_len=shape[1],
-                                                          optimizer=optimizer, optimizer_shards=optimizer_shards)):
-                        continue
-                found, found_result = search(model)
-                if found > n:
-                    n, result, note = found, found_result, f"reached with {candidate[0]}"
-        else:
-            try:
-                model = set_up(build_model(config, lora_rank=lora_rank, lora_targets=lora_targets), setup, offload,
-                               tile_tokens, group)
-                n, result = search(model)
-            except Exception as error:  # a setup that cannot be built or estimated is reported, not fatal
-                rows.append(FitRow(setup, None, None, None, None, f"{type(error).__name__}: {error}"))
-                continue
-        if result is not None and result.assumptions:
-            note = "; ".join(filter(None, (note, *(f"assumed {text}" for text in result.assumptions))))
+                set_up(model, setup, offload, tile_tokens, group)
+                if setup.startswith("remat:") and not _fused_any(model):
+                    note = "left unchanged: stock (remat fuses no layer of this family)"
+                n, result, probes, limited = search(model)
+        except Exception as error:  # a setup that cannot be built or estimated is reported as failed
+            return (FitRow(setup, None, None, None, None, f"failed: {type(error).__name__}: {error}"),
+                    f"{setup}: failed ({type(error).__name__}: {error})")
+        if result is not None:
+            note = "; ".join(filter(None, (note, result.method, *(f"assumed {text}" for text in result.assumptions))))
+            note = "; ".join(filter(None, (note, limited)))
         peak = result.peak_bytes if result is not None else None
         host = result.host_bytes if result is not None else None
         if ranks > 1 and result is not None:
             note = "; ".join(filter(None, (f"per rank of {ranks}", note)))
         if seq_len is not None:
-            rows.append(FitRow(setup, seq_len if n else None, n, peak, host, note))
+            row = FitRow(setup, seq_len if n else None, n, peak, host, note)
         else:  # the whole sequence: each of the ranks holds n tokens of it
-            rows.append(FitRow(setup, n * ranks, batch_size if n else None, peak, host, note))
-    return rows
+            row = FitRow(setup, n * ranks, batch_size if n else None, peak, host, note)
+        line = (f"{setup}: {n * (1 if seq_len is not None else ranks):,} {'sequences' if seq_len else 'tokens'} "
+                f"({probes} estimates, {time.monotonic() - started:.1f} s)")
+        return row, line
+
+    rows = {}
+    # The simulated process group of sequence parallelism lives in this process: rows run here then.
+    if workers > 1 and len(setups) > 1 and group is None and "fork" in multiprocessing.get_all_start_methods():
+        global _ROW_FOR
+        _ROW_FOR = row_for
+        # The auto row (the most estimates) first, so that the others share the second worker.
+        order = sorted(setups, key=lambda s: s != "remat:auto")
+        try:
+            context = multiprocessing.get_context("fork")
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+                futures = {pool.submit(_forked_row, setup): setup for setup in order}
+                for future in concurrent.futures.as_completed(futures):
+                    rows[futures[future]], line = future.result()
+                    progress(line)
+        finally:
+            _ROW_FOR = None
+    else:
+        for setup in setups:
+            rows[setup], line = row_for(setup)
+            progress(line)
+    return [rows[setup] for setup in setups]
 
 
-def _table(rows, gpu_memory, reserve, searching_batch):
+# The row function a forked worker runs (set by _fit_rows before it forks; closures do not pickle).
+_ROW_FOR = None
+
+
+def _forked_row(setup):
+    return _ROW_FOR(setup)
+
+
+def _limited_by(beyond, usable):
+    """What the next step up exceeds: the device's usable bytes or the host limit; or that the
+    search stopped at its largest length (``beyond`` None)."""
+    if beyond is None:
+        return "stopped at max_tokens"
+    return "limited by the device" if beyond.peak_bytes > usable else "limited by the host memory"
+
+
+def _fused_any(model):
+    from remat.nn.layers import PreNormDecoderLayer
+
+    return any(isinstance(m, PreNormDecoderLayer) for m in model.modules())
+
+
+def _search_auto(config, lora_rank, lora_targets, source, limit, margin, search, probe):
+    """The remat:auto row: ``policy="auto"`` with seq_len takes the cheapest of
+    remat.peak_plan's candidates that fits, so the longest step it can plan is the longest any
+    candidate fits. The most frugal candidate (the last) is searched first; another is searched
+    only if it fits one step past that length, since a peak grows with the length.
+    Returns (n, Estimate, probes, what limits it, note)."""
+    n, result, probes, limited, note = 0, None, 0, "", ""
+    for candidate in reversed(peak_plan.CANDIDATES):
+        model = build_model(config, lora_rank=lora_rank, lora_targets=lora_targets)
+        peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS, source)
+        if n:
+            beyond = min(n + step_of(n), limit)
+            probes += 1
+            if beyond == n or margin(probe(model, beyond)) < 0:
+                continue
+        found, found_result, found_probes, found_limited = search(model)
+        probes += found_probes
+        if found > n:
+            n, result, limited, note = found, found_result, found_limited, f"reached with {candidate[0]}"
+    return n, result, probes, limited, note
+
+
+def _table(rows, gpu_memory, reserve, searching_batch, host_memory=None):
     gib = 2**30
-    lines = [f"GPU memory {format_bytes(gpu_memory, 1)}, reserve {format_bytes(reserve, 1)} kept free "
-             f"(CUDA context, workspaces, fragmentation): {format_bytes(gpu_memory - reserve, 1)} usable",
+    host = "any host memory" if host_memory is None else f"host memory {format_bytes(host_memory, 1)} per GPU"
+    lines = [f"GPU memory {format_bytes(gpu_memory, 2)}, reserve {format_bytes(reserve, 1)} kept free "
+             f"(CUDA context, workspaces, fragmentation): {format_bytes(gpu_memory - reserve, 2)} usable; {host}",
              f"{'setup':<22}{'max batch' if searching_batch else 'max seq len':>14}{'peak GiB':>11}{'host GiB':>11}"]
     for row in rows:
         value = row.max_batch_size if searching_batch else row.max_seq_len
@@ -296,54 +491,129 @@ def _lora_targets(text):
     return "all-linear" if names == ["all-linear"] else names
 
 
+def gpu_memory_of(name):
+    """The total memory of GPU ``name`` as it reports it (:data:`GPUS`, case and separators
+    ignored); ValueError naming the known ones."""
+    wanted = re.sub(r"[\s_-]", "", str(name)).upper()
+    for known, nbytes in GPUS.items():
+        if re.sub(r"[\s_-]", "", known).upper() == wanted:
+            return nbytes
+    raise ValueError(f"unknown GPU {name!r}: choose from {', '.join(GPUS)} or give --gpu-memory in bytes")
+
+
+def read_config(path):
+    """The Hugging Face config in the JSON file ``path``; ValueError, naming the file, when it
+    cannot be read, is not a JSON object, names no model type transformers knows, or lacks one of
+    :data:`REQUIRED_CONFIG_KEYS` (a text config nested as ``text_config`` counts)."""
+    import transformers
+
+    try:
+        with open(path) as file:
+            data = json.load(file)
+    except OSError as error:
+        raise ValueError(f"cannot read the config {path}: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object of config keys")
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+    missing = [key for key in REQUIRED_CONFIG_KEYS if key not in data and key not in text]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}: transformers would take its defaults for them, "
+                         "and the answer would be for another model")
+    try:
+        return transformers.AutoConfig.for_model(**data)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: transformers cannot make a config of it: {error}") from None
+
+
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _not_negative(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def main(argv):
-    """The ``fit`` command (see the module docstring); returns the exit status."""
+    """The ``fit`` command (see the module docstring); returns the exit status: 0 when every row
+    was estimated, 1 when a row failed (its note says why), 2 for bad arguments."""
     parser = argparse.ArgumentParser(prog="python -m remat fit",
                                      description="Longest sequence (or largest batch) whose training step fits a GPU, "
-                                                 "per setup, estimated without a GPU.")
+                                                 "per setup, estimated without a GPU. Progress on stderr, the table "
+                                                 "(or JSON) on stdout.")
     parser.add_argument("config", help="a Hugging Face config.json of a causal LM")
-    parser.add_argument("--gpu-memory", required=True, help="the GPU's total memory, e.g. 80GB or 141GB")
-    parser.add_argument("--reserve", default="3GiB", help="memory kept free for what is not counted (default 3GiB)")
-    parser.add_argument("--lora-rank", type=int, default=0, help="PEFT LoRA rank on all linear layers (0: full)")
+    device = parser.add_mutually_exclusive_group(required=True)
+    device.add_argument("--gpu", help="a GPU by name, its memory as it reports it: " + ", ".join(GPUS))
+    device.add_argument("--gpu-memory", help="the GPU's total memory, e.g. 80GB (binary units: 80 GiB; an H100 "
+                                             "80GB reports 79.6 GiB: prefer --gpu H100-80GB)")
+    parser.add_argument("--reserve", default="3GiB",
+                        help="memory kept free for what the estimate does not count: the CUDA context (~0.5 GiB), "
+                             "cuBLAS/cuDNN workspaces, the caching allocator's fragmentation (default 3GiB)")
+    parser.add_argument("--lora-rank", type=_not_negative, default=0,
+                        help="PEFT LoRA rank on all linear layers (0: full)")
     parser.add_argument("--lora-targets", default="all-linear",
                         help="comma-separated module names given LoRA (default all-linear), e.g. "
                              "q_proj,k_proj,v_proj,o_proj for a mixture-of-experts model")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=None, help="fix the length and search the batch size")
+    parser.add_argument("--batch-size", type=_positive, default=1)
+    parser.add_argument("--seq-len", type=_positive, default=None, help="fix the length and search the batch size")
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated, from " + ", ".join(SETUPS))
     parser.add_argument("--adam", action="store_true", help="count fp32 Adam states of the trainable parameters")
-    parser.add_argument("--optimizer-shards", type=int, default=1, metavar="R",
+    parser.add_argument("--optimizer-shards", type=_positive, default=1, metavar="R",
                         help="Adam's states partitioned over R ranks (ZeRO-1/2), default 1")
     parser.add_argument("--offload", action="store_true", help="remat's layers offload what they keep to the host")
-    parser.add_argument("--tile-tokens", type=int, default=None,
+    parser.add_argument("--tile-tokens", type=_positive, default=None,
                         help="remat's MLPs and attention run over tiles of this many tokens")
     parser.add_argument("--host-memory", default=None,
-                        help="the host memory a step may hold for offloaded tensors, e.g. 512GB (default: any)")
-    parser.add_argument("--sequence-parallel", type=int, default=1, metavar="P",
+                        help="the host memory one GPU's step may hold for offloaded tensors, pinned blocks as "
+                             "PyTorch rounds them, e.g. 256GB (a DGX H100: 2 TiB for 8 GPUs); default: any")
+    parser.add_argument("--sequence-parallel", type=_positive, default=1, metavar="P",
                         help="GPUs sharing one sequence (Ulysses): per-rank peaks, whole-sequence lengths")
+    parser.add_argument("--exact", action="store_true",
+                        help="search over the full simulation of every layer and tile (minutes per estimate at "
+                             "long context) instead of the composed estimate")
+    parser.add_argument("--workers", type=_positive, default=None,
+                        help="processes the rows are searched in (default: 2, or 1 on one CPU)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     args = parser.parse_args(argv)
-    import transformers
-
-    with open(args.config) as file:
-        config = transformers.AutoConfig.for_model(**json.load(file))
+    started = time.monotonic()
     try:
-        gpu_memory, reserve = parse_bytes(args.gpu_memory), parse_bytes(args.reserve)
+        config = read_config(args.config)
+        gpu_memory = gpu_memory_of(args.gpu) if args.gpu is not None else parse_bytes(args.gpu_memory)
+        reserve = parse_bytes(args.reserve)
         host_memory = parse_bytes(args.host_memory) if args.host_memory is not None else None
+        setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+
+        def progress(line):
+            print(f"[{time.monotonic() - started:6.1f} s] {line}", file=sys.stderr, flush=True)
+
         rows = fit(config, gpu_memory=gpu_memory, reserve=reserve, lora_rank=args.lora_rank,
-                   batch_size=args.batch_size, seq_len=args.seq_len,
-                   setups=[s.strip() for s in args.setups.split(",") if s.strip()],
+                   batch_size=args.batch_size, seq_len=args.seq_len, setups=setups,
                    optimizer="adam" if args.adam else None, offload=args.offload, tile_tokens=args.tile_tokens,
                    host_memory=host_memory, lora_targets=_lora_targets(args.lora_targets),
-                   sequence_parallel=args.sequence_parallel, optimizer_shards=args.optimizer_shards)
+                   sequence_parallel=args.sequence_parallel, optimizer_shards=args.optimizer_shards,
+                   exact=args.exact, progress=progress, workers=args.workers)
     except ValueError as error:
         print(f"python -m remat fit: {error}", file=sys.stderr)
         return 2
+    elapsed = time.monotonic() - started
     if args.json:
         print(json.dumps([{"setup": r.setup, "max_seq_len": r.max_seq_len, "max_batch_size": r.max_batch_size,
                            "peak_bytes": r.peak_bytes, "host_bytes": r.host_bytes, "note": r.note} for r in rows]))
     else:
-        print(_table(rows, gpu_memory, reserve, args.seq_len is not None))
+        print(_table(rows, gpu_memory, reserve, args.seq_len is not None, host_memory))
+        print(f"{len(rows)} rows in {elapsed:.0f} s")
+    failed = [row.setup for row in rows if row.note.startswith("failed:")]
+    if failed:
+        print(f"python -m remat fit: {len(failed)} of {len(rows)} rows failed ({', '.join(failed)}); see their notes",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -128,8 +128,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
     if host_budget_bytes is not None and (policy != "auto" or seq_len is None):
         raise ValueError("host_budget_bytes is for policy='auto' with seq_len")
     if policy != "auto" and not (budget_bytes is None and budget_bytes_per_token is None and example_inputs is None
-                                 and max_span is None):
-        raise ValueError("budget_bytes, budget_bytes_per_token, example_inputs and max_span are for policy='auto'")
+                                 and max_span is None and seq_len is None and batch_size == 1):
+        raise ValueError("budget_bytes, budget_bytes_per_token, example_inputs, max_span, seq_len and batch_size "
+                         f"are for policy='auto' (planning); policy={policy!r} takes none of them")
     if policy != "auto":
         check_policy(policy)
         finish = None
@@ -149,6 +150,9 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
         if example_inputs is not None or budget_bytes_per_token is not None or max_span is not None or tile_tokens:
             raise ValueError("policy='auto' with seq_len plans the device peak from budget_bytes alone: "
                              "example_inputs, budget_bytes_per_token, max_span and tile_tokens are not taken")
+        if budget_bytes is None:
+            raise ValueError("policy='auto' with seq_len plans the step's device peak under budget_bytes: give "
+                             "budget_bytes=<bytes> (on a CUDA model also 'auto': the GPU's memory less 3 GiB)")
         budget = _device_budget(model, budget_bytes)
         if group is not None:  # every rank plans the same: the group's smallest budgets
             budget, host_budget_bytes = group.smallest(budget), group.smallest(host_budget_bytes)

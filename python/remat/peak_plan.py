@@ -39,7 +39,8 @@ the last candidate's peak raises ValueError naming that floor.
 import dataclasses
 import math
 
-from remat.estimator import estimate, format_bytes
+from remat.composed import estimate
+from remat.estimator import format_bytes
 from remat.model_plan import decoder_layers, layer_flops
 from remat.nn.layers import PreNormDecoderLayer
 from remat.replacement import fused_layers, replace_modules, set_layer_options, unpatch

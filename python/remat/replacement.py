@@ -633,9 +633,16 @@ def _carry_mode(replacement, original):
     if hasattr(original, "gradient_checkpointing"):
         # Only what was set while patched: an original whose flag nobody set keeps its attributes
         # as they were (unpatch leaves the model's modules as they were before patching).
-        for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
-            if name in replacement.__dict__:
-                setattr(original, name, replacement.__dict__[name])
+        flag = replacement.__dict__.get("gradient_checkpointing")
+        function = replacement.__dict__.get("_gradient_checkpointing_func",
+                                            original.__dict__.get("_gradient_checkpointing_func"))
+        if "_gradient_checkpointing_func" in replacement.__dict__:
+            original._gradient_checkpointing_func = function
+        # A flag remat's planner set (its own checkpointed layers run remat's checkpoint function, a
+        # class attribute) is not Hugging Face's: carried to a stock layer without a checkpoint
+        # function of its own, the stock layer could not run its next forward.
+        if flag is not None and (not flag or function is not None):
+            original.gradient_checkpointing = flag
 
 
 def _install_checkpoint_counting(model):

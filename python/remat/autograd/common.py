@@ -1,7 +1,9 @@
 """Pieces the autograd Functions share: the refusal of double backward, linear-layer gradients,
 the RNG state for Philox dropout, and the rotary tables in the kernels' layout."""
 
+import contextlib
 import functools
+import threading
 
 import torch
 
@@ -113,12 +115,44 @@ def _delay_error(grads, message, sources):
     return items[0] if single else tuple(items)
 
 
+# Tiles a loop keeps at each end when an estimate runs with sparse tiles (sparse_tiles).
+_SPARSE_ENDS = 3
+_sparse = threading.local()
+
+
+@contextlib.contextmanager
+def sparse_tiles():
+    """For the block's duration (on this thread), :func:`sequence_tiles` lists only the first and
+    the last :data:`_SPARSE_ENDS` tiles of a sequence: what remat.estimator's composed estimate runs
+    on fake tensors. Every tiled loop allocates its whole-sequence tensors before its first tile and
+    holds per tile a working set that is the same for every tile or grows with the tile's place (the
+    causal attention's keys up to the tile), so the most bytes alive in a loop are reached in its
+    first or last tiles; the middle ones only repeat them (tested against the full loop in
+    tests/test_estimate_composed.py). Never on real tensors: the skipped tiles are not computed."""
+    previous = getattr(_sparse, "on", False)
+    _sparse.on = True
+    try:
+        yield
+    finally:
+        _sparse.on = previous
+
+
 def sequence_tiles(rows, tile):
     """[(start, end)] tiles of ``tile`` rows over ``rows`` (the last one shorter): one whole tile
-    for tile 0 / None (untiled) or tile >= rows."""
+    for tile 0 / None (untiled) or tile >= rows. Under :func:`sparse_tiles` the middle tiles of a
+    long list are left out."""
     if not tile or tile >= rows:
         return [(0, rows)]
-    return [(start, min(start + tile, rows)) for start in range(0, rows, tile)]
+    return [(start, min(start + tile, rows)) for start in loop_starts(range(0, rows, tile))]
+
+
+def loop_starts(starts):
+    """``starts`` (a range of tile or chunk starts), or under :func:`sparse_tiles` its first and
+    last :data:`_SPARSE_ENDS` alone when it is longer: for every loop over row tiles or chunks
+    whose per-iteration bytes are alike."""
+    if getattr(_sparse, "on", False) and len(starts) > 2 * _SPARSE_ENDS:
+        return [*starts[:_SPARSE_ENDS], *starts[-_SPARSE_ENDS:]]
+    return starts
 
 
 def into_rows(whole, part, start, rows):

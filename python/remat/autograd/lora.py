@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from remat.autograd.common import draw_rng_state, refuse_double_backward
+from remat.autograd.common import draw_rng_state, loop_starts, refuse_double_backward
 from remat.ops import ops_for
 
 TENSORS_PER_ADAPTER = 3
@@ -84,7 +84,7 @@ def _row_chunks(rows, width):
     chunk = max(4, CHUNK_BYTES // (4 * max(width, 1)) // 4 * 4)
     if rows <= chunk:
         return [(0, rows)]
-    return [(start, min(start + chunk, rows)) for start in range(0, rows, chunk)]
+    return [(start, min(start + chunk, rows)) for start in loop_starts(range(0, rows, chunk))]
 
 
 def _shifted(rng, elements):

@@ -1,0 +1,318 @@
+"""The step's memory in seconds: ``remat.estimate`` composed from a few layers.
+
+The full simulation (:func:`remat.estimator.estimate`, ``remat.estimate(..., exact=True)``) runs
+every layer of the model over every tile of the sequence on fake tensors: exact, and for
+Llama-3.1-8B at a million tokens a quarter of an hour on this project's 2-core machine. Two facts
+make most of that work a repetition:
+
+1. **Tiles repeat.** Every tiled loop (the MLP, the attention sub-block, the fused loss) allocates
+   its whole-sequence tensors before its first tile and holds a per-tile working set that is the
+   same in every tile or grows with the tile's place (the causal attention's keys), so the most
+   bytes alive are reached in a loop's first or last tiles. Under
+   :func:`remat.autograd.common.sparse_tiles` a loop runs those alone: the same peak, the same host
+   bytes, in a time that does not grow with the sequence.
+2. **Layers repeat.** Decoder layers of the same configuration (class, options, parameter shapes,
+   attention type: :func:`layer_signature`) hold the same bytes at the same moments of their forward
+   and backward. Every quantity of the step (each phase's peak, the host peak, the bytes after the
+   forward) is then affine in the number of layers of each repeated run: the composed estimate
+   simulates the model cut to 2 repetitions of each run (a *view*: the same layer objects, fewer of
+   them, the config's layer count and layer types cut to match, offload indices renumbered), once
+   more with each run at 3, and extrapolates each quantity to the model's counts. A fourth
+   simulation, every run at 4, checks the extrapolation: where any quantity misses it by more than
+   :data:`TOLERANCE`, the estimate falls back to simulating every layer (and says so in
+   :attr:`Estimate.method`).
+
+Runs may be periodic (Gemma 2's alternating sliding and global layers repeat a pattern of 2; a
+per-layer plan's offloaded first layers and kept last layers are two runs). A model whose decoder
+layers are not one ``nn.ModuleList`` (or that takes ``inputs`` of its own) is simulated whole,
+with sparse tiles.
+"""
+
+import contextlib
+import dataclasses
+
+import torch
+
+from remat.autograd.common import sparse_tiles
+from remat.estimator import Estimate, _check_estimate_arguments
+from remat.estimator import estimate as simulate
+
+# Repetitions of each run in the base view; one more in each run's step view; two more to check.
+BASE_REPEATS = 2
+# Longest repeating pattern of layer configurations looked for (Gemma 3: 5 local + 1 global).
+MAX_PERIOD = 8
+# The largest miss, as a share of the checked quantity, of the extrapolation at the check view
+# (the composition is exact where its premise holds: every miss seen was 0 bytes or a regime change).
+TOLERANCE = 1e-4
+# Attributes that only number a layer (its place), not configure it.
+_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_index", "_offload_index", "layer_id"})
+
+
+def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=None, cuda_capability=(9, 0),
+             optimizer_shards=1, exact=False):
+    """Predicts the device (and host) memory of one training step of ``model``, as
+    :func:`remat.estimator.estimate` (same arguments and result), in seconds: composed from a few
+    repeated layers and the first and last tiles of each tiled loop (module docstring). With
+    ``exact=True``, the full simulation of every layer and tile (the reference the composed
+    estimate is tested against; minutes at long context).
+
+    Returns:
+        :class:`remat.estimator.Estimate`; its ``method`` says how it was reached ("composed from
+        2, 3 and 4 of 32 layers", "simulated whole: ...").
+    """
+    _check_estimate_arguments(model, seq_len, batch_size, optimizer, inputs, optimizer_shards)
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
+    kwargs = dict(seq_len=seq_len, batch_size=batch_size, optimizer=optimizer, inputs=inputs, walk=walk,
+                  cuda_capability=cuda_capability, optimizer_shards=optimizer_shards)
+    if exact:
+        result = simulate(model, **kwargs)
+        result.method = "simulated whole (exact)"
+        return result
+    with sparse_tiles():
+        if inputs is not None:
+            return _whole(model, kwargs, "simulated whole: the step's inputs are the caller's")
+        return Composer(model).estimate(**kwargs)
+
+
+def _whole(model, kwargs, why):
+    result = simulate(model, **kwargs)
+    result.method = why
+    return result
+
+
+def layer_signature(layer):
+    """A hashable description of a decoder layer's configuration: per submodule its class, its
+    plain attributes (numbers, strings, flags; any other object by its class name), the shapes,
+    dtypes and ``requires_grad`` of its parameters, its buffers and its hook counts. Attributes that
+    only number the layer (``layer_idx``, the offload index) are left out, so layers that differ
+    only in their place compare equal."""
+    parts = []
+    for name, module in layer.named_modules():
+        attributes = []
+        for key, value in vars(module).items():
+            if key in _INDEX_ATTRIBUTES or key in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(value, dict) and key.endswith("hooks"):
+                attributes.append((key, len(value)))
+            else:
+                attributes.append((key, _plain(value)))
+        params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                       for n, p in module._parameters.items() if p is not None)
+        buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module._buffers.items() if b is not None)
+        parts.append((name, type(module).__qualname__, tuple(sorted(attributes, key=lambda a: a[0])), params, buffers))
+    return tuple(parts)
+
+
+def _plain(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) <= 16:
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    return type(value).__qualname__
+
+
+def segments(keys, max_period=MAX_PERIOD):
+    """The layer sequence ``keys`` as runs: [(start, period, repeats)], each a pattern of
+    ``period`` consecutive layers repeated ``repeats`` times from ``start``, covering the sequence
+    in order. Greedy: at each place the pattern covering the most layers (the shortest on a tie)."""
+    runs, start = [], 0
+    while start < len(keys):
+        best = (1, 1)
+        for period in range(1, min(max_period, len(keys) - start) + 1):
+            pattern = keys[start:start + period]
+            repeats = 1
+            while keys[start + repeats * period:start + (repeats + 1) * period] == pattern:
+                repeats += 1
+            if repeats > 1 and period * repeats > best[0] * best[1]:
+                best = (period, repeats)
+        runs.append((start, *best))
+        start += best[0] * best[1]
+    return runs
+
+
+@dataclasses.dataclass
+class _Layers:
+    """Where the decoder layers live: ``owner._modules[attribute]`` is their ModuleList."""
+
+    owner: torch.nn.Module
+    attribute: str
+    layers: torch.nn.ModuleList
+
+
+def _layer_count_keys(config):
+    """The attribute names under which ``config`` holds its number of decoder layers
+    (``num_hidden_layers``, or what its ``attribute_map`` maps it to: GPT-2's ``n_layer``)."""
+    mapped = getattr(config, "attribute_map", {}).get("num_hidden_layers")
+    return {"num_hidden_layers", *([mapped] if mapped else [])}
+
+
+def _configs(model):
+    """{id: config} of the Hugging Face configs the model's modules hold."""
+    return {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+            and hasattr(c, "num_hidden_layers")}
+
+
+def _find_layers(model):
+    """The one ``nn.ModuleList`` holding every decoder layer: those remat's family table knows
+    (stock or fused), else a list as long as the model config's layer count (a family remat does
+    not patch); None when there is no such list."""
+    from remat.model_plan import decoder_layers
+    from remat.nn.layers import PreNormDecoderLayer
+
+    named = dict(model.named_modules())
+    found = {id(m) for _, m in decoder_layers(model)}
+    found |= {id(m) for m in named.values() if isinstance(m, PreNormDecoderLayer)}
+    counts = {c.num_hidden_layers for c in _configs(model).values()}
+    for name, module in named.items():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        if ({id(m) for m in module} == found) if found else (len(module) in counts):
+            owner_name, _, attribute = name.rpartition(".")
+            return _Layers(named[owner_name], attribute, module)
+    return None
+
+
+class Composer:
+    """The composed estimate of one model (module docstring); holds the model's runs of alike
+    layers so that repeated estimates (a search over lengths) find them once."""
+
+    def __init__(self, model):
+        self.model = model
+        self.where = _find_layers(model)
+        self.runs = None
+        if self.where is not None:
+            keys = [layer_signature(layer) for layer in self.where.layers]
+            index = {}
+            self.runs = segments([index.setdefault(key, len(index)) for key in keys])
+
+    @property
+    def layers(self):
+        return 0 if self.where is None else len(self.where.layers)
+
+    def estimate(self, *, check=True, **kwargs):
+        """The composed :class:`Estimate` of a step (``kwargs`` as :func:`estimate`'s); with
+        ``check=False`` the check view is not simulated (a search's inner probes; the caller checks
+        the answer it keeps)."""
+        if self.where is None:
+            return _whole(self.model, kwargs, "simulated whole: no single list of decoder layers to compose")
+        repeated = [j for j, (_, _, repeats) in enumerate(self.runs) if repeats > BASE_REPEATS + 2]
+        counts = [min(repeats, BASE_REPEATS) if j in repeated else repeats for j, (_, _, repeats) in
+                  enumerate(self.runs)]
+        check_counts = [c + 2 if j in repeated else c for j, c in enumerate(counts)]
+        if not repeated or self._size(check_counts) >= self.layers:
+            return _whole(self.model, kwargs, f"simulated whole: no run of alike layers repeats often enough "
+                                              f"to shorten ({len(self.runs)} run(s) in {self.layers} layers)")
+        base = self._simulate(counts, kwargs)
+        steps = {}
+        for j in repeated:
+            bumped = list(counts)
+            bumped[j] += 1
+            steps[j] = self._simulate(bumped, kwargs)
+        full = [repeats for _, _, repeats in self.runs]
+        result = _combine(base, steps, counts, full)
+        sizes = sorted({self._size(counts), *(self._size(counts) + self.runs[j][1] for j in repeated)})
+        result.method = (f"composed from {', '.join(map(str, sizes))} of {self.layers} layers "
+                         f"({len(repeated)} repeated run{'s' if len(repeated) > 1 else ''}), first and last tiles")
+        if check:
+            checked = self._simulate(check_counts, kwargs)
+            predicted = _combine(base, steps, counts, check_counts)
+            miss = _miss(predicted, checked)
+            if miss is not None:
+                whole = _whole(self.model, kwargs, f"simulated whole: the composition missed the check view "
+                                                   f"({miss})")
+                return whole
+            result.method += f", checked at {self._size(check_counts)} layers"
+        return result
+
+    def _size(self, counts):
+        return sum(period * count for (_, period, _), count in zip(self.runs, counts, strict=True))
+
+    def _indices(self, counts):
+        indices = []
+        for (start, period, _), count in zip(self.runs, counts, strict=True):
+            indices.extend(range(start, start + period * count))
+        return indices
+
+    def _simulate(self, counts, kwargs):
+        with _view(self.model, self.where, self._indices(counts)):
+            return simulate(self.model, **kwargs)
+
+
+@contextlib.contextmanager
+def _view(model, where, indices):
+    """The model with only the decoder layers ``indices`` (in order) for the block: their list,
+    every config's ``num_hidden_layers`` and per-layer lists (``layer_types``) cut to match, and
+    the offload indices of fused layers renumbered in forward order; all put back after."""
+    full = where.layers
+    count = len(full)
+    restore = []
+    configs = _configs(model)
+    try:
+        where.owner._modules[where.attribute] = torch.nn.ModuleList([full[i] for i in indices])
+        restore.append(lambda: where.owner._modules.__setitem__(where.attribute, full))
+        for config in configs.values():
+            count_keys = _layer_count_keys(config)
+            for key, value in list(vars(config).items()):
+                if key in count_keys and value == count:
+                    restore.append(lambda c=config, k=key, v=value: setattr(c, k, v))
+                    setattr(config, key, len(indices))
+                elif isinstance(value, list) and len(value) == count and key.startswith("layer_"):
+                    restore.append(lambda c=config, k=key, v=value: setattr(c, k, v))
+                    setattr(config, key, [value[i] for i in indices])
+        position = 0
+        for i in indices:
+            layer = full[i]
+            if "_offload" in vars(layer):
+                old_index = vars(layer).get("_offload_index")
+                restore.append(lambda m=layer, v=old_index: _set_index(m, v))
+                layer._offload_index = position
+                position += 1
+        yield
+    finally:
+        for undo in reversed(restore):
+            undo()
+
+
+def _set_index(layer, value):
+    if value is None:
+        vars(layer).pop("_offload_index", None)
+    else:
+        layer._offload_index = value
+
+
+def _extrapolated(base, steps, counts, target, read):
+    value = read(base)
+    for j, step in steps.items():
+        value += (target[j] - counts[j]) * (read(step) - read(base))
+    return value
+
+
+def _combine(base, steps, counts, target):
+    """The Estimate at run counts ``target``: each quantity of ``base`` (at ``counts``) plus, per
+    repeated run j, (target - count) times its change in ``steps[j]`` (run j one repetition
+    longer)."""
+    phases = {phase: _extrapolated(base, steps, counts, target, lambda e, p=phase: e.phases.get(p, 0))
+              for phase in base.phases}
+    peak_phase = max(phases, key=phases.get)
+    peak = max(phases.values())
+    breakdown = {kind: _extrapolated(base, steps, counts, target, lambda e, k=kind: e.breakdown.get(k, 0))
+                 for kind in base.breakdown}
+    return Estimate(peak_bytes=peak, host_bytes=_extrapolated(base, steps, counts, target, lambda e: e.host_bytes),
+                    phases=phases, breakdown=breakdown, peak_phase=peak_phase, device=base.device, tokens=base.tokens,
+                    after_forward_bytes=_extrapolated(base, steps, counts, target, lambda e: e.after_forward_bytes),
+                    assumptions=tuple(sorted(set(base.assumptions).union(*(s.assumptions for s in steps.values())))))
+
+
+def _miss(predicted, checked):
+    """None when the prediction matches the simulation within TOLERANCE on every quantity, else
+    what missed."""
+    pairs = [("peak", predicted.peak_bytes, checked.peak_bytes), ("host", predicted.host_bytes, checked.host_bytes),
+             ("after forward", predicted.after_forward_bytes, checked.after_forward_bytes)]
+    pairs += [(f"{phase} peak", predicted.phases.get(phase, 0), value) for phase, value in checked.phases.items()]
+    for name, guess, truth in pairs:
+        if abs(guess - truth) > TOLERANCE * max(abs(truth), 1):
+            return f"{name}: {guess} predicted, {truth} simulated"
+    return None
