@@ -39,7 +39,8 @@ the last candidate's peak raises ValueError naming that floor.
 import dataclasses
 import math
 
-from remat.composed import estimate
+from remat.autograd.common import sparse_tiles
+from remat.composed import Composer, estimate
 from remat.estimator import format_bytes
 from remat.model_plan import decoder_layers, layer_flops
 from remat.nn.layers import PreNormDecoderLayer
@@ -60,6 +61,9 @@ CANDIDATES = (
 # it: Llama-3.1-8B LoRA at 131,072 tokens in 77 GiB probed 15, 14 (fit), then 13 (did not) for 14 of
 # 32 layers offloaded; bisection after two interpolations spent four more probes there.
 INTERPOLATED_PROBES = 4
+# A candidate whose unchecked composed estimate is more than this share over the budgets is rejected
+# on it; any nearer (or fitting) is estimated again with the composition's check (remat.composed).
+CHECK_MARGIN = 0.05
 # Tokens per tile: [8192, 14336] bf16 MLP temporaries are 224 MiB each, GEMMs that still fill a GPU,
 # and a query tile of 8192 keeps the attention backward's calls large.
 DEFAULT_TILE_TOKENS = 8192
@@ -216,18 +220,24 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
     tried = []
 
     def probe(candidate, **mix):
-        """(the step's Estimate, its recompute FLOPs) under ``candidate`` (or a mix)."""
+        """(the step's Estimate, its recompute FLOPs) under ``candidate`` (or a mix): the composed
+        estimate, checked (remat.composed) wherever the unchecked one fits or comes within
+        :data:`CHECK_MARGIN` of a budget; a candidate far over them is rejected on the unchecked one."""
         configure(model, candidate, modules, backend, tile, sequence_parallel, **mix)
         try:
-            result = estimate(model, seq_len=shard, batch_size=batch_size, optimizer=optimizer)
+            kwargs = dict(seq_len=shard, batch_size=batch_size, optimizer=optimizer)
+            with sparse_tiles():
+                result = Composer(model).estimate(check=False, **kwargs)
+            if fits(result, 1 + CHECK_MARGIN):
+                result = estimate(model, **kwargs)
             flops = recompute_flops(model, batch_size, seq_len, ranks)
         finally:
             unpatch(model)
         return result, flops
 
-    def fits(result):
-        host_fits = host_budget_bytes is None or result.host_bytes <= host_budget_bytes
-        return result.peak_bytes <= budget_bytes and host_fits
+    def fits(result, slack=1):
+        host_fits = host_budget_bytes is None or result.host_bytes <= host_budget_bytes * slack
+        return result.peak_bytes <= budget_bytes * slack and host_fits
 
     layers = len(decoder_layers(model))
     previous = None
