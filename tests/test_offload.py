@@ -277,3 +277,48 @@ def test_gpu_offload_gives_bitwise_the_same_gradients_and_moves_bytes_off_the_de
     for name in grads_a:
         assert torch.equal(grads_a[name], grads_b[name]), name
     assert kept_b < kept_a and host_after == 0
+
+
+def test_host_pieces_are_powers_of_two_but_the_last_and_cover_the_bytes():
+    from remat.offload import PIECE_MIN_BYTES, host_pieces
+
+    for nbytes in (1, 2 << 20, (2 << 20) + 1, 3 * 2**20 + 100, int(8.5 * 2**30), 2**33 + 12345):
+        pieces = host_pieces(nbytes)
+        assert pieces[0][0] == 0 and sum(size for _, size in pieces) == nbytes
+        assert all(a + sa == b for (a, sa), (b, _) in zip(pieces, pieces[1:]))  # contiguous, in order
+        assert all(size & (size - 1) == 0 and size >= PIECE_MIN_BYTES for _, size in pieces[:-1])
+    assert host_pieces(int(8.5 * 2**30)) == [(0, 2**33), (2**33, 2**29)]
+
+
+def test_the_host_copy_in_pieces_gives_bitwise_the_same_gradients_past_several_pieces():
+    """A layer's kept span of 3 MiB + 100 elements' bytes is copied as 2 MiB + the rest and gathered
+    back exactly (the CPU path of the pinned pieces)."""
+    from remat.offload import host_pieces
+
+    plain, offloaded = llama(), llama()
+    remat.patch(plain, policy="memory")
+    report = remat.patch(offloaded, policy="memory", offload=True)
+    batch = torch.randint(0, 256, (3, 1100), generator=torch.Generator().manual_seed(3))  # 3 x 1100 x 256 x 4 bytes
+    assert len(host_pieces(3 * 1100 * 256 * 4)) == 2
+    reference, result = step(plain, batch), step(offloaded, batch, report=report)
+    assert_same(reference, result)
+    assert result[2] > 0 and report.offload.host_bytes == 0
+
+
+def test_the_estimates_host_bytes_are_the_pieces_as_the_pinned_allocator_holds_them():
+    """On fake CUDA a [N, H] bf16 input of 8.5 x 2^20 bytes per layer (checkpointed, offloaded)
+    holds 8 + 0.5 MiB of pinned pieces per layer, where one block of it would hold 16 MiB."""
+    from remat.estimator import pinned_host_bytes
+    from remat.offload import host_pieces
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(torch.bfloat16)
+    on_fake_device(model)
+    report = remat.patch(model, policy="memory", offload=True)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    tokens = 17 * 1024  # 17 x 1024 x 256 x 2 bytes = 8.5 MiB per layer input
+    result = estimate(model, seq_len=tokens)
+    per_layer = sum(pinned_host_bytes(size) for _, size in host_pieces(tokens * 256 * 2))
+    assert per_layer == int(8.5 * 2**20) < pinned_host_bytes(tokens * 256 * 2) == 16 * 2**20
+    assert result.host_bytes == CONFIG["num_hidden_layers"] * per_layer
+    assert report.offload is not None

@@ -7,8 +7,9 @@ as rope rotating the kept q and k), and comes back to the device one layer ahead
 backward:
 
 - Out: on a CUDA device the copy runs on a side stream (one per device) after the work that made
-  the tensor, into pinned host memory (PyTorch's caching host allocator reuses those buffers from
-  step to step); the device tensor's block is held for the side stream (``record_stream``) and
+  the tensor, into pinned host memory cut in pieces whose sizes are powers of two (:func:`host_pieces`;
+  PyTorch's caching host allocator rounds every pinned block up to a power of two and reuses the
+  blocks from step to step: one block of 8.5 GiB would hold 16); the device tensor's block is held for the side stream (``record_stream``) and
   returns to the allocator when the copy is done, so compute never waits for it.
 - Back: the first time backward unpacks a tensor of layer i, layer i's tensors are brought back
   (on the side stream, waited on by the compute stream) unless they already are, and, with
@@ -56,12 +57,14 @@ class _Block:
     """A span of one storage's elements on the host: what the saved views of that storage in one
     layer share (a tensor and a reshaped view of it are copied once)."""
 
-    __slots__ = ("pending", "host", "device", "fetched", "ready", "layer", "owner", "start", "end", "__weakref__")
+    __slots__ = ("pending", "host", "device", "dtype", "fetched", "ready", "layer", "owner", "start", "end",
+                 "__weakref__")
 
     def __init__(self, pending, device, layer, owner, start, end):
         self.pending = pending  # 1-D device view of the storage's elements [start, end), until copied
-        self.host = None  # its host copy, made when the layer's forward ends
+        self.host = None  # its host copy (uint8 pieces: host_pieces), made when the layer's forward ends
         self.device = device
+        self.dtype = pending.dtype
         self.fetched = None  # the device copy, once brought back
         self.ready = None  # the CUDA event the compute stream waits on before using ``fetched``
         self.layer = layer
@@ -70,7 +73,7 @@ class _Block:
 
     def drop_host(self):
         if self.host is not None:
-            self.owner._released(self.host.numel() * self.host.element_size())
+            self.owner._released(sum(piece.numel() for piece in self.host))
             self.host = None
 
     def __del__(self):
@@ -176,23 +179,31 @@ class HostOffload:
         return _Offloaded(block, tuple(t.shape), tuple(t.stride()), t.storage_offset() - block.start)
 
     def _to_host(self, t):
+        """The host copy of the 1-D contiguous device span ``t``: a list of uint8 tensors, one per
+        :func:`host_pieces` piece of its bytes (pinned on a GPU, so PyTorch's caching host
+        allocator, which rounds every pinned block up to a power of two, holds no more than the
+        bytes: an 8.5 GiB span takes 8 + 0.5 GiB, not 16)."""
         nbytes = t.numel() * t.element_size()
+        data = t.view(torch.uint8)
+        pieces = []
         if t.device.type == "cuda" and not values_unknown(t):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             stream = self._side_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(stream)  # the block returns to the allocator when the copy is done
+                for start, size in host_pieces(nbytes):
+                    piece = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                    piece.copy_(data[start:start + size], non_blocking=True)
+                    pieces.append(piece)
+            t.record_stream(stream)  # the block returns to the allocator when the copies are done
         else:
-            # Fake tensors (an estimate) and the CPU: a plain copy, no stream.
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            host.copy_(t)
+            # Fake tensors (an estimate) and the CPU: plain copies, no stream.
+            for start, size in host_pieces(nbytes):
+                pieces.append(torch.empty(size, dtype=torch.uint8, device="cpu").copy_(data[start:start + size]))
         with self._lock:
             self.host_bytes += nbytes
             self.copied_bytes += nbytes
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
-        return host
+        return pieces
 
     def _released(self, nbytes):
         with self._lock:
@@ -235,19 +246,52 @@ class HostOffload:
             if block is None or block.host is None:
                 continue
             host = block.host
-            if block.device.type == "cuda" and not values_unknown(host):
+            dtype, count = block.dtype, block.end - block.start
+            if block.device.type == "cuda" and not values_unknown(host[0]):
                 stream = self._side_stream(block.device)
                 with torch.cuda.stream(stream):
-                    block.fetched = host.to(block.device, non_blocking=True)
+                    block.fetched = _gathered(host, dtype, count, block.device, non_blocking=True)
                     block.ready = torch.cuda.Event()
                     block.ready.record(stream)
             else:
-                block.fetched = host.to(block.device, copy=True)
+                block.fetched = _gathered(host, dtype, count, block.device)
             # Dropped now: a pinned block handed to a non-blocking copy is not reused by PyTorch's
             # caching host allocator before that copy's event completes.
             block.drop_host()
             host = None
         record.blocks = []
+
+
+# The smallest piece a host copy is cut into (host_pieces): the last piece, rounded up to a power of
+# two by the caching host allocator, wastes less than this per offloaded span.
+PIECE_MIN_BYTES = 2 << 20
+
+
+def host_pieces(nbytes):
+    """[(byte offset, size)] covering ``nbytes``: powers of two from the largest down while more
+    than :data:`PIECE_MIN_BYTES` remain, then the rest (the binary digits of ``nbytes`` above
+    that). Pinned host blocks of those sizes are not inflated by PyTorch's power-of-two rounding
+    (remat.estimator.pinned_host_bytes), except the last, by less than PIECE_MIN_BYTES."""
+    pieces, start, remaining = [], 0, int(nbytes)
+    while remaining > PIECE_MIN_BYTES:
+        size = 1 << (remaining.bit_length() - 1)
+        pieces.append((start, size))
+        start, remaining = start + size, remaining - size
+    if remaining:
+        pieces.append((start, remaining))
+    return pieces
+
+
+def _gathered(pieces, dtype, count, device, non_blocking=False):
+    """A new 1-D tensor of ``count`` elements of ``dtype`` on ``device`` from the uint8 host
+    ``pieces`` (in order)."""
+    out = torch.empty(count, dtype=dtype, device=device)
+    data = out.view(torch.uint8)
+    start = 0
+    for piece in pieces:
+        data[start:start + piece.numel()].copy_(piece, non_blocking=non_blocking)
+        start += piece.numel()
+    return out
 
 
 def offload_scope(offload, index):
