@@ -52,8 +52,8 @@ from benchmarks.common import (
     transient_peak_bytes,
     with_end_load,
 )
-from remat import model_plan
 from remat.memory import PeakSavedBytes
+from remat.planning import model_plan
 
 # name -> (config overrides, batch, length, dtype) per device type.
 SHAPES = {

@@ -1,9 +1,9 @@
 """The longest sequence that fits one GPU, per setup, for 8B models (README "Long context").
 
-Estimated, not run: ``remat.fit`` builds each model from its Hugging Face config
+Estimated, not run: ``remat.planning.fit`` builds each model from its Hugging Face config
 (``benchmarks/configs``) on fake CUDA tensors and searches the longest batch-1 sequence whose
-estimated device peak fits the GPU's memory as the device reports it (``remat.fit.GPUS``) less a 3
-GiB reserve: the composed estimate (``remat.composed``), each answer fitting and its next step up
+estimated device peak fits the GPU's memory as the device reports it (``remat.planning.fit.GPUS``) less a 3
+GiB reserve: the composed estimate (``remat.planning.composed``), each answer fitting and its next step up
 (1/64, at most 1,024 tokens) shown not to. The numbers are the same on any machine (they depend on
 the code, not on the device running the estimate); no GPU has checked them against
 ``torch.cuda.max_memory_allocated`` yet.
@@ -21,7 +21,7 @@ import time
 import transformers
 
 from benchmarks.common import environment_tags
-from remat import fit as fit_module
+from remat.planning import fit as fit_module
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 GIB = 2**30

@@ -2,11 +2,11 @@
 parallelism, estimated"; issue 30).
 
 Estimated, not run: the model is built from its Hugging Face config (``benchmarks/configs``) on
-fake CUDA tensors, patched as remat.peak_plan's most frugal candidate ("memory" layers, checkpointed,
+fake CUDA tensors, patched as remat.planning.peak_plan's most frugal candidate ("memory" layers, checkpointed,
 their inputs offloaded to the host without prefetch, MLP and loss tiled by 8,192 tokens; attention
 untiled, which sequence parallelism does not tile, but its projections and o_proj run one head
 group at a time: remat.autograd.norm_attention_parallel), with its attention split over P ranks of
-PyTorch's fake process group (remat.fit.simulated_group), and ``remat.estimate`` runs one rank's
+PyTorch's fake process group (remat.planning.fit.simulated_group), and ``remat.estimate`` runs one rank's
 step on its shard of N / P tokens. Each row is one estimate at the length given, not a search: a
 LoRA estimate at a million tokens per rank takes about seven to thirteen minutes here (the LoRA backward's row
 chunks), so the lengths below were picked from the peaks' linear growth in the length and each
@@ -27,8 +27,8 @@ import transformers
 
 import remat
 from benchmarks.common import environment_tags
-from remat import peak_plan
-from remat.fit import build_model, simulated_group
+from remat.planning import peak_plan
+from remat.planning.fit import build_model, simulated_group
 from remat.replacement import MODULE_KINDS
 from remat.sequence_parallel import SequenceGroup
 

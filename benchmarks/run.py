@@ -99,7 +99,7 @@ def main(argv=None):
             print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
             failures.extend(getattr(bench, "CHECK_FAILURES", []))
     if args.only in (None, "long_context"):
-        # Estimated for a GPU (remat.fit on fake CUDA tensors): the same numbers on any machine. The
+        # Estimated for a GPU (remat.planning.fit on fake CUDA tensors): the same numbers on any machine. The
         # whole table (four cases, every setup) takes about an hour on one core: `make bench` runs
         # the short version, `--only long_context` the whole.
         quick = args.quick or args.only != "long_context"

@@ -316,7 +316,7 @@ def patched_model(kind, policy, layers=2):
     two layers through the chain executor (remat.checkpoint.executor)."""
     def build(stock):
         transformers = pytest.importorskip("transformers")
-        from remat import model_plan
+        from remat.planning import model_plan
 
         torch.manual_seed(0)
         common = dict(vocab_size=96, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers,

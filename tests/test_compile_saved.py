@@ -89,7 +89,7 @@ def test_compiled_plan_with_multi_layer_spans_keeps_no_more_than_eager():
     checkpoint regions the partitioner recomputes: the eager gradients, and no more kept than the
     eager step (whose chain executor's re-run saves count; the compiled re-run's live
     inside the compiled backward)."""
-    from remat import model_plan
+    from remat.planning import model_plan
 
     ids, mask, labels = _batch()
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import remat
-from remat import model_plan
 from remat.memory import PeakSavedBytes
+from remat.planning import model_plan
 
 transformers = pytest.importorskip("transformers")
 

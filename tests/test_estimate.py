@@ -6,7 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import remat
-from remat.estimator import GraphWalk, estimate, is_fake
+from remat.planning.estimator import GraphWalk, estimate, is_fake
 
 transformers = pytest.importorskip("transformers")
 from torch.profiler._memory_profiler import Action, MemoryProfile  # noqa: E402
@@ -96,7 +96,7 @@ def test_estimate_equals_the_measured_peak_of_a_real_cpu_step(build, setup, shap
 def test_a_tiled_step_estimate_equals_the_measured_peak(options, shape):
     """A tiled step's peak is inside the CPU flash attention backward of one query tile (its
     per-thread blocks of probabilities: 2-7% of this model's peak), which the estimate counts
-    (remat.estimator.cpu_flash_attention_scratch_bytes): within 1% of the real CPU step."""
+    (remat.planning.estimator.cpu_flash_attention_scratch_bytes): within 1% of the real CPU step."""
     model = llama()
     remat.patch(model, **options)
     predicted = estimate(model, batch_size=shape[0], seq_len=shape[1])
@@ -128,9 +128,9 @@ def _profiled_call(call):
 def test_cpu_flash_attention_scratch_is_counted_for_the_call(sizes, grad_layout, threads):
     """PyTorch's CPU flash attention kernels allocate per-thread buffers inside the call (and the
     backward a contiguous grad_out where it is not one): in fp32, the profiler's peak of a real
-    call is its outputs plus remat.estimator.cpu_flash_attention_scratch_bytes, less the dsum rows
+    call is its outputs plus remat.planning.estimator.cpu_flash_attention_scratch_bytes, less the dsum rows
     of the threads other than the caller (the profiler records the calling thread's allocations)."""
-    from remat.estimator import cpu_flash_attention_scratch_bytes
+    from remat.planning.estimator import cpu_flash_attention_scratch_bytes
 
     batch, n, m, heads, kv_heads, dim = sizes
     forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -312,7 +312,7 @@ def test_gpu_estimate_of_a_fake_cuda_model_against_the_real_peak(setup):
     real = set_up(transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to("cuda", torch.bfloat16), setup)
     with torch.device("meta"):
         fake = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(torch.bfloat16)
-    from remat.estimator import on_fake_device
+    from remat.planning.estimator import on_fake_device
 
     fake = set_up(on_fake_device(fake), setup)
     predicted = estimate(fake, seq_len=4096, cuda_capability=torch.cuda.get_device_capability())
@@ -327,7 +327,7 @@ def test_gpu_estimate_of_a_fake_cuda_model_against_the_real_peak(setup):
 
 
 def test_cuda_attention_backward_scratch_is_counted_for_the_call():
-    from remat.estimator import CUDA_BLOCK_BYTES, LiveBytes, kernel_scratch_bytes
+    from remat.planning.estimator import CUDA_BLOCK_BYTES, LiveBytes, kernel_scratch_bytes
 
     batch, n, heads, kv_heads, dim = 1, 300, 4, 2, 64
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -388,7 +388,7 @@ def test_patched_qwen3_moe_estimate_assumes_balanced_routing(options, monkeypatc
     from remat.autograd import moe
 
     # fp32: on the CPU the cpp backend's bf16 GEMMs allocate inside the fused loss's call, which the
-    # estimate does not see (a CPU-only gap; remat.estimator's docstring).
+    # estimate does not see (a CPU-only gap; remat.planning.estimator's docstring).
     model = qwen3_moe(torch.float32)
     remat.patch(model, **options)
     predicted = estimate(model, batch_size=2, seq_len=96)
@@ -414,7 +414,7 @@ def test_a_fake_cuda_moe_model_is_estimated_without_a_gpu():
     """Qwen3-MoE on fake CUDA tensors: Hugging Face asks torch.cuda.get_device_capability before its
     grouped-GEMM experts, which the estimate answers with the simulated GPU's (no driver here);
     patched, the fused loss and remat's MoE blocks peak lower than stock."""
-    from remat.fit import build_model
+    from remat.planning.fit import build_model
 
     config = qwen3_moe().config
     stock = build_model(config, lora_rank=4, lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -430,11 +430,11 @@ def test_a_fake_cuda_moe_model_is_estimated_without_a_gpu():
 
 def test_the_fused_loss_scratch_is_counted(monkeypatch):
     """remat's fused loss allocates inside its op (one chunk of logits, the fp32 dx accumulator),
-    which a fake kernel does not: remat.estimator.cross_entropy_scratch_bytes adds it. With a
+    which a fake kernel does not: remat.planning.estimator.cross_entropy_scratch_bytes adds it. With a
     vocabulary of 16,384 and 2,048 tokens (two 64 MiB chunks of fp32 logits on the CPU) the step's
     peak is there: the estimate is within 1% of the real step, and without the scratch it would be
     less than half."""
-    from remat import estimator
+    from remat.planning import estimator
 
     model = llama(vocab_size=16384)
     remat.patch(model)

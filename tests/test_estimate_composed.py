@@ -1,4 +1,4 @@
-"""The composed estimate (remat.composed) against the full simulation it stands for
+"""The composed estimate (remat.planning.composed) against the full simulation it stands for
 (``remat.estimate(..., exact=True)``): tiny models of every family on fake CUDA tensors, under stock,
 Hugging Face checkpointing, remat's policies, tiling, offload, checkpointing and per-layer mixes;
 the sparse tiles against the whole loops; the check that catches a wrong composition; and the
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import remat
-from remat import composed, peak_plan
 from remat.autograd.common import sequence_tiles, sparse_tiles
-from remat.estimator import estimate as simulate
-from remat.estimator import pinned_host_bytes
-from remat.fit import build_model, set_up
+from remat.planning import composed, peak_plan
+from remat.planning.estimator import estimate as simulate
+from remat.planning.estimator import pinned_host_bytes
+from remat.planning.fit import build_model, set_up
 from remat.replacement import MODULE_KINDS, unpatch
 
 transformers = pytest.importorskip("transformers")

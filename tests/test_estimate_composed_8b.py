@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import remat
-from remat import peak_plan
-from remat.fit import build_model, set_up
+from remat.planning import peak_plan
+from remat.planning.fit import build_model, set_up
 from remat.replacement import MODULE_KINDS
 
 transformers = pytest.importorskip("transformers")

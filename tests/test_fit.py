@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from remat import fit as fit_module
 from remat.__main__ import main as remat_main
-from remat.fit import FitRow, build_model, fit, parse_bytes, set_up
+from remat.planning import fit as fit_module
+from remat.planning.fit import FitRow, build_model, fit, parse_bytes, set_up
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -32,7 +32,7 @@ def test_parse_bytes_reads_gpu_sizes_in_binary_units():
 
 
 def test_each_setup_gets_the_longest_length_that_fits():
-    from remat.estimator import estimate
+    from remat.planning.estimator import estimate
 
     gpu, reserve = 64 * 2**20, 4 * 2**20
     rows = {r.setup: r for r in fit(tiny_config(), gpu_memory=gpu, reserve=reserve, lora_rank=8,
@@ -148,8 +148,8 @@ def test_sequence_parallel_rows_are_per_rank_peaks_of_whole_sequences():
     GPU's, and the stock setups are refused with the reason. The group is gone afterwards."""
     import torch.distributed as dist
 
-    from remat.estimator import estimate
-    from remat.fit import simulated_group
+    from remat.planning.estimator import estimate
+    from remat.planning.fit import simulated_group
 
     gpu, reserve = 64 * 2**20, 4 * 2**20
     single = fit(tiny_config(), gpu_memory=gpu, reserve=reserve, setups=("remat:memory",))[0]
@@ -176,8 +176,8 @@ def six_layers():
 def test_the_answer_fits_and_its_next_step_does_not_by_the_full_simulation(setup):
     """The search runs on the composed estimate; the full simulation agrees with its answer: the
     row's length fits, one step up (1/64, at most 1,024 tokens) does not."""
-    from remat.estimator import estimate
-    from remat.fit import step_of
+    from remat.planning.estimator import estimate
+    from remat.planning.fit import step_of
 
     gpu, reserve = 64 * 2**20, 4 * 2**20
     row = fit(six_layers(), gpu_memory=gpu, reserve=reserve, lora_rank=8, setups=(setup,), workers=1)[0]
@@ -199,13 +199,13 @@ def test_the_composed_search_gives_the_exact_searchs_rows():
 
 
 def test_step_of_is_a_64th_at_most_1024():
-    from remat.fit import step_of
+    from remat.planning.fit import step_of
 
     assert [step_of(n) for n in (1, 63, 64, 6400, 65536, 2**20)] == [1, 1, 1, 100, 1024, 1024]
 
 
 def test_named_gpus_are_their_reported_sizes():
-    from remat.fit import GPUS, gpu_memory_of
+    from remat.planning.fit import GPUS, gpu_memory_of
 
     assert gpu_memory_of("H100-80GB") == gpu_memory_of("h100 80gb") == 81_559 * 2**20 == GPUS["H100-80GB"]
     with pytest.raises(ValueError, match="unknown GPU 'B300'"):

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import remat
-from remat import model_plan
 from remat.memory import PeakSavedBytes, RetainedTensorLog, SavedTensorLog, retained_bytes, saved_bytes
+from remat.planning import model_plan
 
 from helpers import batch, causal_lm
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import remat
-from remat import model_plan
 from remat.memory import PeakSavedBytes
-from remat.model_plan import LayerCosts, ModelCosts, Span, Taped
+from remat.planning import model_plan
+from remat.planning.model_plan import LayerCosts, ModelCosts, Span, Taped
 
 from _checks import assert_within_2x_of_stock
 from helpers import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, batch, causal_lm, logits_and_grads

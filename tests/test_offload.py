@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import remat
-from remat.estimator import estimate, on_fake_device
 from remat.offload import MIN_BYTES, HostOffload
+from remat.planning.estimator import estimate, on_fake_device
 
 transformers = pytest.importorskip("transformers")
 
@@ -308,8 +308,8 @@ def test_the_host_copy_in_pieces_gives_bitwise_the_same_gradients_past_several_p
 def test_the_estimates_host_bytes_are_the_pieces_as_the_pinned_allocator_holds_them():
     """On fake CUDA a [N, H] bf16 input of 8.5 x 2^20 bytes per layer (checkpointed, offloaded)
     holds 8 + 0.5 MiB of pinned pieces per layer, where one block of it would hold 16 MiB."""
-    from remat.estimator import pinned_host_bytes
     from remat.offload import host_pieces
+    from remat.planning.estimator import pinned_host_bytes
 
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(torch.bfloat16)

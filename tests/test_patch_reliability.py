@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import remat
-from remat import model_plan
 from remat.models import causal_lm as causal_lm_module
 from remat.models import outputs, registry
+from remat.planning import model_plan
 
 from helpers import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, MOE_EXPERT_INTER, MOE_TOP_K, batch, causal_lm
 

@@ -7,8 +7,8 @@ import torch
 from test_estimate import measured_peak
 
 import remat
-from remat import peak_plan
 from remat.nn.layers import PreNormDecoderLayer
+from remat.planning import peak_plan
 from remat.replacement import MODULE_KINDS
 
 transformers = pytest.importorskip("transformers")
@@ -152,7 +152,7 @@ def test_peak_planning_arguments():
 
 
 def test_a_fake_cuda_model_is_planned_without_a_gpu_and_offloads_when_it_must():
-    from remat.estimator import on_fake_device
+    from remat.planning.estimator import on_fake_device
 
     config = transformers.LlamaConfig(**{**CONFIG, "num_hidden_layers": 6})
     with torch.device("meta"):
@@ -187,7 +187,7 @@ def test_a_fake_cuda_model_is_planned_without_a_gpu_and_offloads_when_it_must():
 def test_a_tiling_mix_takes_the_last_layers_whose_backward_runs_first():
     # memory -> memory+tiled keeps the same bytes and shrinks the backward working set, which counts on
     # top of every earlier layer's kept tensors: the last layers take the tile (fake CUDA, 4 tiles).
-    from remat.estimator import on_fake_device
+    from remat.planning.estimator import on_fake_device
 
     config = transformers.LlamaConfig(**{**CONFIG, "num_hidden_layers": 6})
 

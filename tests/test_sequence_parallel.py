@@ -120,9 +120,9 @@ def _sharded(family, policy, layout, extra, group):
 
 
 def _memory_candidate_peak(family, group):
-    """The predicted per-rank peak of remat.peak_plan's "memory" candidate for two rows of LENGTH
+    """The predicted per-rank peak of remat.planning.peak_plan's "memory" candidate for two rows of LENGTH
     tokens over ``group``: a budget that "speed" (which keeps every intermediate) exceeds."""
-    from remat import peak_plan
+    from remat.planning import peak_plan
     from remat.replacement import MODULE_KINDS, unpatch
     from remat.sequence_parallel import SequenceGroup
 
@@ -277,10 +277,10 @@ def _refusals(rank, group):
 def _estimate_and_peak(group):
     """remat.estimate of one rank's step (fake tensors: the all-to-alls allocate their buffers,
     nothing is sent) and the peak of live tensor bytes over the rank's real step (real collectives,
-    the autograd engine), counted by the estimator's own counter (remat.estimator.LiveBytes) on the
+    the autograd engine), counted by the estimator's own counter (remat.planning.estimator.LiveBytes) on the
     real tensors: the profiler's allocator timeline, which tests/test_estimate reads, cannot follow
     c10d's collectives."""
-    from remat.estimator import LiveBytes
+    from remat.planning.estimator import LiveBytes
 
     model = _model("llama")
     remat.patch(model, policy="memory", sequence_parallel=group)

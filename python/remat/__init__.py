@@ -5,8 +5,6 @@ from remat import memory, nn
 from remat.autograd.lora import LoRAAdapter
 from remat.backend import BACKENDS, BackendUnavailableError, use_backend
 from remat.checkpoint import Plan, checkpoint, checkpoint_sequential, plan
-from remat.composed import estimate
-from remat.estimator import Estimate
 from remat.functional import (
     attention,
     dropout,
@@ -23,8 +21,10 @@ from remat.functional import (
     swiglu_mlp,
 )
 from remat.info import info
-from remat.model_plan import ModelPlan, plan_model
 from remat.patch import PatchReport, patch, unpatch
+from remat.planning.composed import estimate
+from remat.planning.estimator import Estimate
+from remat.planning.model_plan import ModelPlan, plan_model
 from remat.trainer_callback import patch_callback
 
 __all__ = [

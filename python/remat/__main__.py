@@ -1,5 +1,5 @@
 """``python -m remat info``: print what this installation can run.
-``python -m remat fit CONFIG.json --gpu-memory 80GB ...``: what fits a GPU (remat.fit)."""
+``python -m remat fit CONFIG.json --gpu-memory 80GB ...``: what fits a GPU (remat.planning.fit)."""
 
 import sys
 
@@ -13,7 +13,7 @@ def main(argv):
         info()
         return 0
     if argv[:1] == ["fit"]:
-        from remat.fit import main as fit_main
+        from remat.planning.fit import main as fit_main
 
         return fit_main(argv[1:])
     print(USAGE, file=sys.stderr)

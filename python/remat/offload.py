@@ -9,7 +9,8 @@ backward:
 - Out: on a CUDA device the copy runs on a side stream (one per device) after the work that made
   the tensor, into pinned host memory cut in pieces whose sizes are powers of two (:func:`host_pieces`;
   PyTorch's caching host allocator rounds every pinned block up to a power of two and reuses the
-  blocks from step to step: one block of 8.5 GiB would hold 16); the device tensor's block is held for the side stream (``record_stream``) and
+  blocks from step to step: one block of 8.5 GiB would hold 16); the device tensor's block is held
+  for the side stream (``record_stream``) and
   returns to the allocator when the copy is done, so compute never waits for it.
 - Back: the first time backward unpacks a tensor of layer i, layer i's tensors are brought back
   (on the side stream, waited on by the compute stream) unless they already are, and, with
@@ -271,7 +272,7 @@ def host_pieces(nbytes):
     """[(byte offset, size)] covering ``nbytes``: powers of two from the largest down while more
     than :data:`PIECE_MIN_BYTES` remain, then the rest (the binary digits of ``nbytes`` above
     that). Pinned host blocks of those sizes are not inflated by PyTorch's power-of-two rounding
-    (remat.estimator.pinned_host_bytes), except the last, by less than PIECE_MIN_BYTES."""
+    (remat.planning.estimator.pinned_host_bytes), except the last, by less than PIECE_MIN_BYTES."""
     pieces, start, remaining = [], 0, int(nbytes)
     while remaining > PIECE_MIN_BYTES:
         size = 1 << (remaining.bit_length() - 1)

@@ -3,13 +3,14 @@ has fused versions of, sharing their parameters (no copies; ``state_dict`` uncha
 ``remat.unpatch(model)`` puts the originals back.
 
 This module is the entry: it checks the arguments and fixes the layer configuration (planning
-``policy="auto"`` with remat.model_plan), then remat.replacement applies it (what is replaced, the
+``policy="auto"`` with remat.planning.model_plan), then remat.replacement applies it (what is replaced, the
 all-or-nothing guarantee, masks, tuples, saving and generation are documented there). The layers
 read top-down: patch -> model_plan -> replacement -> models -> nn.
 """
 
-from remat import checks, model_plan, peak_plan
+from remat import checks
 from remat.models import registry
+from remat.planning import model_plan, peak_plan
 from remat.replacement import (
     MODULE_KINDS,
     STOCK,
@@ -63,7 +64,7 @@ def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budge
             plan so that the predicted device peak of a training step of ``batch_size`` sequences
             of ``seq_len`` tokens (parameters, gradients, what is kept, the largest backward working
             set, the loss; ``remat.estimate``) stays within ``budget_bytes``, choosing the cheapest of
-            remat.peak_plan's configurations (policies, MLP tiling, host offload, checkpointing),
+            remat.planning.peak_plan's configurations (policies, MLP tiling, host offload, checkpointing),
             or a per-layer mix of the first that fits and the one before it (the fewest layers on
             the slower one); ``budget_bytes="auto"`` on a CUDA model: the GPU's total memory less
             3 GiB. ``report.plan.explain()`` prints each candidate's and mix's predicted peak, host

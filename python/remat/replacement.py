@@ -1,7 +1,7 @@
 """What remat.patch does under one layer configuration (:func:`replace_modules`): it swaps, in
 place, the submodules remat has fused versions of, sharing their parameters (no copies;
 ``state_dict`` unchanged), and :func:`unpatch` puts the originals back. remat.patch (remat/patch.py)
-fixes the configuration, planning ``policy="auto"`` with remat.model_plan, which measures
+fixes the configuration, planning ``policy="auto"`` with remat.planning.model_plan, which measures
 configurations through this module; this module imports neither.
 
 What is replaced is what the model-family table (remat.models.registry) lists:
@@ -110,7 +110,7 @@ class PatchReport:
 
     replaced: list = field(default_factory=list)
     left_alone: list = field(default_factory=list)
-    # policy="auto": the remat.model_plan.ModelPlan the layers run (plan.explain()).
+    # policy="auto": the remat.planning.model_plan.ModelPlan the layers run (plan.explain()).
     plan: object = None
     # offload=True: the remat.offload.HostOffload the layers share (host_bytes, copied_bytes).
     offload: object = None
@@ -159,7 +159,7 @@ def replace_modules(model, policy, modules=MODULE_KINDS, backend=None, finish=No
     """Replaces, in place, the submodules of ``model`` that remat has fused versions of under one
     layer configuration, keeping their parameters, and returns a :class:`PatchReport`: what
     remat.patch does once its policy is fixed (remat.patch also plans ``policy="auto"`` first;
-    remat.model_plan measures configurations through this function and :func:`unpatch`).
+    remat.planning.model_plan measures configurations through this function and :func:`unpatch`).
 
     Args:
         model: an ``nn.Module`` (see remat.patch).

@@ -133,7 +133,7 @@ def _estimating(t):
     buffers are allocated as in a real step, but nothing is sent (the group may be a real one, as
     under ``remat.patch(policy="auto", seq_len=..., sequence_parallel=group)``, each rank planning
     on its own)."""
-    from remat.estimator import estimating, is_fake
+    from remat.planning.estimator import estimating, is_fake
 
     return is_fake(t) and estimating()
 

@@ -16,7 +16,7 @@ from remat.checks import values_unknown
 
 # Set on a model patched with sequence_parallel (remat.replacement): its sequences are sharded over
 # ranks, its forward requires position_ids, and remat.estimate passes them. Kept here, below both
-# remat.sequence_parallel and remat.estimator (which the former asks whether a step is estimated).
+# remat.sequence_parallel and remat.planning.estimator (which the former asks whether a step is estimated).
 SEQUENCE_PARALLEL_FLAG = "_remat_sequence_parallel"
 
 # Hugging Face's keyword arguments for packed rows (DataCollatorWithFlattening(return_flash_attn_kwargs=True),

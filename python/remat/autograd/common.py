@@ -123,7 +123,7 @@ _sparse = threading.local()
 @contextlib.contextmanager
 def sparse_tiles():
     """For the block's duration (on this thread), :func:`sequence_tiles` lists only the first and
-    the last :data:`_SPARSE_ENDS` tiles of a sequence: what remat.estimator's composed estimate runs
+    the last :data:`_SPARSE_ENDS` tiles of a sequence: what remat.planning.estimator's composed estimate runs
     on fake tensors. Every tiled loop allocates its whole-sequence tensors before its first tile and
     holds per tile a working set that is the same for every tile or grows with the tile's place (the
     causal attention's keys up to the tile), so the most bytes alive in a loop are reached in its

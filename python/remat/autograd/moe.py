@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from remat.autograd.common import refuse_double_backward, sequence_tiles
 from remat.autograd.mlp import _fused_gate_up
 from remat.autograd.norm import norm_backward, norm_forward
-from remat.estimator import is_fake, note_assumption
 from remat.ops import ops_for
+from remat.planning.estimator import is_fake, note_assumption
 
 EXPERT_RECOMPUTE_MODES = ("activation", "block")
 

@@ -114,7 +114,7 @@ def _sequence_starts(cu_seqlens, total):
     a tile's keys, and the estimate says so). Traced offsets (torch.compile) raise: the tiles' calls
     take their shapes from the values, so remat.functional.norm_attention and the layers run
     packed rows untiled under compile."""
-    from remat import estimator
+    from remat.planning import estimator
 
     if estimator.estimating():
         estimator.note_assumption(PACKED_AS_ONE_SEQUENCE)
@@ -125,7 +125,7 @@ def _sequence_starts(cu_seqlens, total):
     return [int(c) for c in cu_seqlens.tolist()]
 
 
-# What an estimate assumes of a tiled packed row (remat.estimator.Estimate.assumptions).
+# What an estimate assumes of a tiled packed row (remat.planning.estimator.Estimate.assumptions).
 PACKED_AS_ONE_SEQUENCE = ("a packed row's tiled attention backward reading keys as for one sequence (the most a "
                           "tile can read; the offsets have no values on fake tensors)")
 

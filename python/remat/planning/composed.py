@@ -1,6 +1,6 @@
 """The step's memory in seconds: ``remat.estimate`` composed from a few layers.
 
-The full simulation (:func:`remat.estimator.estimate`, ``remat.estimate(..., exact=True)``) runs
+The full simulation (:func:`remat.planning.estimator.estimate`, ``remat.estimate(..., exact=True)``) runs
 every layer of the model over every tile of the sequence on fake tensors: exact, and for
 Llama-3.1-8B at a million tokens a quarter of an hour on this project's 2-core machine. Two facts
 make most of that work a repetition:
@@ -34,8 +34,8 @@ import dataclasses
 import torch
 
 from remat.autograd.common import sparse_tiles
-from remat.estimator import Estimate, _check_estimate_arguments
-from remat.estimator import estimate as simulate
+from remat.planning.estimator import Estimate, _check_estimate_arguments
+from remat.planning.estimator import estimate as simulate
 
 # Repetitions of each run in the base view; one more in each run's step view; two more to check.
 BASE_REPEATS = 2
@@ -51,13 +51,13 @@ _INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_index", "_offload_index", "la
 def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=None, cuda_capability=(9, 0),
              optimizer_shards=1, exact=False):
     """Predicts the device (and host) memory of one training step of ``model``, as
-    :func:`remat.estimator.estimate` (same arguments and result), in seconds: composed from a few
+    :func:`remat.planning.estimator.estimate` (same arguments and result), in seconds: composed from a few
     repeated layers and the first and last tiles of each tiled loop (module docstring). With
     ``exact=True``, the full simulation of every layer and tile (the reference the composed
     estimate is tested against; minutes at long context).
 
     Returns:
-        :class:`remat.estimator.Estimate`; its ``method`` says how it was reached ("composed from
+        :class:`remat.planning.estimator.Estimate`; its ``method`` says how it was reached ("composed from
         2, 3 and 4 of 32 layers", "simulated whole: ...").
     """
     _check_estimate_arguments(model, seq_len, batch_size, optimizer, inputs, optimizer_shards)
@@ -159,8 +159,8 @@ def _find_layers(model):
     """The one ``nn.ModuleList`` holding every decoder layer: those remat's family table knows
     (stock or fused), else a list as long as the model config's layer count (a family remat does
     not patch); None when there is no such list."""
-    from remat.model_plan import decoder_layers
     from remat.nn.layers import PreNormDecoderLayer
+    from remat.planning.model_plan import decoder_layers
 
     named = dict(model.named_modules())
     found = {id(m) for _, m in decoder_layers(model)}

@@ -7,7 +7,7 @@ what the CUDA caching allocator reports as allocated (``torch.cuda.max_memory_al
 its rounding of each block to 512 bytes, which the count applies for a CUDA target. The same run
 works for a model on the CPU, where a real step can be measured against it.
 
-A CUDA target needs no GPU: the model is built on fake CUDA tensors (``remat.fit`` does it from a
+A CUDA target needs no GPU: the model is built on fake CUDA tensors (``remat.planning.fit`` does it from a
 Hugging Face config). Two parts of PyTorch need the device itself and are stood in for:
 
 - The autograd engine asks the CUDA runtime for each device's primary context before a backward
@@ -105,7 +105,7 @@ class Estimate:
         tokens: batch_size * seq_len of the step.
         assumptions: what the step had to assume where fake tensors hold no data (sorted texts;
             empty for dense models): remat's mixture-of-experts blocks assume balanced routing.
-        method: how the numbers were reached (remat.composed: composed from a few layers, or
+        method: how the numbers were reached (remat.planning.composed: composed from a few layers, or
             simulated whole and why); empty from this module's :func:`estimate` alone.
     """
 
@@ -764,7 +764,7 @@ def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=
     is given (tensors in it are made fake). It runs on fake tensors: for a model on the CPU with real
     weights the parameters are stood in for by fake copies for the step's duration (the
     model and its gradients are not touched), and a model built on fake tensors (for example on
-    fake CUDA tensors by ``remat.fit``, with no GPU present) is used as it is.
+    fake CUDA tensors by ``remat.planning.fit``, with no GPU present) is used as it is.
 
     Args:
         model: an ``nn.Module`` whose parameters are on one device (the target).

@@ -2,9 +2,9 @@
 batch) whose training step fits a GPU, per setup, estimated on this machine without a GPU.
 
 The model is built from a Hugging Face config on the meta device, given LoRA adapters with PEFT if
-asked, moved onto fake CUDA tensors (``remat.estimator.on_fake_device``), set up (stock, Hugging
+asked, moved onto fake CUDA tensors (``remat.planning.estimator.on_fake_device``), set up (stock, Hugging
 Face gradient checkpointing, or ``remat.patch`` with a policy) and estimated with the composed
-estimate (``remat.composed``: a few layers and the first and last tiles, seconds at any length;
+estimate (``remat.planning.composed``: a few layers and the first and last tiles, seconds at any length;
 ``--exact``: the full simulation) at lengths a search places (:class:`_Search`): each row's answer
 fits and the next step up (1/64 of it, at most 1,024 tokens) is shown not to fit. Rows are searched
 in two processes where there are two CPUs.
@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from remat import peak_plan
 from remat.autograd.common import sparse_tiles
-from remat.composed import Composer, estimate
-from remat.estimator import format_bytes, on_fake_device
+from remat.planning import peak_plan
+from remat.planning.composed import Composer, estimate
+from remat.planning.estimator import format_bytes, on_fake_device
 from remat.replacement import MODULE_KINDS
 from remat.sequence_parallel import SequenceGroup
 
@@ -255,7 +255,7 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
         workers=None):
     """For each setup, the longest sequence (or, with ``seq_len`` given, the largest batch) whose
     training step's estimated device peak fits ``gpu_memory - reserve`` bytes (and its host bytes
-    ``host_memory``): a search (:class:`_Search`) over the composed estimate (remat.composed: seconds
+    ``host_memory``): a search (:class:`_Search`) over the composed estimate (remat.planning.composed: seconds
     per estimate at any length), or over the full simulation with ``exact``.
 
     Args:
@@ -445,7 +445,7 @@ def _fused_any(model):
 
 def _search_auto(config, lora_rank, lora_targets, source, limit, margin, search, probe):
     """The remat:auto row: ``policy="auto"`` with seq_len takes the cheapest of
-    remat.peak_plan's candidates that fits, so the longest step it can plan is the longest any
+    remat.planning.peak_plan's candidates that fits, so the longest step it can plan is the longest any
     candidate fits. The most frugal candidate (the last) is searched first; another is searched
     only if it fits one step past that length, since a peak grows with the length.
     Returns (n, Estimate, probes, what limits it, note)."""

@@ -40,10 +40,10 @@ import dataclasses
 import math
 
 from remat.autograd.common import sparse_tiles
-from remat.composed import Composer, estimate
-from remat.estimator import format_bytes
-from remat.model_plan import decoder_layers, layer_flops
 from remat.nn.layers import PreNormDecoderLayer
+from remat.planning.composed import Composer, estimate
+from remat.planning.estimator import format_bytes
+from remat.planning.model_plan import decoder_layers, layer_flops
 from remat.replacement import fused_layers, replace_modules, set_layer_options, unpatch
 
 # (name, policy, tile the MLP and attention, offload, checkpoint, prefetch), cheapest first.
@@ -62,7 +62,7 @@ CANDIDATES = (
 # 32 layers offloaded; bisection after two interpolations spent four more probes there.
 INTERPOLATED_PROBES = 4
 # A candidate whose unchecked composed estimate is more than this share over the budgets is rejected
-# on it; any nearer (or fitting) is estimated again with the composition's check (remat.composed).
+# on it; any nearer (or fitting) is estimated again with the composition's check (remat.planning.composed).
 CHECK_MARGIN = 0.05
 # Tokens per tile: [8192, 14336] bf16 MLP temporaries are 224 MiB each, GEMMs that still fill a GPU,
 # and a query tile of 8192 keeps the attention backward's calls large.
@@ -81,7 +81,7 @@ class PeakPlan:
         budget_bytes: the device budget; host_budget_bytes: the host budget (None: any).
         tried: (name, peak_bytes, host_bytes, recompute) of every candidate and mix estimated, in
             order; recompute: (FLOPs the step recomputes, FLOPs of the layers' forward) per rank
-            (remat.model_plan.layer_flops), or None for a layer without a FLOP formula.
+            (remat.planning.model_plan.layer_flops), or None for a layer without a FLOP formula.
         base: None when every layer runs ``choice``; else the candidate the other layers run (the
             one before ``choice``), and ``mixed_layers`` layers run ``choice``: the first ones in
             forward order (``mixed_from == "first"``) or the last ones (``"last"``).
@@ -105,7 +105,7 @@ class PeakPlan:
     base: str | None = None
     mixed_layers: int | None = None
     mixed_from: str = "first"
-    # The model's decoder layers (remat.model_plan.decoder_layers).
+    # The model's decoder layers (remat.planning.model_plan.decoder_layers).
     layers: int = 0
 
     @property
@@ -190,7 +190,7 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
     returns the :class:`PeakPlan` of the first within ``budget_bytes``.
 
     Args:
-        model: the model to patch (real weights on the CPU, or fake tensors: remat.estimator).
+        model: the model to patch (real weights on the CPU, or fake tensors: remat.planning.estimator).
         seq_len, batch_size: the step's shape (ints >= 1).
         budget_bytes: the device budget (int > 0).
         modules, backend: as for remat.patch.
@@ -221,7 +221,7 @@ def plan_peak(model, *, seq_len, batch_size=1, budget_bytes, modules, backend=No
 
     def probe(candidate, **mix):
         """(the step's Estimate, its recompute FLOPs) under ``candidate`` (or a mix): the composed
-        estimate, checked (remat.composed) wherever the unchecked one fits or comes within
+        estimate, checked (remat.planning.composed) wherever the unchecked one fits or comes within
         :data:`CHECK_MARGIN` of a budget; a candidate far over them is rejected on the unchecked one."""
         configure(model, candidate, modules, backend, tile, sequence_parallel, **mix)
         try:
@@ -298,7 +298,7 @@ def _search_mix(plan, candidate, previous, probe, fits):
 def recompute_flops(model, batch_size, seq_len, ranks=1):
     """(FLOPs one training step of the patched ``model`` recomputes, FLOPs of its decoder layers'
     forward) per rank of ``ranks`` sharing ``batch_size`` sequences of ``seq_len`` tokens: per
-    fused decoder layer, its policy's recompute (remat.model_plan.layer_flops) plus its whole
+    fused decoder layer, its policy's recompute (remat.planning.model_plan.layer_flops) plus its whole
     forward when it is checkpointed; None when a layer has no FLOP formula."""
     recomputed = forward_total = 0
     for layer in model.modules():
