@@ -19,7 +19,7 @@ from remat.replacement import MODULE_KINDS, unpatch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-LAYERS = 8
+LAYERS = 6  # the fewest that compose: 3, 4 and 5 repetitions simulated, fewer than the model's
 COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=LAYERS, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=8192)
 # Per family what its config needs beyond COMMON (Gemma 2/3: alternating local and global layers).
@@ -31,8 +31,8 @@ FAMILIES = {
     "gemma": dict(head_dim=16),
     "gemma2": dict(head_dim=16, sliding_window=96, num_hidden_layers=12,
                    layer_types=["sliding_attention", "full_attention"] * 6),
-    "gemma3_text": dict(head_dim=16, sliding_window=96, num_hidden_layers=15,
-                        layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 5),
+    "gemma3_text": dict(head_dim=16, sliding_window=96, num_hidden_layers=12,
+                        layer_types=["sliding_attention", "full_attention"] * 6),
     "phi3": dict(sliding_window=None, pad_token_id=0),
     "gpt2": dict(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=8192, vocab_size=384),
     "mixtral": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2),
@@ -64,14 +64,15 @@ def assert_composed_equals_exact(model, **kwargs):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_stock_and_remat_tiled_offloaded(family):
     lora = 0 if family in ("mixtral", "qwen3_moe") else 4
-    stock = build_model(config_of(family), lora_rank=lora)
-    fast, exact = assert_composed_equals_exact(stock, seq_len=300)
-    assert fast.peak_bytes == exact.peak_bytes  # to the byte
+    if family in ("llama", "gpt2", "gemma2", "qwen3_moe"):  # stock: a dense, a LayerNorm, a periodic, an MoE family
+        stock = build_model(config_of(family), lora_rank=lora)
+        fast, exact = assert_composed_equals_exact(stock, seq_len=300)
+        assert fast.peak_bytes == exact.peak_bytes  # to the byte
     model = build_model(config_of(family), lora_rank=lora)
-    report = remat.patch(model, policy="memory", offload=True, tile_tokens=64)
+    report = remat.patch(model, policy="memory", offload=True, tile_tokens=32)
     if report.offload is not None:
         report.offload.min_bytes = 0  # the tiny layers' kept tensors are below the default 1 MiB
-    fast, exact = assert_composed_equals_exact(model, seq_len=650)
+    fast, exact = assert_composed_equals_exact(model, seq_len=330)
     assert (fast.peak_bytes, fast.host_bytes) == (exact.peak_bytes, exact.host_bytes)
 
 
@@ -82,17 +83,19 @@ def test_llama_setups_with_adam_full_fine_tuning(setup):
     assert fast.peak_bytes == exact.peak_bytes
 
 
-@pytest.mark.parametrize("candidate", peak_plan.CANDIDATES[3:], ids=lambda c: c[0])
+@pytest.mark.parametrize("candidate", peak_plan.CANDIDATES[4:], ids=lambda c: c[0])
 def test_every_tiled_candidate_and_its_mix_with_the_one_before(candidate):
-    model = build_model(config_of("llama"), lora_rank=4)
+    model = build_model(config_of("llama", num_hidden_layers=8), lora_rank=4)  # runs of 2 and 6 layers
     previous = peak_plan.CANDIDATES[peak_plan.CANDIDATES.index(candidate) - 1]
     mixes = [{}]
     if previous[5] == candidate[5]:
-        mixes.append(dict(base=previous, mixed_layers=3, mixed_from="first"))
+        mixes.append(dict(base=previous, mixed_layers=2, mixed_from="first"))
     for mix in mixes:
-        peak_plan.configure(model, candidate, MODULE_KINDS, None, 64, **mix)
+        report = peak_plan.configure(model, candidate, MODULE_KINDS, None, 32, **mix)
+        if report.offload is not None:
+            report.offload.min_bytes = 0
         try:
-            fast, exact = assert_composed_equals_exact(model, seq_len=700)
+            fast, exact = assert_composed_equals_exact(model, seq_len=330)
             assert (fast.peak_bytes, fast.host_bytes) == (exact.peak_bytes, exact.host_bytes)
         finally:
             unpatch(model)
@@ -113,14 +116,14 @@ def test_sparse_tiles_reach_the_whole_loops_peak_on_a_tiled_step():
 
 def test_a_composition_that_misses_its_check_simulates_the_whole_model():
     """The first 3 layers offloaded, the rest not: told that all 8 are alike, the composition
-    extrapolates the wrong run and the check view (4 layers, 3 of them offloaded) catches it."""
-    model = build_model(config_of("llama"), lora_rank=4)
+    extrapolates the wrong run and the check view (5 layers, 3 of them offloaded) catches it."""
+    model = build_model(config_of("llama", num_hidden_layers=8), lora_rank=4)
     report = peak_plan.configure(model, peak_plan.CANDIDATES[4], MODULE_KINDS, None, 64,
                                  base=peak_plan.CANDIDATES[3], mixed_layers=3, mixed_from="first")
     report.offload.min_bytes = 0  # the tiny layers' kept tensors are below the default 1 MiB
     composer = composed.Composer(model)
     assert [(start, repeats) for start, _, repeats in composer.runs] == [(0, 3), (3, 5)]
-    composer.runs = [(0, 1, LAYERS)]
+    composer.runs = [(0, 1, 8)]
     with sparse_tiles():
         result = composer.estimate(seq_len=700)
     exact = simulate(model, seq_len=700)

@@ -27,11 +27,25 @@ from remat.sequence_parallel import SequenceGroup
 __all__ = ["MODULE_KINDS", "STOCK", "PatchReport", "patch", "unpatch"]
 
 
-def patch(model, *, policy="balanced", modules=MODULE_KINDS, backend=None, budget_bytes=None,
-          budget_bytes_per_token=None, example_inputs=None, cost="flops", max_span=None, offload=False,
-          tile_tokens=None, seq_len=None, batch_size=1, host_budget_bytes=None, sequence_parallel=None):
+def patch(model, *,
+          # What is replaced and how it runs (every way of choosing the policy).
+          modules=MODULE_KINDS, backend=None, offload=False, tile_tokens=None, sequence_parallel=None,
+          # 1. A fixed policy.
+          policy="balanced",
+          # 2. policy="auto" on an example batch: per-layer policies and spans under a saved-bytes budget.
+          example_inputs=None, budget_bytes_per_token=None, cost="flops", max_span=None,
+          # 3. policy="auto" at a length: the configuration whose step's device peak fits.
+          seq_len=None, batch_size=1, host_budget_bytes=None,
+          # The budget of 2 (saved bytes) or 3 (the device peak).
+          budget_bytes=None):
     """Replaces, in place, the submodules of ``model`` that remat has fused versions of (see
     remat.replacement), keeping their parameters, and returns a :class:`PatchReport`.
+
+    Three ways to choose what each layer keeps: a fixed ``policy``; ``policy="auto"`` with
+    ``example_inputs`` and ``budget_bytes`` (or ``budget_bytes_per_token``): the layer planner,
+    measured on that batch, bounds the peak of the bytes saved for backward; ``policy="auto"`` with
+    ``seq_len`` and ``budget_bytes``: the peak planner bounds the step's whole device peak
+    (parameters, gradients, kept tensors, the backward's working set; remat.estimate).
 
     Args:
         model: an ``nn.Module``: a Hugging Face model of a family remat.models lists (built from a config

@@ -15,10 +15,10 @@ make most of that work a repetition:
    attention type: :func:`layer_signature`) hold the same bytes at the same moments of their forward
    and backward. Every quantity of the step (each phase's peak, the host peak, the bytes after the
    forward) is then affine in the number of layers of each repeated run: the composed estimate
-   simulates the model cut to 2 repetitions of each run (a *view*: the same layer objects, fewer of
+   simulates the model cut to 3 repetitions of each run (a *view*: the same layer objects, fewer of
    them, the config's layer count and layer types cut to match, offload indices renumbered), once
-   more with each run at 3, and extrapolates each quantity to the model's counts. A fourth
-   simulation, every run at 4, checks the extrapolation: where any quantity misses it by more than
+   more with each run at 4, and extrapolates each quantity to the model's counts. A last
+   simulation, every run at 5, checks the extrapolation: where any quantity misses it by more than
    :data:`TOLERANCE`, the estimate falls back to simulating every layer (and says so in
    :attr:`Estimate.method`).
 
@@ -38,7 +38,10 @@ from remat.planning.estimator import Estimate, _check_estimate_arguments
 from remat.planning.estimator import estimate as simulate
 
 # Repetitions of each run in the base view; one more in each run's step view; two more to check.
-BASE_REPEATS = 2
+# Three, so that a run's first unit, its last and the units next to them are its own (the first
+# layer of a run fetches no earlier offloaded layer; the last follows the loss's backward): the
+# units between them change by the same bytes one to the next.
+BASE_REPEATS = 3
 # Longest repeating pattern of layer configurations looked for (Gemma 3: 5 local + 1 global).
 MAX_PERIOD = 8
 # The largest miss, as a share of the checked quantity, of the extrapolation at the check view
@@ -58,7 +61,7 @@ def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=
 
     Returns:
         :class:`remat.planning.estimator.Estimate`; its ``method`` says how it was reached ("composed from
-        2, 3 and 4 of 32 layers", "simulated whole: ...").
+        3, 4 of 32 layers ..., checked at 5 layers", "simulated whole: ...").
     """
     _check_estimate_arguments(model, seq_len, batch_size, optimizer, inputs, optimizer_shards)
     if not isinstance(exact, bool):
@@ -238,7 +241,42 @@ class Composer:
 
     def _simulate(self, counts, kwargs):
         with _view(self.model, self.where, self._indices(counts)):
-            return simulate(self.model, **kwargs)
+            result = simulate(self.model, segments=list(self.where.owner._modules[self.where.attribute]), **kwargs)
+        result.classes = self._classes(result, counts)
+        return result
+
+    def _classes(self, result, counts):
+        """{class: the most bytes alive in it} of a view's simulation at run ``counts``: per phase
+        "before" and "after" the layers, and per run the units (one repetition of its pattern) whose
+        level is not the affine interpolation of others: a repeated run's first two and last two
+        units (between them the bytes alive change by the same amount from one unit to the next, so
+        the most are at one of those ends), every unit of a run kept whole. None when the segments do not
+        account for a phase's peak (then the composition extrapolates the phase peaks alone)."""
+        peaks = result.segment_peaks
+        if not peaks:
+            return None
+        classes, place = {}, 0
+        for j, ((_, period, repeats), count) in enumerate(zip(self.runs, counts, strict=True)):
+            repeated = repeats > BASE_REPEATS + 2
+            for unit in range(count):
+                if repeated:  # the first two and the last two units (one unit may be both)
+                    labels = [label for label, at in (("first", 0), ("second", 1), ("second to last", count - 2),
+                                                      ("last", count - 1)) if at == unit]
+                else:
+                    labels = [unit]
+                for phase in result.phases:
+                    level = max(peaks.get((phase, p), 0) for p in range(place, place + period))
+                    for label in labels:
+                        classes[(phase, j, label)] = level
+                place += period
+        for phase in result.phases:
+            for side in ("before", "after"):
+                classes[(phase, side)] = peaks.get((phase, side), 0)
+        segmented = {phase: max(v for (p, *_), v in peaks.items() if p == phase) for phase in result.phases
+                     if any(p == phase for p, *_ in peaks)}
+        if segmented != result.phases:
+            return None
+        return classes
 
 
 @contextlib.contextmanager
@@ -293,9 +331,18 @@ def _extrapolated(base, steps, counts, target, read):
 def _combine(base, steps, counts, target):
     """The Estimate at run counts ``target``: each quantity of ``base`` (at ``counts``) plus, per
     repeated run j, (target - count) times its change in ``steps[j]`` (run j one repetition
-    longer)."""
-    phases = {phase: _extrapolated(base, steps, counts, target, lambda e, p=phase: e.phases.get(p, 0))
-              for phase in base.phases}
+    longer). A phase's peak is the most of its classes' so extrapolated (Composer._classes: the
+    bytes alive where the peak may fall, each affine in the run counts, while their maximum need
+    not be: a per-layer mix's peak moves between runs as they lengthen), or, where the simulations
+    have no classes, the phase peak extrapolated itself."""
+    sims = [base, *steps.values()]
+    if all(getattr(e, "classes", None) for e in sims) and all(e.classes.keys() == base.classes.keys() for e in sims):
+        levels = {key: _extrapolated(base, steps, counts, target, lambda e, k=key: e.classes[k])
+                  for key in base.classes}
+        phases = {phase: max(v for (p, *_), v in levels.items() if p == phase) for phase in base.phases}
+    else:
+        phases = {phase: _extrapolated(base, steps, counts, target, lambda e, p=phase: e.phases.get(p, 0))
+                  for phase in base.phases}
     peak_phase = max(phases, key=phases.get)
     peak = max(phases.values())
     breakdown = {kind: _extrapolated(base, steps, counts, target, lambda e, k=kind: e.breakdown.get(k, 0))

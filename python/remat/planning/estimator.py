@@ -58,6 +58,7 @@ context (about 0.5 GiB, part of the reserve the budget leaves), and anything out
 storages.
 """
 
+import bisect
 import contextlib
 import dataclasses
 import heapq
@@ -119,6 +120,9 @@ class Estimate:
     after_forward_bytes: int = 0
     assumptions: tuple = ()
     method: str = ""
+    # With ``segments=`` layers: {(phase, place): the most device bytes alive while it ran}, place the
+    # layer's index in that list, or "outside" (embedding, final norm, head and loss).
+    segment_peaks: dict = dataclasses.field(default_factory=dict)
 
     def __str__(self):
         parts = ", ".join(f"{kind} {format_bytes(self.breakdown.get(kind, 0))}" for kind in KINDS)
@@ -356,6 +360,8 @@ class LiveBytes(TorchDispatchMode):
         self.kinds = {}  # storage key -> kind
         self.sizes = {}  # storage key -> (bytes, on the device)
         self.at_peak = {}
+        self.segment = None  # (phase, place) being run, when the step is segmented by layers
+        self.segment_peaks = {}
         self._finalizers = []
 
     def _rounded(self, nbytes):
@@ -415,6 +421,12 @@ class LiveBytes(TorchDispatchMode):
         self.phase = phase
         self.phase_peaks.setdefault(phase, self.current)
 
+    def set_segment(self, place):
+        """From now on the bytes alive are recorded as (phase, ``place``)'s (its peak starts at the
+        bytes alive now)."""
+        self.segment = (self.phase, place)
+        self.segment_peaks[self.segment] = max(self.segment_peaks.get(self.segment, 0), self.current)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
@@ -441,6 +453,8 @@ class LiveBytes(TorchDispatchMode):
             self.at_peak["other"] += transient
         if level > self.phase_peaks.get(self.phase, 0):
             self.phase_peaks[self.phase] = level
+        if self.segment is not None and level > self.segment_peaks.get(self.segment, 0):
+            self.segment_peaks[self.segment] = level
 
     def close(self):
         for finalizer in self._finalizers:
@@ -480,6 +494,7 @@ class GraphWalk:
         self._unpacked = []
         self._walking = False
         self._on_pack = on_pack
+        self.on_node = None  # called with each node before it runs (the estimate's segments)
 
     def _pack(self, t):
         if self._on_pack is not None:
@@ -537,6 +552,8 @@ class GraphWalk:
         while ready:
             _, _, key, node = heapq.heappop(ready)
             inputs = buffers.pop(key)
+            if self.on_node is not None:
+                self.on_node(node)
             outputs = self._call(node, inputs)
             inputs = None
             for holder in self._unpacked:
@@ -755,7 +772,7 @@ def _check_estimate_arguments(model, seq_len, batch_size, optimizer, inputs, opt
 
 
 def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=None, cuda_capability=(9, 0),
-             optimizer_shards=1):
+             optimizer_shards=1, segments=None):
     """Predicts the device memory of one training step of ``model`` (forward and backward).
 
     The step is ``model(input_ids=ids, labels=ids, use_cache=False).loss.backward()`` with
@@ -780,6 +797,10 @@ def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=
         optimizer_shards: with ``"adam"``, the ranks its states are partitioned over (ZeRO stage
             1 or 2: each rank holds 1/shards of them; parameters and gradients are counted whole).
             Default 1.
+        segments: None (default), or the model's decoder layers in forward order: the result's
+            ``segment_peaks`` then holds the most bytes alive while each layer's forward ran and
+            while its backward nodes ran (on the walk; under the autograd engine the backward is
+            one segment), and outside them (:class:`_Segments`; remat.planning.composed reads it).
 
     A model patched with ``sequence_parallel`` (remat.sequence_parallel): the step is one rank's,
     ``seq_len`` its shard's tokens (the default inputs then carry position_ids); the all-to-alls
@@ -817,8 +838,9 @@ def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=
             on_target.enter_context(simulated_gpu(cuda_capability))
             on_target.enter_context(_capability_of_the_target(cuda_capability))
         with mode, on_target, _standing_in(model, stand_ins):
-            result = _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer, inputs, walk,
-                               optimizer_shards)
+            with _Segments(segments, tracker, graph_walk):
+                result = _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer, inputs,
+                                   walk, optimizer_shards)
     finally:
         tracker.close()
     return result
@@ -909,7 +931,84 @@ def _run_step(model, tracker, graph_walk, device, seq_len, batch_size, optimizer
     return Estimate(peak_bytes=tracker.peak, host_bytes=tracker.host_peak, phases=dict(tracker.phase_peaks),
                     breakdown=dict(tracker.at_peak), peak_phase=tracker.peak_phase, device=device,
                     tokens=batch_size * seq_len, after_forward_bytes=after_forward,
-                    assumptions=tuple(sorted(assumptions)))
+                    assumptions=tuple(sorted(assumptions)), segment_peaks=dict(tracker.segment_peaks))
+
+
+class _Segments:
+    """Sorts the bytes alive of an estimate's step by decoder layer (``layers``, in forward order;
+    nothing without them): in forward, a layer's pre- and post-hooks start and end its segment and
+    note the autograd sequence numbers its nodes take ((its input's node, its output's node]); in
+    backward, the walk names each node before it runs, and a node within a layer's numbers is in
+    that layer's segment. Places: the layer's index, "before" (the embedding's side: forward until
+    the first layer, backward after it), "after" (the final norm, head and loss). A checkpointed
+    layer's forward re-run in backward happens inside its own backward nodes (its hooks are ignored
+    in backward). Gradient accumulators stay in the segment of the node that fed them."""
+
+    def __init__(self, layers, tracker, walk):
+        self.layers, self.tracker, self.walk = layers, tracker, walk
+        self.handles, self.ranges, self.ends, self.starts = [], [], [], {}
+
+    def __enter__(self):
+        if not self.layers:
+            return self
+        self.tracker.set_segment("before")
+        for place, layer in enumerate(self.layers):
+            self.handles.append(layer.register_forward_pre_hook(
+                lambda module, args, kwargs, place=place: self._entered(place, args, kwargs), with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(
+                lambda module, args, kwargs, output, place=place: self._left(place, output), with_kwargs=True))
+        self.walk.on_node = self._node
+        self._phase_hook = self.tracker.set_phase
+        self.tracker.set_phase = self._set_phase
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        if self.layers:
+            self.walk.on_node = None
+            self.tracker.set_phase = self._phase_hook
+        return False
+
+    def _set_phase(self, phase):
+        self._phase_hook(phase)
+        self.tracker.set_segment("after")  # the backward starts at the loss
+
+    @staticmethod
+    def _sequence_number(tensors):
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                return t.grad_fn._sequence_nr()
+        return None
+
+    def _entered(self, place, args, kwargs):
+        if self.tracker.phase != "forward":
+            return
+        start = self._sequence_number((args, kwargs))
+        self.starts[place] = start if start is not None else (self.ranges[-1][1] if self.ranges else -1)
+        self.tracker.set_segment(place)
+
+    def _left(self, place, output):
+        if self.tracker.phase != "forward":
+            return
+        end = self._sequence_number(output)
+        if end is not None and place in self.starts:
+            self.ranges.append((self.starts[place], end, place))
+            self.ranges.sort()
+            self.ends = [r[1] for r in self.ranges]
+        self.tracker.set_segment("after")
+
+    def _node(self, node):
+        number = node._sequence_nr()
+        if number == GraphWalk._ACCUMULATOR:
+            return
+        index = bisect.bisect_left(self.ends, number)
+        if index < len(self.ranges) and self.ranges[index][0] < number:
+            place = self.ranges[index][2]
+        else:
+            place = "after" if self.ranges and number > self.ends[-1] else "before"
+        if self.tracker.segment != ("backward", place):
+            self.tracker.set_segment(place)
 
 
 def _mark_gradient(tracker):

@@ -186,39 +186,42 @@ class _Search:
 
     def run(self):
         """(n, its Estimate), or (0, None) when not even 1 fits."""
-        low = high = None  # (n, estimate, margin): fits / does not fit
-        n = min(self.start, self.limit)
-        previous = None
-        for _ in range(64):
+        low = high = None  # (n, estimate, margin): the longest that fits, the shortest that does not
+        n, previous = min(self.start, self.limit), None
+        for _ in range(64):  # a bracket: down while nothing fits, up while everything does
             result, margin = self._at(n)
             point = (n, result, margin)
             if margin >= 0:
                 low = point
+                if high is not None:
+                    break
+                if n >= self.limit:
+                    return self._confirm(low)
+                guess = self._toward(previous, point)
+                n = min(self.limit, max(guess or 8 * n, n + step_of(n)))
             else:
                 high = point
-            if low is None:  # nothing fits yet: come down
+                if low is not None:
+                    break
                 if n == 1:
                     return 0, None
                 n = max(1, min(n // 4, self._toward(previous, point) or n // 4))
-            elif high is None:  # everything fits so far: go up
-                if n >= self.limit:
-                    return self._confirm(low, None)
-                guess = self._toward(previous, point) if previous is not None else None
-                n = min(self.limit, max(guess or 8 * n, n + step_of(n)))
-            else:
-                if high[0] - low[0] <= step_of(low[0]):
-                    return self._confirm(low, high)
-                guess = self._toward(low, high)
-                n = min(max(guess, low[0] + 1), high[0] - 1)
-                # The guess's next step settles it at once where the peak is affine between them.
-                if n + step_of(n) < high[0]:
-                    after, after_margin = self._at(n + step_of(n))
-                    if after_margin < 0:
-                        high = (n + step_of(n), after, after_margin)
-                    else:
-                        low = (n + step_of(n), after, after_margin)
-                        continue
             previous = point
+        else:
+            raise RuntimeError("the fit search found no bracket in 64 probes")
+        for _ in range(64):  # inside the bracket: where the chord meets the limit, and its next step
+            if high[0] - low[0] <= step_of(low[0]):
+                return self._confirm(low)
+            n = min(max(self._toward(low, high), low[0] + 1), high[0] - 1)
+            for candidate in (n, n + step_of(n)):
+                if not low[0] < candidate < high[0]:
+                    continue
+                result, margin = self._at(candidate)
+                if margin >= 0:
+                    low = (candidate, result, margin)
+                else:
+                    high = (candidate, result, margin)
+                    break
         raise RuntimeError("the fit search did not converge in 64 probes")
 
     @staticmethod
@@ -229,7 +232,7 @@ class _Search:
         crossing = a[0] + (b[0] - a[0]) * a[2] / (a[2] - b[2])
         return int(crossing) if crossing > 0 else None
 
-    def _confirm(self, low, high):
+    def _confirm(self, low):
         """The answer re-estimated with the check view, and its next step shown not to fit."""
         n = low[0]
         while True:
