@@ -115,20 +115,24 @@ def _delay_error(grads, message, sources):
     return items[0] if single else tuple(items)
 
 
-# Tiles a loop keeps at each end when an estimate runs with sparse tiles (sparse_tiles).
-_SPARSE_ENDS = 3
+# Tiles a loop keeps at its start and at its end when an estimate runs with sparse tiles
+# (sparse_tiles): the first allocates the loop's whole-sequence buffers and accumulators, the second
+# holds the first's leftovers (a tile's outputs live until the next tile's replace them); at the end
+# the widest tiles (the causal attention's last keys) with a full tile's leftovers, walked either way.
+_SPARSE_START, _SPARSE_END = 2, 3
 _sparse = threading.local()
 
 
 @contextlib.contextmanager
 def sparse_tiles():
-    """For the block's duration (on this thread), :func:`sequence_tiles` lists only the first and
-    the last :data:`_SPARSE_ENDS` tiles of a sequence: what remat.planning.estimator's composed estimate runs
-    on fake tensors. Every tiled loop allocates its whole-sequence tensors before its first tile and
-    holds per tile a working set that is the same for every tile or grows with the tile's place (the
-    causal attention's keys up to the tile), so the most bytes alive in a loop are reached in its
-    first or last tiles; the middle ones only repeat them (tested against the full loop in
-    tests/test_estimate_composed.py). Never on real tensors: the skipped tiles are not computed."""
+    """For the block's duration (on this thread), :func:`sequence_tiles` (and LoRA's row chunks)
+    list only the first :data:`_SPARSE_START` and the last :data:`_SPARSE_END` tiles of a long
+    sequence: what remat.planning.composed's estimate runs on fake tensors. Every tiled loop
+    allocates its whole-sequence tensors at its first tile and holds per tile a working set that is
+    the same for every tile or grows with the tile's place (the causal attention's keys), plus the
+    previous tile's leftovers, so the most bytes alive in a loop are reached in those tiles; the
+    middle ones repeat them (tested against the whole loops, tests/test_estimate_composed.py).
+    Never on real tensors: the skipped tiles are not computed."""
     previous = getattr(_sparse, "on", False)
     _sparse.on = True
     try:
@@ -147,11 +151,11 @@ def sequence_tiles(rows, tile):
 
 
 def loop_starts(starts):
-    """``starts`` (a range of tile or chunk starts), or under :func:`sparse_tiles` its first and
-    last :data:`_SPARSE_ENDS` alone when it is longer: for every loop over row tiles or chunks
-    whose per-iteration bytes are alike."""
-    if getattr(_sparse, "on", False) and len(starts) > 2 * _SPARSE_ENDS:
-        return [*starts[:_SPARSE_ENDS], *starts[-_SPARSE_ENDS:]]
+    """``starts`` (a range of tile or chunk starts), or under :func:`sparse_tiles` its first
+    :data:`_SPARSE_START` and last :data:`_SPARSE_END` alone when it is longer: for every loop over
+    row tiles or chunks whose per-iteration bytes are alike."""
+    if getattr(_sparse, "on", False) and len(starts) > _SPARSE_START + _SPARSE_END:
+        return [*starts[:_SPARSE_START], *starts[-_SPARSE_END:]]
     return starts
 
 

@@ -180,11 +180,14 @@ def _find_layers(model):
 
 class Composer:
     """The composed estimate of one model (module docstring); holds the model's runs of alike
-    layers so that repeated estimates (a search over lengths) find them once."""
+    layers and the views' simulations, so that repeated estimates (a search over lengths, a checked
+    estimate after an unchecked one at the same length) find them once. The model must not change
+    while a Composer is in use."""
 
     def __init__(self, model):
         self.model = model
         self.where = _find_layers(model)
+        self._simulations = {}  # (run counts, estimate arguments) -> Estimate of that view
         self.runs = None
         if self.where is not None:
             keys = [layer_signature(layer) for layer in self.where.layers]
@@ -196,9 +199,13 @@ class Composer:
         return 0 if self.where is None else len(self.where.layers)
 
     def estimate(self, *, check=True, **kwargs):
-        """The composed :class:`Estimate` of a step (``kwargs`` as :func:`estimate`'s); with
-        ``check=False`` the check view is not simulated (a search's inner probes; the caller checks
-        the answer it keeps)."""
+        """The composed :class:`Estimate` of a step (``kwargs`` as :func:`estimate`'s, ``inputs``
+        None); with ``check=False`` the check view is not simulated (a search's inner probes; the
+        caller checks the answer it keeps)."""
+        with sparse_tiles():
+            return self._estimate(check, kwargs)
+
+    def _estimate(self, check, kwargs):
         if self.where is None:
             return _whole(self.model, kwargs, "simulated whole: no single list of decoder layers to compose")
         repeated = [j for j, (_, _, repeats) in enumerate(self.runs) if repeats > BASE_REPEATS + 2]
@@ -240,10 +247,14 @@ class Composer:
         return indices
 
     def _simulate(self, counts, kwargs):
-        with _view(self.model, self.where, self._indices(counts)):
-            result = simulate(self.model, segments=list(self.where.owner._modules[self.where.attribute]), **kwargs)
-        result.classes = self._classes(result, counts)
-        return result
+        key = (tuple(counts), tuple(sorted(kwargs.items())))
+        if key not in self._simulations:
+            with _view(self.model, self.where, self._indices(counts)):
+                layers = list(self.where.owner._modules[self.where.attribute])
+                result = simulate(self.model, segments=layers, **kwargs)
+            result.classes = self._classes(result, counts)
+            self._simulations[key] = result
+        return self._simulations[key]
 
     def _classes(self, result, counts):
         """{class: the most bytes alive in it} of a view's simulation at run ``counts``: per phase

@@ -23,7 +23,6 @@ import time
 
 import torch
 
-from remat.autograd.common import sparse_tiles
 from remat.planning import peak_plan
 from remat.planning.composed import Composer, estimate
 from remat.planning.estimator import format_bytes, on_fake_device
@@ -196,7 +195,7 @@ class _Search:
                 if high is not None:
                     break
                 if n >= self.limit:
-                    return self._confirm(low)
+                    return self._confirm(low, None)
                 guess = self._toward(previous, point)
                 n = min(self.limit, max(guess or 8 * n, n + step_of(n)))
             else:
@@ -211,7 +210,7 @@ class _Search:
             raise RuntimeError("the fit search found no bracket in 64 probes")
         for _ in range(64):  # inside the bracket: where the chord meets the limit, and its next step
             if high[0] - low[0] <= step_of(low[0]):
-                return self._confirm(low)
+                return self._confirm(low, high)
             n = min(max(self._toward(low, high), low[0] + 1), high[0] - 1)
             for candidate in (n, n + step_of(n)):
                 if not low[0] < candidate < high[0]:
@@ -232,8 +231,9 @@ class _Search:
         crossing = a[0] + (b[0] - a[0]) * a[2] / (a[2] - b[2])
         return int(crossing) if crossing > 0 else None
 
-    def _confirm(self, low):
-        """The answer re-estimated with the check view, and its next step shown not to fit."""
+    def _confirm(self, low, high):
+        """The answer re-estimated with the check view, and its next step (or the shorter length
+        ``high`` found not to fit) shown not to fit with the check view too."""
         n = low[0]
         while True:
             result, margin = self._at(n, check=True)
@@ -243,6 +243,8 @@ class _Search:
                     return 0, None
                 continue
             following = n + step_of(n)
+            if high is not None and n < high[0] < following:
+                following = high[0]
             if following > self.limit:
                 self.beyond = None
                 return n, result
@@ -331,11 +333,8 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
             kwargs = dict(batch_size=shape[0], seq_len=shape[1], optimizer=optimizer,
                           optimizer_shards=optimizer_shards)
             if exact:
-                result = estimate(model, exact=True, **kwargs)
-            else:
-                with sparse_tiles():
-                    result = composer.estimate(check=check, **kwargs)
-            return result
+                return estimate(model, exact=True, **kwargs)
+            return composer.estimate(check=check, **kwargs)
 
         finder = _Search(evaluate, margin, limit, 1 if seq_len is not None else 8192)
         n, result = finder.run()
@@ -347,17 +346,16 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
         kwargs = dict(batch_size=shape[0], seq_len=shape[1], optimizer=optimizer, optimizer_shards=optimizer_shards)
         if exact:
             return estimate(model, exact=True, **kwargs)
-        with sparse_tiles():
-            return Composer(model).estimate(check=False, **kwargs)
+        return Composer(model).estimate(check=False, **kwargs)
 
     with simulated_group(ranks) as group:
         return _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, group, ranks, seq_len,
                          batch_size, limit, margin, search, probe, progress or (lambda line: None),
-                         workers if workers is not None else min(2, os.cpu_count() or 1))
+                         workers if workers is not None else min(2, os.cpu_count() or 1), usable)
 
 
 def _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, group, ranks, seq_len, batch_size,
-              limit, margin, search, probe, progress, workers):
+              limit, margin, search, probe, progress, workers, usable):
     """:func:`fit`'s rows, per setup (its search runs inside the simulated group, if any), over
     ``workers`` processes where that is more than one (forked: each row builds its own model)."""
     source = None if group is None else SequenceGroup(group)
@@ -376,7 +374,7 @@ def _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, gro
                 note = f"Hugging Face's {attention} attention ({type(config).__name__} has no SDPA path)"
             if setup == "remat:auto":
                 n, result, probes, limited, note = _search_auto(config, lora_rank, lora_targets, source, limit,
-                                                                margin, search, probe)
+                                                                margin, search, probe, usable)
             else:
                 model = build_model(config, lora_rank=lora_rank, lora_targets=lora_targets)
                 set_up(model, setup, offload, tile_tokens, group)
@@ -446,11 +444,13 @@ def _fused_any(model):
     return any(isinstance(m, PreNormDecoderLayer) for m in model.modules())
 
 
-def _search_auto(config, lora_rank, lora_targets, source, limit, margin, search, probe):
+def _search_auto(config, lora_rank, lora_targets, source, limit, margin, search, probe, usable):
     """The remat:auto row: ``policy="auto"`` with seq_len takes the cheapest of
     remat.planning.peak_plan's candidates that fits, so the longest step it can plan is the longest any
-    candidate fits. The most frugal candidate (the last) is searched first; another is searched
-    only if it fits one step past that length, since a peak grows with the length.
+    candidate fits. The most frugal candidate (the last) is searched first; the one before it is
+    searched only if it fits one step past that length (a peak grows with the length), and the
+    walk stops at the first that exceeds the device there (each candidate keeps no less on the
+    device than the one after it; only a host limit can favour an earlier one).
     Returns (n, Estimate, probes, what limits it, note)."""
     n, result, probes, limited, note = 0, None, 0, "", ""
     for candidate in reversed(peak_plan.CANDIDATES):
@@ -458,8 +458,15 @@ def _search_auto(config, lora_rank, lora_targets, source, limit, margin, search,
         peak_plan.configure(model, candidate, MODULE_KINDS, None, peak_plan.DEFAULT_TILE_TOKENS, source)
         if n:
             beyond = min(n + step_of(n), limit)
+            if beyond == n:
+                break
             probes += 1
-            if beyond == n or margin(probe(model, beyond)) < 0:
+            result_beyond = probe(model, beyond)
+            if result_beyond.peak_bytes > usable:
+                # The candidates are in the order of their device bytes, the most first: one that
+                # does not fit the device one step past n leaves none before it that would.
+                break
+            if margin(result_beyond) < 0:  # over the host limit only: an earlier one may offload less
                 continue
         found, found_result, found_probes, found_limited = search(model)
         probes += found_probes
