@@ -174,22 +174,25 @@ class _Search:
     estimated with it (a miss there simulates whole and the search goes on)."""
 
     def __init__(self, evaluate, margin, limit, start):
+        """``margin(estimate)`` returns the bytes left under each limit (a tuple)."""
         self.evaluate, self.margin, self.limit, self.start = evaluate, margin, limit, start
         self.probes = 0
         self.beyond = None  # the estimate one step past the answer (None: past the limit)
 
     def _at(self, n, check=False):
+        """(the Estimate at n, its margins: a tuple, each >= 0 where n fits that limit)."""
         self.probes += 1
         result = self.evaluate(n, check)
-        return result, self.margin(result)
+        return result, tuple(self.margin(result))
 
     def run(self):
         """(n, its Estimate), or (0, None) when not even 1 fits."""
         low = high = None  # (n, estimate, margin): the longest that fits, the shortest that does not
         n, previous = min(self.start, self.limit), None
         for _ in range(64):  # a bracket: down while nothing fits, up while everything does
-            result, margin = self._at(n)
-            point = (n, result, margin)
+            result, margins = self._at(n)
+            margin = min(margins)
+            point = (n, result, margin, margins)
             if margin >= 0:
                 low = point
                 if high is not None:
@@ -215,29 +218,35 @@ class _Search:
             for candidate in (n, n + step_of(n)):
                 if not low[0] < candidate < high[0]:
                     continue
-                result, margin = self._at(candidate)
-                if margin >= 0:
-                    low = (candidate, result, margin)
+                result, margins = self._at(candidate)
+                if min(margins) >= 0:
+                    low = (candidate, result, min(margins), margins)
                 else:
-                    high = (candidate, result, margin)
+                    high = (candidate, result, min(margins), margins)
                     break
         raise RuntimeError("the fit search did not converge in 64 probes")
 
     @staticmethod
     def _toward(a, b):
-        """Where the line through probes a and b (n, _, margin) meets margin 0, or None."""
-        if a is None or a[0] == b[0] or a[2] == b[2]:
+        """Where the line through probes a and b (n, _, margins) first meets margin 0: each
+        margin (the device's, the host's) is close to affine in n on its own, their minimum is not,
+        so each is followed on its own line and the nearest positive crossing taken; None when no
+        line crosses."""
+        if a is None or a[0] == b[0]:
             return None
-        crossing = a[0] + (b[0] - a[0]) * a[2] / (a[2] - b[2])
-        return int(crossing) if crossing > 0 else None
+        # Only a margin that shrinks with n meets 0 ahead (a growing one never limits).
+        crossings = [a[0] + (b[0] - a[0]) * ma / (ma - mb) for ma, mb in zip(a[3], b[3], strict=True)
+                     if (mb - ma) * (b[0] - a[0]) < 0]
+        crossings = [c for c in crossings if c > 0]
+        return int(min(crossings)) if crossings else None
 
     def _confirm(self, low, high):
         """The answer re-estimated with the check view, and its next step (or the shorter length
         ``high`` found not to fit) shown not to fit with the check view too."""
         n = low[0]
         while True:
-            result, margin = self._at(n, check=True)
-            if margin < 0:  # the checked estimate says it does not fit after all: come down
+            result, margins = self._at(n, check=True)
+            if min(margins) < 0:  # the checked estimate says it does not fit after all: come down
                 n = max(0, n - step_of(n))
                 if n == 0:
                     return 0, None
@@ -248,8 +257,8 @@ class _Search:
             if following > self.limit:
                 self.beyond = None
                 return n, result
-            self.beyond, after_margin = self._at(following, check=True)
-            if after_margin < 0:
+            self.beyond, after_margins = self._at(following, check=True)
+            if min(after_margins) < 0:
                 return n, result
             n = following
 
@@ -322,8 +331,9 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
     limit = max(max_tokens // ranks // (shard_len if shard_len is not None else batch_size), 1)
 
     def margin(result):
+        """The bytes left under each limit (device; host, with a host limit): negative over it."""
         device = usable - result.peak_bytes
-        return device if host_memory is None else min(device, host_limit - result.host_bytes)
+        return (device,) if host_memory is None else (device, host_limit - result.host_bytes)
 
     def search(model):
         composer = None if exact else Composer(model)
@@ -466,7 +476,7 @@ def _search_auto(config, lora_rank, lora_targets, source, limit, margin, search,
                 # The candidates are in the order of their device bytes, the most first: one that
                 # does not fit the device one step past n leaves none before it that would.
                 break
-            if margin(result_beyond) < 0:  # over the host limit only: an earlier one may offload less
+            if min(margin(result_beyond)) < 0:  # over the host limit only: an earlier one may offload less
                 continue
         found, found_result, found_probes, found_limited = search(model)
         probes += found_probes
