@@ -210,3 +210,41 @@ def test_a_tiling_mix_takes_the_last_layers_whose_backward_runs_first():
     assert mixed_peak(candidate, base, m - 1, "last", seq, fake_llama) > budget
     # The first m layers tiled instead would not fit.
     assert mixed_peak(candidate, base, m, "first", seq, fake_llama) > budget
+
+
+def test_a_refused_plan_and_an_unpatched_plan_leave_the_stock_layers_runnable():
+    """All or nothing: a budget no candidate fits raises and leaves every stock decoder layer as it
+    was (no checkpointing flag without a checkpoint function); so does unpatch after a plan whose
+    layers were checkpointed by remat's planner."""
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(5))
+    model = llama()
+    floor = min(candidate_peaks().values())
+    with pytest.raises(ValueError, match="no configuration fits"):
+        remat.patch(model, policy="auto", budget_bytes=floor // 2, seq_len=SEQ)
+    assert not any(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers)
+    reference = model(input_ids=ids, labels=ids).loss
+    report = remat.patch(model, policy="auto", budget_bytes=floor, seq_len=SEQ)
+    assert report.plan.checkpointing
+    remat.unpatch(model)
+    assert not any(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers)
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, reference)
+
+
+def test_planning_arguments_without_their_plan_are_refused():
+    model = llama()
+    with pytest.raises(ValueError, match="seq_len and batch_size are for policy='auto'"):
+        remat.patch(model, seq_len=64)
+    with pytest.raises(ValueError, match="seq_len and batch_size are for policy='auto'"):
+        remat.patch(model, policy="memory", batch_size=2)
+    with pytest.raises(ValueError, match="give budget_bytes=<bytes>"):
+        remat.patch(model, policy="auto", seq_len=64)
+    assert not any(isinstance(m, PreNormDecoderLayer) for m in model.modules())
+
+
+def test_an_absurd_length_is_refused_in_seconds_naming_the_floor():
+    """10**12 tokens: the estimate runs on fake tensors with the tiled loops' first and last tiles
+    alone (no list of every tile), so the refusal comes at once."""
+    model = llama()
+    with pytest.raises(ValueError, match=r"no configuration fits 1073741824 bytes for 1 x 1000000000000 tokens"):
+        remat.patch(model, policy="auto", budget_bytes=2**30, seq_len=10**12)
+    assert not any(isinstance(m, PreNormDecoderLayer) for m in model.modules())
