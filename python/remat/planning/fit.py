@@ -11,14 +11,17 @@ in two processes where there are two CPUs.
 """
 
 import argparse
-import concurrent.futures
+import base64
 import contextlib
 import dataclasses
 import json
-import multiprocessing
 import os
+import pickle
 import re
+import selectors
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -301,7 +304,7 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
             estimate at long context) instead of the composed estimate. Default False.
         progress: None, or a callable taking one line of text per finished row (the command prints
             them on stderr).
-        workers: processes the rows are searched in (forked from this one; default min(2, CPUs));
+        workers: processes the rows are searched in (fresh Python processes; default min(2, CPUs));
             1 searches them here, one after another. Rows under sequence parallelism run here.
 
     Returns:
@@ -326,6 +329,18 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
         raise ValueError(f"lora_rank must be an int >= 0, got {lora_rank!r}")
     if seq_len is not None and seq_len % sequence_parallel:
         raise ValueError(f"seq_len ({seq_len}) must be a multiple of sequence_parallel ({sequence_parallel})")
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be None or an int >= 1, got {workers!r}")
+    # The simulated process group of sequence parallelism lives in one process: its rows run here.
+    if workers > 1 and len(setups) > 1 and sequence_parallel == 1:
+        kwargs = dict(gpu_memory=gpu_memory, reserve=reserve, lora_rank=lora_rank, batch_size=batch_size,
+                      seq_len=seq_len, max_tokens=max_tokens, optimizer=optimizer, offload=offload,
+                      tile_tokens=tile_tokens, host_memory=host_memory, lora_targets=lora_targets,
+                      optimizer_shards=optimizer_shards, exact=exact)
+        return _rows_in_workers(dict(kwargs, config=config), list(setups), min(workers, len(setups)),
+                                progress or (lambda line: None))
     ranks = sequence_parallel
     shard_len = None if seq_len is None else seq_len // ranks  # one rank's tokens per sequence
     limit = max(max_tokens // ranks // (shard_len if shard_len is not None else batch_size), 1)
@@ -360,14 +375,13 @@ def fit(config, *, gpu_memory, reserve=DEFAULT_RESERVE, lora_rank=0, batch_size=
 
     with simulated_group(ranks) as group:
         return _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, group, ranks, seq_len,
-                         batch_size, limit, margin, search, probe, progress or (lambda line: None),
-                         workers if workers is not None else min(2, os.cpu_count() or 1), usable)
+                         batch_size, limit, margin, search, probe, progress or (lambda line: None), usable)
 
 
 def _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, group, ranks, seq_len, batch_size,
-              limit, margin, search, probe, progress, workers, usable):
-    """:func:`fit`'s rows, per setup (its search runs inside the simulated group, if any), over
-    ``workers`` processes where that is more than one (forked: each row builds its own model)."""
+              limit, margin, search, probe, progress, usable):
+    """:func:`fit`'s rows, per setup, in this process (its search runs inside the simulated group,
+    if any)."""
     source = None if group is None else SequenceGroup(group)
 
     def row_for(setup):
@@ -409,35 +423,66 @@ def _fit_rows(config, setups, lora_rank, lora_targets, offload, tile_tokens, gro
                 f"({probes} estimates, {time.monotonic() - started:.1f} s)")
         return row, line
 
+    rows = []
+    for setup in setups:
+        row, line = row_for(setup)
+        rows.append(row)
+        progress(line)
+    return rows
+
+
+def _rows_in_workers(kwargs, setups, workers, progress):
+    """:func:`fit`'s rows searched in ``workers`` fresh Python processes (``fit(**kwargs,
+    setups=group, workers=1)`` each), ``progress`` called here as each row arrives. Fresh
+    interpreters, not forks: a process forked from one whose threads run (OpenMP's, after any
+    parallel PyTorch op) can deadlock, as a benchmark run did here; and not multiprocessing's spawn,
+    which re-runs the caller's main module. The remat:auto row (the most estimates) gets a process
+    of its own, the others share the rest."""
+    rest = [s for s in setups if s != "remat:auto"]
+    groups = [["remat:auto"]] if "remat:auto" in setups else []
+    slots = max(workers - len(groups), 1)
+    groups += [g for g in (rest[i::slots] for i in range(slots)) if g]
+    processes = []
+    for group in groups:
+        log = tempfile.TemporaryFile()
+        process = subprocess.Popen([sys.executable, "-c", "from remat.planning.fit import _worker; _worker()"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        process.stdin.write(pickle.dumps((kwargs, group)))
+        process.stdin.close()
+        processes.append((process, log))
     rows = {}
-    # The simulated process group of sequence parallelism lives in this process: rows run here then.
-    if workers > 1 and len(setups) > 1 and group is None and "fork" in multiprocessing.get_all_start_methods():
-        global _ROW_FOR
-        _ROW_FOR = row_for
-        # The auto row (the most estimates) first, so that the others share the second worker.
-        order = sorted(setups, key=lambda s: s != "remat:auto")
-        try:
-            context = multiprocessing.get_context("fork")
-            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-                futures = {pool.submit(_forked_row, setup): setup for setup in order}
-                for future in concurrent.futures.as_completed(futures):
-                    rows[futures[future]], line = future.result()
-                    progress(line)
-        finally:
-            _ROW_FOR = None
-    else:
-        for setup in setups:
-            rows[setup], line = row_for(setup)
-            progress(line)
+    with selectors.DefaultSelector() as selector:
+        for process, _ in processes:
+            selector.register(process.stdout, selectors.EVENT_READ)
+        open_streams = len(processes)
+        while open_streams:
+            for key, _ in selector.select():
+                line = key.fileobj.readline()
+                if not line:
+                    selector.unregister(key.fileobj)
+                    open_streams -= 1
+                    continue
+                setup, row, text = pickle.loads(base64.b64decode(line))
+                rows[setup] = row
+                progress(text)
+    for process, log in processes:
+        if process.wait() != 0:
+            log.seek(0)
+            raise RuntimeError(f"a fit worker failed (exit {process.returncode}):\n{log.read().decode()[-4000:]}")
+        log.close()
     return [rows[setup] for setup in setups]
 
 
-# The row function a forked worker runs (set by _fit_rows before it forks; closures do not pickle).
-_ROW_FOR = None
-
-
-def _forked_row(setup):
-    return _ROW_FOR(setup)
+def _worker():
+    """A fit worker (:func:`_rows_in_workers`): reads (fit's keyword arguments, setups) pickled on
+    stdin and writes one base64 pickled (setup, FitRow, progress line) line per row on stdout."""
+    kwargs, group = pickle.loads(sys.stdin.buffer.read())
+    out = sys.stdout.buffer
+    for setup in group:
+        lines = []
+        row = fit(**kwargs, setups=(setup,), workers=1, progress=lines.append)[0]
+        out.write(base64.b64encode(pickle.dumps((setup, row, lines[0]))) + b"\n")
+        out.flush()
 
 
 def _limited_by(beyond, usable):
