@@ -99,9 +99,10 @@ def main(argv=None):
             print(f"\nwrote {path}; device: {rows[0]['device']}; commit {rows[0]['commit']}\n")
             failures.extend(getattr(bench, "CHECK_FAILURES", []))
     if args.only in (None, "long_context"):
-        # Estimated for a GPU (remat.planning.fit on fake CUDA tensors): the same numbers on any machine. The
-        # whole table (four cases, every setup) takes about an hour on one core: `make bench` runs
-        # the short version, `--only long_context` the whole.
+        # Estimated for a GPU (remat.planning.fit on fake CUDA tensors): the same numbers on any machine.
+        # `make bench` runs the short version (the first case, three setups); `--only long_context`
+        # the whole table: the five 8B cases take minutes each on the 2-core build machine, the MoE
+        # case (48 layers of 128 experts) longer than a session allowed on 2026-12-08.
         quick = args.quick or args.only != "long_context"
         rows = bench_long_context.run(device, quick=quick)
         print_table(rows, bench_long_context.summary_columns)

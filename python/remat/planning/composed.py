@@ -53,11 +53,23 @@ _INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_index", "_offload_index", "la
 
 def estimate(model, *, seq_len, batch_size=1, optimizer=None, inputs=None, walk=None, cuda_capability=(9, 0),
              optimizer_shards=1, exact=False):
-    """Predicts the device (and host) memory of one training step of ``model``, as
-    :func:`remat.planning.estimator.estimate` (same arguments and result), in seconds: composed from a few
-    repeated layers and the first and last tiles of each tiled loop (module docstring). With
-    ``exact=True``, the full simulation of every layer and tile (the reference the composed
-    estimate is tested against; minutes at long context).
+    """Predicts the device (and host) memory of one training step of ``model`` in seconds:
+    composed from a few repeated layers and the first and last tiles of each tiled loop (module
+    docstring); with ``exact=True``, the full simulation of every layer and tile
+    (:func:`remat.planning.estimator.estimate`, the reference the composed estimate is tested
+    against; minutes at long context).
+
+    Args:
+        model: an ``nn.Module`` on one device: a Hugging Face causal LM (patched or not) with real
+            weights on the CPU, or built on fake tensors (``on_fake_device``, fake CUDA for a GPU).
+        seq_len, batch_size: the step's ``[batch_size, seq_len]`` token ids (ints >= 1; default
+            batch 1); one rank's shard under sequence parallelism.
+        optimizer, optimizer_shards: None (default) or ``"adam"``: fp32 Adam states of the trainable
+            parameters, partitioned over ``optimizer_shards`` ranks (default 1).
+        inputs: the forward's keyword arguments instead of the default ones (then the whole model
+            is simulated, with sparse tiles).
+        walk, cuda_capability: as for :func:`remat.planning.estimator.estimate`.
+        exact: False (default): composed; True: every layer and tile simulated.
 
     Returns:
         :class:`remat.planning.estimator.Estimate`; its ``method`` says how it was reached ("composed from
