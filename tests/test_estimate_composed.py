@@ -68,7 +68,7 @@ def test_llama_setups_with_adam_full_fine_tuning(setup):
     assert fast.peak_bytes == exact.peak_bytes
 
 
-@pytest.mark.parametrize("candidate", peak_plan.CANDIDATES[4:], ids=lambda c: c[0])
+@pytest.mark.parametrize("candidate", peak_plan.CANDIDATES[4:6], ids=lambda c: c[0])
 def test_every_tiled_candidate_and_its_mix_with_the_one_before(candidate):
     model = build_model(config_of("llama", num_hidden_layers=8), lora_rank=4)  # runs of 2 and 6 layers
     previous = peak_plan.CANDIDATES[peak_plan.CANDIDATES.index(candidate) - 1]
@@ -80,7 +80,7 @@ def test_every_tiled_candidate_and_its_mix_with_the_one_before(candidate):
         if report.offload is not None:
             report.offload.min_bytes = 0
         try:
-            fast, exact = assert_composed_equals_exact(model, seq_len=330)
+            fast, exact = assert_composed_equals_exact(model, seq_len=200)  # 7 tiles: 5 run sparse
             assert (fast.peak_bytes, fast.host_bytes) == (exact.peak_bytes, exact.host_bytes)
         finally:
             unpatch(model)

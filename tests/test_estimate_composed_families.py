@@ -25,5 +25,5 @@ def test_every_family_stock_and_remat_tiled_offloaded(family):
     report = remat.patch(model, policy="memory", offload=True, tile_tokens=32)
     if report.offload is not None:
         report.offload.min_bytes = 0  # the tiny layers' kept tensors are below the default 1 MiB
-    fast, exact = assert_composed_equals_exact(model, seq_len=330)
+    fast, exact = assert_composed_equals_exact(model, seq_len=200)  # 7 tiles of 32: 5 run sparse
     assert (fast.peak_bytes, fast.host_bytes) == (exact.peak_bytes, exact.host_bytes)
