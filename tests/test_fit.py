@@ -36,7 +36,7 @@ def test_each_setup_gets_the_longest_length_that_fits():
 
     gpu, reserve = 64 * 2**20, 4 * 2**20
     rows = {r.setup: r for r in fit(tiny_config(), gpu_memory=gpu, reserve=reserve, lora_rank=8,
-                                    setups=("stock", "stock+checkpointing", "remat:memory"))}
+                                    setups=("stock", "stock+checkpointing", "remat:memory"), workers=1)}
     for setup, row in rows.items():
         assert row.max_seq_len and row.peak_bytes <= gpu - reserve, row
         # Maximal to the search's resolution (1/64): 2% more does not fit.
@@ -79,7 +79,7 @@ def test_the_table_states_the_reserve(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
     assert remat_main(["fit", str(config), "--gpu-memory", "64MB", "--reserve", "4MB",
-                       "--setups", "stock,remat:memory"]) == 0
+                       "--setups", "stock,remat:memory", "--workers", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("GPU memory 64.00 MiB, reserve 4.0 MiB kept free (CUDA context, workspaces, fragmentation): "
                         "60.00 MiB usable; any host memory")
@@ -136,7 +136,7 @@ def test_lora_targets_reach_peft_and_the_command(tmp_path, capsys):
     path.write_text(json.dumps(config))
     assert remat_main(["fit", str(path), "--gpu-memory", "20MB", "--reserve", "4MB", "--lora-rank", "4",
                        "--lora-targets", "q_proj,k_proj,v_proj,o_proj", "--setups", "stock,remat:memory",
-                       "--json"]) == 0
+                       "--json", "--workers", "1"]) == 0
     rows = {row["setup"]: row for row in json.loads(capsys.readouterr().out)}
     assert rows["stock"]["max_seq_len"] and rows["stock"]["note"].endswith("limited by the device")
     assert rows["remat:memory"]["max_seq_len"] > rows["stock"]["max_seq_len"]
